@@ -1,0 +1,68 @@
+# vLLM tuning lab. `make help` lists every target. Each target bootstraps .venv on first use.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+SCENARIO  ?= default                  # scenario name (scenarios/<name>.yaml) or file
+HARDWARE  ?=                          # hardware preset (scenarios/hardware/<name>.yaml); default h200
+INVENTORY ?= inventory/local.yml      # Ansible inventory: where vLLM (or the twin) runs
+PARAM     ?=                          # engine flag to sweep, e.g. max-num-seqs
+VALUES    ?=                          # comma-separated values for PARAM; default: a ladder for the hardware
+BACKEND   ?= twin                     # twin (simulated, no GPU) | vllm (real) | predict (offline predictor)
+DURATION  ?=                          # seconds per measured run (overrides load.stop.duration_s)
+EXPERIMENT ?=                         # experiment name: to resume it, or to rebuild its report
+OUT       ?= reports                  # where the store and the reports go
+SET       ?=                          # extra overrides, e.g. SET="serve.dtype=float16 load.shape.level=32"
+MODEL     ?=                          # override serve.model, e.g. a model folder on the GPU host
+REPEATS   ?=                          # runs per point (default: the scenario's run.repeats)
+RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
+PYTHON    ?= python3                  # the Python that creates .venv
+
+VENV := .venv
+PY   := $(VENV)/bin/python
+LAB  := $(PY) scripts/lab.py
+STORE := $(strip $(OUT))/lab.db
+SCENARIO_ARGS = --scenario $(strip $(SCENARIO)) $(if $(strip $(HARDWARE)),--hardware $(strip $(HARDWARE))) \
+  $(foreach s,$(SET),--set $(s)) $(if $(strip $(MODEL)),--set serve.model=$(strip $(MODEL))) \
+  $(if $(strip $(DURATION)),--set load.stop.duration_s=$(strip $(DURATION)))
+
+$(VENV)/.installed: pyproject.toml
+	@echo "== setting up $(VENV) (first use only)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(VENV)/bin/pip install -q --upgrade pip > $(VENV)/install.log 2>&1
+	@$(VENV)/bin/pip install -q -e '.[dev]' >> $(VENV)/install.log 2>&1 \
+	  || { tail -20 $(VENV)/install.log; echo "make: installing the lab into $(VENV) failed (log: $(VENV)/install.log)"; exit 1; }
+	@touch $@
+
+venv: $(VENV)/.installed
+
+##@ Getting started
+.PHONY: help
+help: ## Show every target with one line of help
+	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n\033[1m%s\033[0m\n", substr($$0, 5)} \
+	  /^[a-zA-Z_-]+:.*##/ {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo
+	@echo "Variables (make VAR=value target):"
+	@awk '/^[A-Z_]+ +\?=/ {sub(/ +\?= */, " "); n=index($$0,"#"); printf "  %-12s %s\n", $$1, (n ? substr($$0, n+2) : "")}' $(MAKEFILE_LIST)
+
+##@ Scenarios
+.PHONY: lint show
+lint: venv ## Lint a scenario's vLLM flags (SCENARIO=...); `make lint SCENARIO=all` checks every shipped one
+	@$(LAB) lint $(if $(filter all,$(strip $(SCENARIO))),--all,$(SCENARIO_ARGS))
+
+show: venv ## Print the resolved scenario (hardware preset + scenario + SET overrides)
+	@$(LAB) show $(SCENARIO_ARGS)
+
+##@ Development
+.PHONY: test test-fast check clean
+test: venv ## Run the whole test suite (unit + integration; about 5-10 min on 2 cores)
+	@$(PY) -m pytest -q
+
+test-fast: venv ## Run the tests that start no processes
+	@$(PY) -m pytest -q -m "not integration"
+
+check: venv ## Static checks: ruff on the package, ansible-lint on the playbooks
+	@$(VENV)/bin/ruff check vllm_lab scripts tests
+	@if [ -d playbooks/roles ]; then $(VENV)/bin/ansible-lint playbooks; fi
+
+clean: ## Remove the virtual environment and caches (keeps reports/)
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,188 @@
+"""vLLM's serve flags as data: types, ranges, defaults, and what changed between releases.
+
+The lint (``vllm_lab.lint``) and the twin's argument parser both read this catalog, so the twin
+accepts exactly what the lab lets through. Where a real ``vllm`` is importable, the lint checks flag
+names against vLLM's own parser instead (``real_vllm_flag_names``), so a new release needs no code
+change here; the catalog then only adds ranges and advice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_VLLM_VERSION = "0.26.0"
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One `vllm serve` flag: its kind, allowed values and vLLM's default."""
+
+    name: str
+    kind: str  # "int" | "float" | "bool" | "str"
+    default: Any = None
+    help: str = ""
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: bool = False
+    tuning: bool = False  # an engine knob the lab sweeps; frontend flags are not
+
+    def describe_range(self) -> str:
+        """The allowed values in words, for error messages."""
+        if self.choices is not None:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        if self.kind == "bool":
+            return "true or false"
+        low = "" if self.min is None else (f"> {self.min}" if self.min_exclusive else f">= {self.min}")
+        high = "" if self.max is None else f"<= {self.max}"
+        parts = [p for p in (low, high) if p]
+        return f"a{'n' if self.kind == 'int' else ''} {self.kind} " + " and ".join(parts) if parts else f"a {self.kind}"
+
+
+@dataclass(frozen=True)
+class Change:
+    """Something vLLM changed about a flag, and what to write instead."""
+
+    flag: str
+    since: str  # the first vLLM version where it applies
+    kind: str  # "removed" | "no-op"
+    advice: str
+
+
+def _f(name, kind, default=None, help="", **kw) -> Flag:
+    return Flag(name=name, kind=kind, default=default, help=help, **kw)
+
+
+_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+
+FLAGS: dict[str, Flag] = {f.name: f for f in [
+    # Engine knobs the tuning method sweeps.
+    _f("max-num-seqs", "int", None, "Most sequences in one batch (running requests).", min=1, tuning=True),
+    _f("max-num-batched-tokens", "int", None, "Token budget of one scheduler step.", min=1, tuning=True),
+    _f("gpu-memory-utilization", "float", 0.92, "Share of GPU memory vLLM may use.", min=0.0,
+       max=1.0, min_exclusive=True, tuning=True),
+    _f("block-size", "int", 16, "Tokens per KV-cache block.", choices=(1, 8, 16, 32, 64, 128, 256),
+       tuning=True),
+    _f("max-model-len", "int", None, "Longest prompt + output (default: the model's).", min=1,
+       tuning=True),
+    _f("enforce-eager", "bool", False, "Run without CUDA graphs.", tuning=True),
+    _f("dtype", "str", "auto", "Weights and activations dtype.", choices=_DTYPES, tuning=True),
+    _f("kv-cache-dtype", "str", "auto", "KV cache dtype.", choices=_KV_DTYPES, tuning=True),
+    _f("tensor-parallel-size", "int", 1, "GPUs one model is split over.", min=1, tuning=True),
+    _f("pipeline-parallel-size", "int", 1, "Pipeline stages.", min=1),
+    _f("data-parallel-size", "int", 1, "Engine replicas behind one server.", min=1),
+    _f("enable-prefix-caching", "bool", True, "Reuse KV blocks of shared prefixes.", tuning=True),
+    _f("enable-chunked-prefill", "bool", True, "Split long prefills over steps (always on in V1)."),
+    _f("long-prefill-token-threshold", "int", 0, "Prefill chunk cap per request (0: none).", min=0,
+       tuning=True),
+    _f("max-num-partial-prefills", "int", 1, "Concurrent partial prefills.", min=1, tuning=True),
+    _f("num-gpu-blocks-override", "int", None, "Force the number of KV blocks.", min=1),
+    _f("kv-cache-memory-bytes", "int", None, "KV cache size in bytes (overrides utilization).", min=1),
+    _f("cpu-offload-gb", "float", 0.0, "Weights offloaded to CPU per GPU, GiB.", min=0),
+    _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True),
+    _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache")),
+    _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True),
+    _f("async-scheduling", "bool", False, "Overlap scheduling with the model step.", tuning=True),
+    _f("stream-interval", "int", 1, "Tokens per streamed chunk.", min=1),
+    _f("quantization", "str", None, "Weight quantization method."),
+    _f("seed", "int", 0, "Random seed."),
+    # Model loading.
+    _f("model", "str", None, "Model name or folder."),
+    _f("tokenizer", "str", None, "Tokenizer name or folder."),
+    _f("served-model-name", "str", None, "Name the API answers to."),
+    _f("load-format", "str", "auto", "How weights load.",
+       choices=("auto", "pt", "safetensors", "npcache", "dummy", "tensorizer", "runai_streamer",
+                "bitsandbytes", "sharded_state", "gguf", "mistral", "fastsafetensors")),
+    _f("download-dir", "str", None, "Where weights download."),
+    _f("revision", "str", None, "Model revision."),
+    _f("trust-remote-code", "bool", False, "Run the model's own code."),
+    _f("generation-config", "str", "auto", "Where default sampling parameters come from."),
+    _f("max-logprobs", "int", 20, "Most logprobs per token.", min=-1),
+    _f("disable-log-stats", "bool", False, "Do not log engine stats."),
+    _f("enable-log-requests", "bool", False, "Log each request."),
+    _f("distributed-executor-backend", "str", None, "Executor.", choices=("ray", "mp", "uni", "external_launcher")),
+    # Frontend.
+    _f("host", "str", None, "Address to listen on."),
+    _f("port", "int", 8000, "Port to listen on.", min=1, max=65535),
+    _f("api-key", "str", None, "Key clients must send."),
+    _f("uvicorn-log-level", "str", "info", "Server log level.",
+       choices=("critical", "error", "warning", "info", "debug", "trace")),
+    _f("max-log-len", "int", None, "Longest prompt logged.", min=0),
+    _f("chat-template", "str", None, "Chat template file or string."),
+    _f("disable-uvicorn-access-log", "bool", False, "No per-request access log."),
+]}
+
+CHANGES: list[Change] = [
+    Change("swap-space", "0.18.0", "removed",
+           "V1 preempts by recompute, so CPU swap is gone; for CPU KV offload write "
+           "kv-offloading-size (GiB) and kv-offloading-backend instead, or drop the key"),
+    Change("enable-chunked-prefill", "0.10.0", "no-op",
+           "chunked prefill is always on in the V1 engine; drop the key "
+           "(max-num-batched-tokens sets the chunk budget)"),
+    Change("max-seq-len-to-capture", "0.11.0", "removed",
+           "CUDA graph capture sizes follow max-num-seqs now; drop the key"),
+    Change("disable-log-requests", "0.11.0", "removed",
+           "requests are not logged by default; drop the key (enable-log-requests turns logging on)"),
+    Change("num-scheduler-steps", "0.10.0", "removed",
+           "multi-step scheduling was a V0 feature; drop the key (async-scheduling overlaps steps in V1)"),
+    Change("use-v2-block-manager", "0.7.0", "removed", "the V1 KV cache manager is the only one; drop the key"),
+    Change("preemption-mode", "0.10.0", "removed", "V1 always preempts by recompute; drop the key"),
+]
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'0.26.0' -> (0, 26, 0); a local suffix (+cu130, .dev5) is ignored."""
+    core = version.split("+")[0]
+    return tuple(int(p) for p in core.split(".")[:3] if p.isdigit())
+
+
+def changes_for(version: str) -> dict[str, Change]:
+    """The changes in force at ``version``, keyed by flag name."""
+    v = version_tuple(version)
+    return {c.flag: c for c in CHANGES if version_tuple(c.since) <= v}
+
+
+def engine_defaults(gpu_memory_gib: float, gpu_name: str = "") -> dict[str, Any]:
+    """vLLM's defaults for the flags that depend on the GPU (``vllm serve``, V1 engine).
+
+    vLLM picks a larger batch on GPUs with 70 GiB or more, A100s excepted
+    (``EngineArgs._set_default_args``: 8192 tokens / 1024 sequences against 2048 / 256).
+    """
+    big = gpu_memory_gib >= 70 and "a100" not in gpu_name.lower()
+    defaults = {name: flag.default for name, flag in FLAGS.items() if flag.tuning}
+    defaults["max-num-batched-tokens"] = 8192 if big else 2048
+    defaults["max-num-seqs"] = 1024 if big else 256
+    return defaults
+
+
+def real_vllm_flag_names() -> set[str] | None:
+    """Flag names of the installed vLLM's own `serve` parser, or None where vLLM is not importable."""
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except Exception:  # noqa: BLE001 - any import failure means "no usable vLLM here"
+        try:
+            from vllm.entrypoints.openai.cli_args import make_arg_parser
+            from vllm.utils import FlexibleArgumentParser
+        except Exception:  # noqa: BLE001
+            return None
+    parser = make_arg_parser(FlexibleArgumentParser())
+    names = set()
+    for action in parser._actions:  # argparse keeps no public list of options
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                names.add(opt[2:].removeprefix("no-") if opt.startswith("--no-") else opt[2:])
+    return names | {"model"}
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, or None."""
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,165 @@
+"""The flag lint: what `vllm serve` would refuse or ignore, found before anything is launched.
+
+Each finding names the file, the key, what is wrong and what to write instead. Errors stop a run;
+warnings are printed and the run goes on. The target vLLM version is a setting (the scenario's
+``vllm_version``), because flags come and go between releases.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lab.flags import FLAGS, Flag, changes_for, real_vllm_flag_names
+from vllm_lab.models import DTYPE_BYTES, load_model_shape
+from vllm_lab.scenarios import Scenario, origin
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the lint found."""
+
+    severity: str  # "error" | "warning"
+    source: str  # the file (or override) that set the key
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.source}: serve.{self.key}: {self.message}"
+
+
+def lint(scenario: Scenario, layers: list[tuple[str, dict[str, Any]]] | None = None,
+         known_flags: set[str] | None = None) -> list[Finding]:
+    """Check a resolved scenario's serve flags against vLLM at the scenario's target version.
+
+    ``known_flags`` is the set of flag names to accept; by default the installed vLLM's own parser
+    where vLLM is importable, else the lab's catalog.
+    """
+    layers = layers or [(scenario.sources[-1] if scenario.sources else scenario.name,
+                         {"serve": scenario.serve})]
+    names = known_flags if known_flags is not None else (real_vllm_flag_names() or set(FLAGS))
+    changes = changes_for(scenario.vllm_version)
+
+    def where(key: str) -> str:
+        return origin(("serve", key), layers)
+
+    findings: list[Finding] = []
+    serve = scenario.serve
+    for key, value in serve.items():
+        findings += _check_name_and_value(key, value, names, changes, scenario.vllm_version, where)
+    for check in (_check_block_size, _check_budget, _check_parallel, _check_memory):
+        findings += check(scenario, where)
+    return findings
+
+
+def _check_name_and_value(key, value, names, changes, version, where) -> list[Finding]:
+    if key in changes:
+        change = changes[key]
+        severity = "error" if change.kind == "removed" else "warning"
+        verb = "was removed in" if change.kind == "removed" else "has no effect since"
+        return [Finding(severity, where(key), key, f"{verb} vLLM {change.since} "
+                        f"(target {version}): {change.advice}")]
+    if key not in names:
+        kebab = key.replace("_", "-")
+        near = [kebab] if kebab in names else difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+        hint = f"; nearest allowed key: {near[0]}" if near else ""
+        return [Finding("error", where(key), key, f"is not a flag of vLLM {version}{hint}")]
+    flag = FLAGS.get(key)
+    if flag is None or value is None:
+        return []
+    problem = _value_problem(flag, value)
+    return [Finding("error", where(key), key, problem)] if problem else []
+
+
+def _value_problem(flag: Flag, value: Any) -> str | None:
+    """Why ``value`` is not allowed for ``flag``, or None."""
+    if flag.kind == "bool":
+        ok = isinstance(value, bool)
+    elif flag.kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif flag.kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        return f"{value!r} is not allowed: must be {flag.describe_range()}"
+    if flag.choices is not None and value not in flag.choices:
+        return f"{value!r} is not allowed: must be {flag.describe_range()}"
+    if flag.min is not None and (value <= flag.min if flag.min_exclusive else value < flag.min):
+        return f"{value!r} is out of range: must be {flag.describe_range()}"
+    if flag.max is not None and value > flag.max:
+        return f"{value!r} is out of range: must be {flag.describe_range()}"
+    return None
+
+
+def _check_block_size(scenario: Scenario, where) -> list[Finding]:
+    block = scenario.serve.get("block-size")
+    if block not in FLAGS["block-size"].choices or block % 16 == 0:
+        return []
+    # CUDA GPUs run FlashAttention (block sizes in multiples of 16) or FlashInfer (16/32/64).
+    return [Finding("error", where("block-size"), "block-size",
+                    f"{block} is refused on {scenario.hardware.name} by the FlashAttention backends "
+                    f"(multiples of 16) and FlashInfer (16, 32, 64); write 16 (vLLM's default), "
+                    f"or 32 to cut per-block overhead on long generations")]
+
+
+def _check_budget(scenario: Scenario, where) -> list[Finding]:
+    serve = scenario.serve
+    tokens, seqs = serve.get("max-num-batched-tokens"), serve.get("max-num-seqs")
+    if isinstance(tokens, int) and isinstance(seqs, int) and tokens < seqs:
+        return [Finding("error", where("max-num-batched-tokens"), "max-num-batched-tokens",
+                        f"{tokens} is smaller than max-num-seqs {seqs}; vLLM refuses this "
+                        f"(every running sequence needs a token per step): raise it to at least {seqs}")]
+    return []
+
+
+def _shape(scenario: Scenario):
+    try:
+        return load_model_shape(str(scenario.serve.get("model")))
+    except (ValueError, OSError, KeyError):
+        return None  # an unknown model: vLLM will read its config; nothing to check here
+
+
+def _check_parallel(scenario: Scenario, where) -> list[Finding]:
+    tp = scenario.serve.get("tensor-parallel-size", 1)
+    if not isinstance(tp, int):
+        return []
+    out = []
+    if tp > scenario.hardware.gpu_count:
+        out.append(Finding("error", where("tensor-parallel-size"), "tensor-parallel-size",
+                           f"{tp} needs {tp} GPUs but the hardware preset {scenario.hardware.name} "
+                           f"has {scenario.hardware.gpu_count}; set hardware.gpu_count or lower it"))
+    shape = _shape(scenario)
+    if shape and shape.num_heads % tp:
+        out.append(Finding("error", where("tensor-parallel-size"), "tensor-parallel-size",
+                           f"{tp} does not divide the model's {shape.num_heads} attention heads; "
+                           f"use a divisor of {shape.num_heads}"))
+    return out
+
+
+def _check_memory(scenario: Scenario, where) -> list[Finding]:
+    shape = _shape(scenario)
+    if shape is None:
+        return []
+    serve = scenario.serve
+    out = []
+    max_len = serve.get("max-model-len")
+    if isinstance(max_len, int) and max_len > shape.max_position_embeddings:
+        out.append(Finding("error", where("max-model-len"), "max-model-len",
+                           f"{max_len} is longer than the model's max_position_embeddings "
+                           f"({shape.max_position_embeddings}); vLLM refuses it: use at most that"))
+    dtype = serve.get("dtype", "auto")
+    dtype = shape.torch_dtype if dtype == "auto" else dtype
+    tp = serve.get("tensor-parallel-size", 1) if isinstance(serve.get("tensor-parallel-size", 1), int) else 1
+    util = serve.get("gpu-memory-utilization", FLAGS["gpu-memory-utilization"].default)
+    weights = shape.num_params * DTYPE_BYTES.get(dtype, 2) / max(tp, 1)
+    budget = scenario.hardware.memory_gib * GIB * (util if isinstance(util, (int, float)) else 0.92)
+    if weights >= budget:
+        out.append(Finding("error", where("gpu-memory-utilization"), "gpu-memory-utilization",
+                           f"the model's weights ({weights / GIB:.1f} GiB in {dtype}) do not fit in "
+                           f"{util} x {scenario.hardware.memory_gib} GiB; raise tensor-parallel-size, "
+                           f"use a smaller dtype, or a larger GPU"))
+    return out

@@ -1,0 +1,311 @@
+"""The results store: one SQLite database (WAL) and one Parquet file of raw request samples per run.
+
+Schema (version 1; ``SCHEMA`` below is the documentation):
+
+- ``meta``: key/value; ``schema_version`` says which lab wrote the file.
+- ``experiments``: one row per experiment (a baseline, a sweep, a combination, a stress test ...).
+- ``runs``: one row per measured run, written once when the run ends, in one transaction; its
+  ``run_key`` is a hash of the resolved scenario and the repeat index, so a resumed experiment
+  skips what it already has.
+- ``server_metrics``: the server's /metrics and GPU telemetry scraped during a run, long format.
+- raw samples: ``<db stem>.samples/<experiment id>/<run key>.parquet``, one row per request.
+
+A database written by a newer schema is refused, never altered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+DEFAULT_PATH = Path("reports/lab.db")
+STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
+STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-overloaded")
+
+# The summary metrics every run row carries as columns (seconds, per second, counts); anything
+# else a plan computes goes into summary_json.
+SUMMARY_COLUMNS = (
+    "duration_s", "requests", "errors", "request_throughput", "output_throughput",
+    "total_throughput", "goodput", "slo_attainment",
+    "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
+    "itl_p50", "itl_p90", "itl_p99", "e2e_p50", "e2e_p90", "e2e_p99",
+    "queue_len_mean", "queue_len_max", "kv_usage_mean", "kv_usage_max", "preemptions",
+    "gpu_util_mean", "gpu_mem_used_max_gib",
+)
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS experiments (
+    id TEXT PRIMARY KEY,              -- the experiment's name, e.g. sweep-max-num-seqs-20261130-0201
+    step TEXT NOT NULL,               -- {' | '.join(STEPS)}
+    scenario_name TEXT NOT NULL,
+    created REAL NOT NULL,            -- unix seconds
+    meta_json TEXT NOT NULL DEFAULT '{{}}'  -- plan parameters: swept flag, values, hosts, ...
+);
+CREATE TABLE IF NOT EXISTS runs (
+    experiment_id TEXT NOT NULL REFERENCES experiments(id),
+    run_key TEXT NOT NULL,            -- hash of the resolved scenario and the repeat index
+    step TEXT NOT NULL,
+    scenario_name TEXT NOT NULL,
+    scenario_json TEXT NOT NULL,      -- the resolved scenario, exactly as it ran
+    point_json TEXT NOT NULL DEFAULT '{{}}',  -- the values this run varies, e.g. {{"max-num-seqs": 64}}
+    repeat INTEGER NOT NULL DEFAULT 0,
+    host TEXT NOT NULL DEFAULT '',
+    gpu_model TEXT NOT NULL DEFAULT '',
+    gpu_count INTEGER NOT NULL DEFAULT 0,
+    vllm_version TEXT NOT NULL DEFAULT '',
+    backend TEXT NOT NULL DEFAULT '',  -- vllm | twin | predict
+    status TEXT NOT NULL CHECK (status IN ({', '.join(repr(s) for s in STATUSES)})),
+    error TEXT NOT NULL DEFAULT '',
+    started REAL NOT NULL,
+    ended REAL NOT NULL,
+    {', '.join(f'{c} REAL' for c in SUMMARY_COLUMNS)},
+    summary_json TEXT NOT NULL DEFAULT '{{}}',
+    samples_file TEXT NOT NULL DEFAULT '',   -- relative to the samples folder
+    PRIMARY KEY (experiment_id, run_key)
+);
+CREATE INDEX IF NOT EXISTS runs_by_time ON runs (started);
+CREATE TABLE IF NOT EXISTS server_metrics (
+    experiment_id TEXT NOT NULL,
+    run_key TEXT NOT NULL,
+    ts REAL NOT NULL,
+    name TEXT NOT NULL,
+    labels TEXT NOT NULL DEFAULT '',
+    value REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS server_metrics_by_run ON server_metrics (experiment_id, run_key);
+"""
+
+
+class StoreError(Exception):
+    """The store can't be used as asked; the message is one sentence for the user."""
+
+
+def run_identity(resolved: dict[str, Any], repeat: int) -> str:
+    """A run's identity: a hash of its resolved scenario (minus provenance) and its repeat index."""
+    body = {k: v for k, v in resolved.items() if k != "sources"}
+    text = json.dumps({"scenario": body, "repeat": repeat}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class RunRecord:
+    """Everything about one finished run except its raw samples and server time series."""
+
+    experiment_id: str
+    run_key: str
+    step: str
+    scenario_name: str
+    scenario: dict[str, Any]
+    status: str
+    started: float
+    ended: float
+    point: dict[str, Any] = field(default_factory=dict)
+    repeat: int = 0
+    host: str = ""
+    gpu_model: str = ""
+    gpu_count: int = 0
+    vllm_version: str = ""
+    backend: str = ""
+    error: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class Store:
+    """The lab's results store at ``path`` (created on first use)."""
+
+    def __init__(self, path: Path | str = DEFAULT_PATH):
+        self.path = Path(path)
+        self.samples_dir = self.path.with_name(self.path.stem + ".samples")
+        self._prepare_folder()
+        self._conn = self._connect()
+        self._migrate()
+
+    # -- opening ---------------------------------------------------------------------------
+    def _prepare_folder(self) -> None:
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"{folder}: cannot create the reports folder ({e.strerror})") from None
+        probe = self.path if self.path.exists() else folder
+        if not os.access(probe, os.W_OK):
+            raise StoreError(f"{probe}: not writable; the store needs write access "
+                             f"(choose another with STORE=path/to/lab.db)")
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=30000")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.OperationalError as e:
+            raise StoreError(f"{self.path}: cannot be opened ({e}); the store needs write access "
+                             f"to its folder") from None
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{self.path}: not a lab database ({e})") from None
+        return conn
+
+    def _migrate(self) -> None:
+        version = self._schema_version()
+        if version is not None and version > SCHEMA_VERSION:
+            self._conn.close()
+            raise StoreError(f"{self.path}: written by store schema version {version}, newer than "
+                             f"this lab's {SCHEMA_VERSION}; upgrade the lab to read it "
+                             f"(the file was not changed)")
+        if version == SCHEMA_VERSION:
+            return
+        # executescript issues its own COMMIT, so it runs outside a transaction; every statement
+        # is IF NOT EXISTS, so two processes creating the store at once both succeed.
+        self._conn.executescript(SCHEMA)
+        with self._write() as conn:
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                         (str(SCHEMA_VERSION),))
+
+    def _schema_version(self) -> int | None:
+        try:
+            row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.OperationalError:
+            return None  # a new, empty database
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{self.path}: not a lab database ({e})") from None
+        return int(row[0]) if row else None
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; BEGIN IMMEDIATE so two writers queue instead of deadlocking."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        else:
+            self._conn.execute("COMMIT")
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._conn.close()
+
+    # -- writing ---------------------------------------------------------------------------
+    def create_experiment(self, experiment_id: str, step: str, scenario_name: str,
+                          meta: dict[str, Any] | None = None) -> str:
+        """Record an experiment (idempotent: an existing one with this id is kept, for resume)."""
+        if step not in STEPS:
+            raise StoreError(f"step {step!r} is not one of {', '.join(STEPS)}")
+        with self._write() as conn:
+            conn.execute("INSERT OR IGNORE INTO experiments VALUES (?, ?, ?, ?, ?)",
+                         (experiment_id, step, scenario_name, time.time(),
+                          json.dumps(meta or {}, default=str)))
+        return experiment_id
+
+    def record_run(self, run: RunRecord, samples: pd.DataFrame | None = None,
+                   server_metrics: pd.DataFrame | None = None) -> None:
+        """Write one finished run: its samples file first, then its rows in one transaction.
+
+        An interruption before the commit leaves no row, so a resume measures the run again;
+        the samples file is written to a temporary name and renamed, so it is never half a file.
+        """
+        if run.status not in STATUSES:
+            raise StoreError(f"run status {run.status!r} is not one of {', '.join(STATUSES)}")
+        samples_file = ""
+        if samples is not None and len(samples):
+            samples_file = f"{run.experiment_id}/{run.run_key}.parquet"
+            target = self.samples_dir / samples_file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(f".tmp{os.getpid()}")
+            samples.to_parquet(tmp, index=False)
+            os.replace(tmp, target)
+        summary = {k: v for k, v in run.summary.items() if k not in SUMMARY_COLUMNS}
+        row = asdict(run)
+        columns = ["experiment_id", "run_key", "step", "scenario_name", "scenario_json", "point_json",
+                   "repeat", "host", "gpu_model", "gpu_count", "vllm_version", "backend", "status",
+                   "error", "started", "ended", *SUMMARY_COLUMNS, "summary_json", "samples_file"]
+        values = [row["experiment_id"], row["run_key"], row["step"], row["scenario_name"],
+                  json.dumps(run.scenario, default=str), json.dumps(run.point, default=str),
+                  run.repeat, run.host, run.gpu_model, run.gpu_count, run.vllm_version, run.backend,
+                  run.status, run.error, run.started, run.ended,
+                  *[_num(run.summary.get(c)) for c in SUMMARY_COLUMNS],
+                  json.dumps(summary, default=str), samples_file]
+        marks = ", ".join("?" for _ in columns)
+        with self._write() as conn:
+            conn.execute("DELETE FROM server_metrics WHERE experiment_id=? AND run_key=?",
+                         (run.experiment_id, run.run_key))
+            conn.execute(f"INSERT OR REPLACE INTO runs ({', '.join(columns)}) VALUES ({marks})",
+                         values)
+            if server_metrics is not None and len(server_metrics):
+                conn.executemany(
+                    "INSERT INTO server_metrics VALUES (?, ?, ?, ?, ?, ?)",
+                    [(run.experiment_id, run.run_key, float(ts), str(name), str(labels), float(v))
+                     for ts, name, labels, v in server_metrics[["ts", "name", "labels", "value"]]
+                     .itertuples(index=False)])
+
+    # -- reading ---------------------------------------------------------------------------
+    def experiments(self) -> pd.DataFrame:
+        """Every experiment, newest first."""
+        return pd.read_sql_query("SELECT * FROM experiments ORDER BY created DESC", self._conn)
+
+    def experiment(self, experiment_id: str) -> dict[str, Any]:
+        """One experiment's row, or StoreError naming the known ones."""
+        row = self._conn.execute("SELECT id, step, scenario_name, created, meta_json FROM experiments "
+                                 "WHERE id=?", (experiment_id,)).fetchone()
+        if row is None:
+            known = [r[0] for r in self._conn.execute(
+                "SELECT id FROM experiments ORDER BY created DESC LIMIT 5")]
+            raise StoreError(f"{self.path}: no experiment {experiment_id!r} "
+                             f"(newest: {', '.join(known) or 'none'})")
+        return {"id": row[0], "step": row[1], "scenario_name": row[2], "created": row[3],
+                "meta": json.loads(row[4])}
+
+    def runs(self, experiment_id: str | None = None) -> pd.DataFrame:
+        """Runs (all, or one experiment's), with ``point`` and ``summary`` decoded."""
+        query = "SELECT * FROM runs"
+        params: tuple = ()
+        if experiment_id is not None:
+            query += " WHERE experiment_id=?"
+            params = (experiment_id,)
+        df = pd.read_sql_query(query + " ORDER BY started", self._conn, params=params)
+        df["point"] = df["point_json"].map(json.loads)
+        df["summary"] = df["summary_json"].map(json.loads)
+        return df
+
+    def finished_keys(self, experiment_id: str) -> set[str]:
+        """Run keys already recorded for an experiment: what a resume skips."""
+        return {r[0] for r in self._conn.execute(
+            "SELECT run_key FROM runs WHERE experiment_id=?", (experiment_id,))}
+
+    def samples(self, experiment_id: str, run_key: str) -> pd.DataFrame:
+        """The raw per-request samples of one run (empty when it has none)."""
+        row = self._conn.execute("SELECT samples_file FROM runs WHERE experiment_id=? AND run_key=?",
+                                 (experiment_id, run_key)).fetchone()
+        if not row or not row[0]:
+            return pd.DataFrame()
+        return pd.read_parquet(self.samples_dir / row[0])
+
+    def server_metrics(self, experiment_id: str, run_key: str | None = None) -> pd.DataFrame:
+        """The scraped server time series of one run or a whole experiment."""
+        query = "SELECT * FROM server_metrics WHERE experiment_id=?"
+        params: tuple = (experiment_id,)
+        if run_key is not None:
+            query += " AND run_key=?"
+            params += (run_key,)
+        return pd.read_sql_query(query + " ORDER BY ts", self._conn, params=params)
+
+
+def _num(value: Any) -> float | None:
+    """A summary value as a float for its column, None when absent or not a number."""
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
