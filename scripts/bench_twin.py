@@ -1,0 +1,105 @@
+"""The twin's benchmarks: fidelity against real vLLM, direction of each knob, predictor speed.
+
+    .venv/bin/python scripts/bench_twin.py [fidelity|direction|speed ...] [--reference DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from vllm_lab.models import load_model_shape
+from vllm_lab.twin.fit import compare, load_point
+from vllm_lab.twin.predictor import Closed, PredictRequest, predict, sharegpt_like
+from vllm_lab.twin.profile import load_profile
+
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared/reference/h200-vllm0.26"
+
+
+def fidelity(profile, model, ref: Path) -> None:
+    """Predicted vs measured output throughput, TTFT p50 and TPOT p50 for every reference file."""
+    points = [load_point(f) for f in sorted(ref.glob("*.json"))]
+    rows = compare(points, profile, model)
+    print(f"\n## Fidelity: {profile.name} vs {ref}")
+    print(f"{'file':14s} {'metric':18s} {'measured':>10s} {'twin':>10s} {'error':>8s}")
+    for r in rows:
+        print(f"{r['point']:14s} {r['metric']:18s} {r['measured']:10.2f} {r['predicted']:10.2f} "
+              f"{r['error']:+8.1%}")
+    for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
+        errs = [abs(r["error"]) for r in rows if r["metric"] == metric]
+        print(f"{metric:18s} median |error| {statistics.median(errs):6.1%}   worst {max(errs):6.1%}")
+
+
+def _run(flags, profile, model, reqs, users=256):
+    p = predict(flags, profile, model, reqs, Closed(users))
+    return p
+
+
+def direction(profile, model, n: int = 3000) -> None:
+    """Closed loop of 256 users, ShareGPT-like lengths: each knob moves the metrics as vLLM's would."""
+    reqs = sharegpt_like(n, seed=1)
+    print(f"\n## Direction: closed loop, 256 users, {n} ShareGPT-like requests, {profile.name}")
+    head = f"{'setting':42s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TPOT p50':>9s} {'preempt':>8s} {'KV tok':>9s}"
+
+    def row(label, flags, rq=reqs):
+        p = _run(flags, profile, model, rq)
+        print(f"{label:42s} {p.output_throughput:10.0f} {p.ttft['p50'] * 1e3:9.1f} "
+              f"{p.tpot['p50'] * 1e3:9.2f} {p.num_preemptions:8d} {p.kv_cache_tokens:9d}")
+        return p
+
+    print(head)
+    for seqs in (16, 32, 64, 128, 256, 512):
+        row(f"max-num-seqs {seqs}", {"max-num-seqs": seqs})
+    print("\nsame sweep with gpu-memory-utilization 0.2, max-model-len 8192 (KV-short):")
+    print(head)
+    for seqs in (16, 32, 64, 128, 256, 512):
+        row(f"max-num-seqs {seqs}", {"max-num-seqs": seqs, "gpu-memory-utilization": 0.2,
+                                     "max-model-len": 8192})
+    print(head)
+    for util in (0.92, 0.5, 0.2, 0.16, 0.15):
+        row(f"gpu-memory-utilization {util}", {"gpu-memory-utilization": util, "max-model-len": 8192})
+    row("enforce-eager false", {})
+    row("enforce-eager true", {"enforce-eager": True})
+    long = [PredictRequest(6000, 64) for _ in range(600)]
+    for mnbt in (8192, 2048, 512):
+        row(f"6000-token prompts, max-num-batched-tokens {mnbt}",
+            {"max-num-batched-tokens": mnbt, "max-num-seqs": min(256, mnbt)}, long)
+
+
+def speed(profile, model, n: int = 10_000) -> None:
+    """CPU seconds for 10,000 ShareGPT-like requests at concurrency 256 (target: under 5 s)."""
+    reqs = sharegpt_like(n, seed=0)
+    t0 = time.process_time()
+    p = predict({}, profile, model, reqs, Closed(256))
+    cpu = time.process_time() - t0
+    print(f"\n## Speed: {n} ShareGPT-like requests, concurrency 256: {cpu:.2f} CPU s "
+          f"({p.duration_s:.0f} s simulated, {p.duration_s / cpu:.0f}x real time, target < 5 s)")
+
+
+def main(argv=None) -> int:
+    """Run the chosen benchmarks (all by default)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", nargs="*", default=["fidelity", "direction", "speed"],
+                    choices=["fidelity", "direction", "speed"])
+    ap.add_argument("--reference", type=Path, default=REFERENCE)
+    ap.add_argument("--profile", default="h200-llama-3-8b")
+    args = ap.parse_args(argv)
+    profile = load_profile(args.profile)
+    model = load_model_shape(profile.model)
+    if "fidelity" in args.which:
+        if not args.reference.is_dir():
+            print(f"error: --reference {args.reference}: no such folder", file=sys.stderr)
+            return 2
+        fidelity(profile, model, args.reference)
+    if "direction" in args.which:
+        direction(profile, model)
+    if "speed" in args.which:
+        speed(profile, model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

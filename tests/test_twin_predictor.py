@@ -1,0 +1,118 @@
+"""The offline predictor: bookkeeping, the fast-forward's exactness, fidelity and directions."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_lab.models import load_model_shape
+from vllm_lab.twin.engine import Engine
+from vllm_lab.twin.fit import compare, load_point
+from vllm_lab.twin.predictor import (
+    Closed,
+    Open,
+    PredictRequest,
+    bench_serve,
+    predict,
+    sharegpt_like,
+)
+from vllm_lab.twin.profile import load_profile
+
+MODEL = load_model_shape("llama-3-8b")
+H200 = load_profile("h200-llama-3-8b")
+REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference/h200-vllm0.26"
+WORK = sharegpt_like(800, seed=3)
+
+
+def _p(flags, reqs=WORK, users=256, **kw):
+    return predict(flags, H200, MODEL, reqs, Closed(users), **kw)
+
+
+def test_every_request_completes_and_tpot_is_bench_definition():
+    p = _p({})
+    df = p.requests
+    assert p.completed == len(WORK) == len(df)
+    assert (df.output_tokens == [r.output_tokens for r in WORK]).all()
+    tpot = (df.e2e_s - df.ttft_s) / (df.output_tokens - 1)
+    assert np.allclose(tpot[df.output_tokens > 1], df.tpot_s[df.output_tokens > 1])
+    assert (df.ttft_s > 0).all() and (df.e2e_s >= df.ttft_s).all()
+    assert p.output_throughput == pytest.approx(df.output_tokens.sum() / p.duration_s)
+    assert 0 < p.kv_usage_mean <= p.kv_usage_peak <= 1
+
+
+def test_fast_forward_changes_nothing(monkeypatch):
+    reqs = sharegpt_like(200, seed=5)
+    fast = _p({}, reqs, users=16)
+    monkeypatch.setattr(Engine, "_fast_forward", lambda self, now, horizon: None)
+    slow = _p({}, reqs, users=16)
+    assert np.allclose(fast.requests.e2e_s, slow.requests.e2e_s, rtol=1e-9, atol=1e-9)
+    assert np.allclose(fast.requests.ttft_s, slow.requests.ttft_s, rtol=1e-9, atol=1e-9)
+    assert fast.itl["p50"] == pytest.approx(slow.itl["p50"])
+
+
+def test_open_loop_and_goodput():
+    p = predict({}, H200, MODEL, WORK[:300], Open(rate=20.0, burstiness=0.5),
+                slo={"ttft": 0.2, "tpot": 0.05})
+    assert p.completed == 300
+    assert 0 <= p.goodput <= p.request_throughput + 1e-9
+    assert set(p.slo_met) == {"ttft", "tpot"}
+    capped = predict({}, H200, MODEL, WORK[:300], Open(rate=200.0, max_in_flight=8))
+    assert capped.completed == 300
+    with pytest.raises(ValueError, match="slo key"):
+        predict({}, H200, MODEL, WORK[:10], Closed(2), slo={"latency": 1})
+
+
+def test_shared_prefixes_hit_the_cache():
+    system = list(range(1000, 1512))
+    reqs = [PredictRequest(system + [i, i + 1, i + 2], 20) for i in range(0, 300, 3)]
+    p = predict({}, H200, MODEL, reqs, Closed(8))
+    assert (p.requests.cached_tokens.iloc[8:] == 512).all()
+    off = predict({"enable-prefix-caching": False}, H200, MODEL, reqs, Closed(8))
+    assert (off.requests.cached_tokens == 0).all()
+    assert off.ttft["p50"] > p.ttft["p50"]
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason="reference measurements not present")
+def test_fidelity_on_reference_files():
+    points = [load_point(f) for f in sorted(REFERENCE.glob("*.json"))]
+    rows = compare(points, H200, MODEL)
+    for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
+        errs = sorted(abs(r["error"]) for r in rows if r["metric"] == metric)
+        assert np.median(errs) <= 0.10, metric
+        assert errs[-1] <= 0.25, metric
+
+
+def test_bench_mode_c1_is_one_request_at_a_time():
+    p = bench_serve({}, H200, MODEL, 10, 512, 128, max_concurrency=1)
+    df = p.requests
+    assert (df.send_s.iloc[1:].values >= df.finish_s.iloc[:-1].values - 1e-12).all()
+    assert p.tpot["p50"] == pytest.approx(4.9e-3, rel=0.1)
+
+
+def test_direction_max_num_seqs():
+    few, many = _p({"max-num-seqs": 16}), _p({"max-num-seqs": 256})
+    assert few.ttft["p50"] > 2 * many.ttft["p50"]
+    assert few.tpot["p50"] < many.tpot["p50"]
+    assert few.output_throughput < many.output_throughput
+
+
+def test_direction_kv_short_preempts_and_peaks():
+    short = {"gpu-memory-utilization": 0.2, "max-model-len": 8192}
+    roomy, tight = _p({"max-model-len": 8192}), _p(short)
+    assert tight.kv_cache_tokens < roomy.kv_cache_tokens / 5
+    assert roomy.num_preemptions == 0 < tight.num_preemptions
+    mid, high = _p({**short, "max-num-seqs": 128}), _p({**short, "max-num-seqs": 512})
+    assert mid.num_preemptions < high.num_preemptions
+    assert mid.output_throughput > high.output_throughput     # past the peak: preemption costs
+
+
+def test_direction_enforce_eager_and_long_prompts():
+    assert _p({"enforce-eager": True}).tpot["p50"] > 1.1 * _p({}).tpot["p50"]
+    long = [PredictRequest(6000, 32) for _ in range(60)]
+    small = _p({"max-num-batched-tokens": 512, "max-num-seqs": 256}, long, users=32)
+    big = _p({"max-num-batched-tokens": 8192}, long, users=32)
+    assert small.ttft["p50"] > 1.3 * big.ttft["p50"]
+    assert not math.isnan(small.itl["p99"])

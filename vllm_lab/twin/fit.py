@@ -1,0 +1,174 @@
+"""Fit a profile's coefficients to ``vllm bench serve`` result files by least squares.
+
+Each file is replayed by the predictor in bench mode (same prompts count, lengths, concurrency,
+rate and flags) and the log-ratios of output throughput, TTFT p50 and TPOT p50 against the
+measurement are the residuals. Only a handful of physical coefficients move, so a fit on a few
+points carries to other flags and loads through the roofline terms.
+
+    python -m vllm_lab.twin.fit BASE_PROFILE FILE.json... [--out PROFILE.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from vllm_lab.twin.predictor import Prediction, bench_serve
+from vllm_lab.twin.profile import Profile, load_profile
+
+# name, lower bound, upper bound (the search runs in log space)
+FIT_PARAMS = [
+    ("gemm_efficiency", 0.2, 1.0),
+    ("attention_efficiency", 0.1, 1.0),
+    ("bandwidth_efficiency", 0.4, 1.0),
+    ("step_overhead_s", 1e-5, 0.02),
+    ("seq_overhead_s", 1e-7, 2e-4),
+    ("frontend_latency_s", 1e-4, 0.1),
+    ("frontend_token_s", 1e-7, 2e-4),
+]
+METRICS = (("output_throughput", "output_throughput"), ("p50_ttft_ms", "ttft"),
+           ("p50_tpot_ms", "tpot"))
+
+
+@dataclass
+class BenchPoint:
+    """One measured ``vllm bench serve`` run and what it was run with."""
+
+    name: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    max_concurrency: int | None
+    request_rate: float
+    burstiness: float
+    measured: dict[str, float]
+    flags: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+
+
+def load_point(path: Path, flags: dict[str, Any] | None = None) -> BenchPoint:
+    """Read a ``vllm bench serve --save-result`` JSON (flags from its "flags" key if present)."""
+    d = json.loads(Path(path).read_text())
+    for key in ("num_prompts", "total_input_tokens", "total_output_tokens", "output_throughput",
+                "p50_ttft_ms", "p50_tpot_ms"):
+        if key not in d:
+            raise ValueError(f"{path}: key {key!r} missing; expected a vllm bench serve result file")
+    n = int(d["num_prompts"])
+    rate = d.get("request_rate", "inf")
+    return BenchPoint(
+        name=Path(path).stem, num_prompts=n,
+        input_len=max(1, round(d["total_input_tokens"] / n)),
+        output_len=max(1, round(d["total_output_tokens"] / n)),
+        max_concurrency=d.get("max_concurrency"),
+        request_rate=math.inf if rate in ("inf", None) else float(rate),
+        burstiness=float(d.get("burstiness") or 1.0),
+        measured={k: float(d[k]) for k, _ in METRICS},
+        flags=dict(flags if flags is not None else d.get("flags") or {}))
+
+
+def replay(point: BenchPoint, profile: Profile, model) -> Prediction:
+    """The predictor's run of one bench point."""
+    return bench_serve(point.flags, profile, model, point.num_prompts, point.input_len,
+                       point.output_len, point.max_concurrency, point.request_rate,
+                       point.burstiness)
+
+
+def predicted_metrics(pred: Prediction) -> dict[str, float]:
+    """The three fitted metrics as vllm bench names them."""
+    return {"output_throughput": pred.output_throughput, "p50_ttft_ms": pred.ttft["p50"] * 1e3,
+            "p50_tpot_ms": pred.tpot["p50"] * 1e3}
+
+
+def compare(points: list[BenchPoint], profile: Profile, model) -> list[dict[str, Any]]:
+    """Per point and metric: measured, predicted, relative error."""
+    rows = []
+    for pt in points:
+        got = predicted_metrics(replay(pt, profile, model))
+        for key, _ in METRICS:
+            m, p = pt.measured[key], got[key]
+            rows.append({"point": pt.name, "metric": key, "measured": m, "predicted": p,
+                         "error": (p - m) / m if m else math.nan})
+    return rows
+
+
+def _with(profile: Profile, x: np.ndarray) -> Profile:
+    co = profile.coefficients.model_copy(
+        update={name: float(math.exp(v)) for (name, _lo, _hi), v in zip(FIT_PARAMS, x)})
+    return profile.model_copy(update={"coefficients": co})
+
+
+def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
+                max_evals: int = 400) -> Profile:
+    """Least-squares fit of the profile's coefficients to ``points``; returns a new profile."""
+    from vllm_lab.models import load_model_shape
+
+    model = model or load_model_shape(points[0].model or base_profile.model)
+    x0 = np.array([math.log(min(max(getattr(base_profile.coefficients, n), lo * 1.01), hi * 0.99))
+                   for n, lo, hi in FIT_PARAMS])
+    lo = np.log([p[1] for p in FIT_PARAMS])
+    hi = np.log([p[2] for p in FIT_PARAMS])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        prof = _with(base_profile, x)
+        res = []
+        for pt in points:
+            got = predicted_metrics(replay(pt, prof, model))
+            res.extend(math.log(max(got[k], 1e-9) / pt.measured[k]) for k, _ in METRICS)
+        return np.array(res)
+
+    sol = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
+                        diff_step=0.02, max_nfev=max_evals)
+    fitted = _with(base_profile, sol.x)
+    errs = np.abs(np.expm1(residuals(sol.x))).reshape(len(points), len(METRICS))
+    prov = fitted.provenance.model_copy(update={
+        "fitted_on": [p.name for p in points],
+        "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "method": "scipy least_squares (soft_l1) over the predictor in bench mode; residuals: "
+                  "log ratio of output throughput, TTFT p50, TPOT p50",
+        "errors": {k: round(float(np.median(errs[:, i])), 4) for i, (k, _) in enumerate(METRICS)},
+    })
+    return fitted.model_copy(update={"provenance": prov})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: fit BASE_PROFILE to bench files and write the result."""
+    ap = argparse.ArgumentParser(prog="python -m vllm_lab.twin.fit", description=__doc__.split("\n")[0])
+    ap.add_argument("base_profile", help="profile name or YAML path to start from")
+    ap.add_argument("files", nargs="+", type=Path, help="vllm bench serve result JSON files")
+    ap.add_argument("--out", type=Path, help="where to write the fitted profile (default: stdout)")
+    ap.add_argument("--name", help="name of the fitted profile")
+    ap.add_argument("--flags", default="{}", help="JSON of the engine flags the files were run with")
+    args = ap.parse_args(argv)
+    try:
+        base = load_profile(args.base_profile)
+        points = [load_point(f, json.loads(args.flags) or None) for f in args.files]
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prof = fit_profile(points, base)
+    if args.name:
+        prof = prof.model_copy(update={"name": args.name})
+    text = prof.to_yaml()
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    from vllm_lab.models import load_model_shape
+
+    for row in compare(points, prof, load_model_shape(prof.model)):
+        print(f"{row['point']:14s} {row['metric']:18s} {row['measured']:10.2f} "
+              f"{row['predicted']:10.2f} {row['error']:+7.1%}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

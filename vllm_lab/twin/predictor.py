@@ -1,0 +1,323 @@
+"""The offline predictor: the twin's engine driven on a virtual clock by simulated clients.
+
+No HTTP and no sleeping: the clock jumps from step end to step end, and runs of pure-decode steps
+where nothing can change are computed in one go. The numbers are the ones ``vllm bench serve``
+reports: throughput, goodput, TTFT / TPOT / ITL / E2E percentiles, plus preemptions and KV usage.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vllm_lab.twin.engine import Engine, EngineRequest
+from vllm_lab.twin.profile import Profile
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class PredictRequest:
+    """A request of the workload: its prompt (a length, or token ids) and its output length."""
+
+    prompt_tokens: int | list[int]
+    output_tokens: int
+
+
+@dataclass
+class Closed:
+    """A closed loop: ``users`` clients, each sends, waits for the end, thinks, sends again."""
+
+    users: int
+    think_time_s: float = 0.0
+
+
+@dataclass
+class Open:
+    """An open loop: arrivals at ``rate`` per second, gamma gaps (burstiness 1 = Poisson)."""
+
+    rate: float
+    burstiness: float = 1.0
+    max_in_flight: int | None = None
+
+
+@dataclass
+class Prediction:
+    """What a run would measure."""
+
+    duration_s: float
+    completed: int
+    output_throughput: float
+    request_throughput: float
+    total_token_throughput: float
+    goodput: float | None
+    ttft: dict[str, float]
+    tpot: dict[str, float]
+    itl: dict[str, float]
+    e2e: dict[str, float]
+    num_preemptions: int
+    kv_usage_peak: float
+    kv_usage_mean: float
+    gpu_utilization: float
+    kv_cache_tokens: int
+    slo_met: dict[str, bool] = field(default_factory=dict)
+    requests: pd.DataFrame | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The flat numbers, milliseconds for latencies, as vllm bench names them."""
+        out: dict[str, Any] = {
+            "duration": self.duration_s, "completed": self.completed,
+            "output_throughput": self.output_throughput,
+            "request_throughput": self.request_throughput,
+            "total_token_throughput": self.total_token_throughput,
+            "request_goodput": self.goodput, "num_preemptions": self.num_preemptions,
+            "kv_usage_peak": self.kv_usage_peak, "kv_usage_mean": self.kv_usage_mean,
+            "gpu_utilization": self.gpu_utilization,
+        }
+        for name, key in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2el", "e2e")):
+            for stat, v in getattr(self, key).items():
+                out[f"{stat}_{name}_ms"] = v * 1000
+        return out
+
+
+def _stats(values: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float]:
+    values = np.asarray(values, dtype=float)
+    if values.size == 0:
+        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
+    if weights is None:
+        out = {"mean": float(values.mean())}
+        out.update({f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES})
+        return out
+    order = np.argsort(values)
+    v, w = values[order], np.asarray(weights, dtype=float)[order]
+    cum = np.cumsum(w)
+    total = cum[-1]
+    out = {"mean": float((v * w).sum() / total)}
+    for p in PERCENTILES:
+        out[f"p{p}"] = float(v[min(np.searchsorted(cum, total * p / 100), len(v) - 1)])
+    return out
+
+
+def _slo_threshold(spec) -> tuple[float, float]:
+    """(seconds, percentile) from a number or {"max_s": x, "percentile": p} / (x, p)."""
+    if isinstance(spec, dict):
+        return float(spec.get("max_s", spec.get("value"))), float(spec.get("percentile", 50))
+    if isinstance(spec, (tuple, list)):
+        return float(spec[0]), float(spec[1])
+    return float(spec), 50.0
+
+
+def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[PredictRequest],
+            arrivals: Closed | Open, slo: dict | None = None, seed: int = 0) -> Prediction:
+    """Run ``requests`` (in order) through the twin under ``arrivals`` and measure it all."""
+    eng = Engine.from_flags(flags, profile, model)
+    lat = profile.coefficients.frontend_latency_s
+    n = len(requests)
+    prompt_n = np.array([len(r.prompt_tokens) if isinstance(r.prompt_tokens, list)
+                         else int(r.prompt_tokens) for r in requests], dtype=np.int64)
+    send = np.full(n, np.nan)
+    first = np.full(n, np.nan)
+    finish = np.full(n, np.nan)
+    outs = np.zeros(n, dtype=np.int64)
+    cached = np.zeros(n, dtype=np.int64)
+    preempt = np.zeros(n, dtype=np.int64)
+    pending: list[tuple[float, int]] = []       # (time the engine sees it, index)
+    itl_t: list[np.ndarray] = []
+    itl_w: list[np.ndarray] = []
+    step_t: list[float] = []
+    step_w: list[int] = []
+    usage_peak = usage_area = 0.0
+    rng = np.random.default_rng(seed)
+    nxt = 0
+    backlog: list[float] = []                   # open loop: arrival times waiting for a slot
+    in_flight = 0
+    arrival_times = None
+    think = 0.0
+    if isinstance(arrivals, Closed):
+        think = arrivals.think_time_s
+        for _ in range(min(arrivals.users, n)):
+            send[nxt] = 0.0
+            heapq.heappush(pending, (lat, nxt))
+            nxt += 1
+    else:
+        shape = max(arrivals.burstiness, 1e-6)
+        gaps = rng.gamma(shape, 1.0 / (arrivals.rate * shape), size=n)
+        arrival_times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    cap = getattr(arrivals, "max_in_flight", None) or math.inf
+
+    def send_req(i: int, t: float) -> None:
+        nonlocal in_flight
+        send[i] = t
+        in_flight += 1
+        heapq.heappush(pending, (t + lat, i))
+
+    def submit(i: int, t: float) -> None:
+        r = requests[i]
+        ids = r.prompt_tokens if isinstance(r.prompt_tokens, list) else []
+        eng.add_request(EngineRequest(i, ids, int(r.output_tokens), ignore_eos=True,
+                                      arrival_time=t, num_prompt_tokens=int(prompt_n[i])))
+
+    def done(r, t: float) -> None:
+        nonlocal nxt, in_flight
+        i = r.id
+        finish[i] = t
+        outs[i] = r.num_tokens - r.num_prompt
+        cached[i] = r.cached_tokens
+        preempt[i] = r.preemptions
+        if isinstance(arrivals, Closed):
+            if nxt < n:
+                send[nxt] = t + think
+                heapq.heappush(pending, (t + think + lat, nxt))
+                nxt += 1
+        else:
+            in_flight -= 1
+            if backlog:
+                backlog.pop(0)
+                send_req(nxt_backlog.pop(0), t)
+
+    nxt_backlog: list[int] = []
+    # The API server is one process: it streams each step's tokens after the GPU made them and
+    # before the next step's; when it falls behind, clients see tokens (and finishes) late.
+    fe_cost = profile.coefficients.frontend_token_s
+    fe_free = last_seen = 0.0
+    now = 0.0
+    ai = 0
+    while True:
+        if arrival_times is not None:
+            while ai < n and arrival_times[ai] <= now:
+                if in_flight < cap:
+                    send_req(ai, float(arrival_times[ai]))
+                else:
+                    backlog.append(float(arrival_times[ai]))
+                    nxt_backlog.append(ai)
+                ai += 1
+        while pending and pending[0][0] <= now:
+            t, i = heapq.heappop(pending)
+            submit(i, t)
+        if not eng.reqs:
+            nexts = [pending[0][0]] if pending else []
+            if arrival_times is not None and ai < n:
+                nexts.append(float(arrival_times[ai]))
+            if not nexts:
+                break
+            now = min(nexts)
+            continue
+        horizon = pending[0][0] if pending else math.inf
+        if arrival_times is not None and ai < n:
+            horizon = min(horizon, float(arrival_times[ai]))
+        ff = eng._fast_forward(now, horizon)
+        if ff is not None:
+            times, finished = ff
+            nb = eng.B + len(finished)
+            ends = now + np.cumsum(times)
+            if fe_cost:
+                vis = np.empty_like(ends)
+                for j, e in enumerate(ends):
+                    fe_free = (max(fe_free, e)) + nb * fe_cost
+                    vis[j] = fe_free
+            else:
+                vis = ends
+            gaps = np.diff(vis, prepend=max(last_seen, now))
+            seen = last_seen = float(vis[-1])
+            itl_t.append(gaps)
+            itl_w.append(np.full(times.size, nb, dtype=np.int64))
+            usage = eng.kv.usage
+            dur = float(times.sum())
+            now += dur
+            usage_area += usage * dur
+            usage_peak = max(usage_peak, usage)
+            for r in finished:
+                done(r, seen)
+            continue
+        dur, tokens, firsts, finished, _d, _p, chunks = eng._run_step(now, False)
+        if dur <= 0.0:
+            now = horizon if horizon < math.inf else now + 1e-3
+            continue
+        ndec = tokens - sum(q for _r, q, _c in chunks)
+        now += dur
+        seen = now
+        if fe_cost:
+            fe_free = (max(fe_free, now)) + (ndec + len(firsts)) * fe_cost
+            seen = fe_free
+        if ndec:     # a decoder's previous token became visible with the previous step's
+            step_t.append(seen - max(last_seen, now - dur))
+            step_w.append(ndec)
+        last_seen = seen
+        usage = eng.kv.usage
+        usage_area += usage * dur
+        usage_peak = max(usage_peak, usage)
+        for r in firsts:
+            first[r.id] = seen
+        for r in finished:
+            done(r, seen)
+
+    ok = ~np.isnan(finish)
+    t0 = np.nanmin(send) if n else 0.0
+    duration = float(np.nanmax(finish) - t0) if ok.any() else 0.0
+    ttft = first - send
+    e2e = finish - send
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(outs > 1, (e2e - ttft) / (outs - 1), np.nan)
+    df = pd.DataFrame({"prompt_tokens": prompt_n, "output_tokens": outs, "cached_tokens": cached,
+                       "send_s": send, "first_token_s": first, "finish_s": finish, "ttft_s": ttft,
+                       "tpot_s": tpot, "e2e_s": e2e, "preemptions": preempt})
+    if step_t:
+        itl_t.append(np.array(step_t))
+        itl_w.append(np.array(step_w))
+    itl_v = np.concatenate(itl_t) if itl_t else np.array([])
+    itl_wt = np.concatenate(itl_w) if itl_w else None
+    good = None
+    slo_met: dict[str, bool] = {}
+    if slo:
+        meets = ok.copy()
+        per_req = {"ttft": ttft, "tpot": tpot, "itl": tpot, "e2e": e2e, "e2el": e2e}
+        for key, spec in slo.items():
+            if key not in per_req:
+                raise ValueError(f"slo key {key!r}: allowed keys are ttft, tpot, itl, e2e")
+            limit, pct = _slo_threshold(spec)
+            vals = per_req[key]
+            meets &= np.nan_to_num(vals, nan=0.0) <= limit
+            finite = vals[~np.isnan(vals)]
+            slo_met[key] = bool(finite.size and np.percentile(finite, pct) <= limit)
+        good = float(meets.sum() / duration) if duration else 0.0
+    total_out = int(outs[ok].sum())
+    return Prediction(
+        duration_s=duration, completed=int(ok.sum()),
+        output_throughput=total_out / duration if duration else 0.0,
+        request_throughput=float(ok.sum() / duration) if duration else 0.0,
+        total_token_throughput=(total_out + int(prompt_n[ok].sum())) / duration if duration else 0.0,
+        goodput=good, ttft=_stats(ttft[ok]), tpot=_stats(tpot[ok & ~np.isnan(tpot)]),
+        itl=_stats(itl_v, itl_wt), e2e=_stats(e2e[ok]), num_preemptions=eng.num_preemptions,
+        kv_usage_peak=usage_peak, kv_usage_mean=usage_area / eng.busy_s if eng.busy_s else 0.0,
+        gpu_utilization=eng.busy_s / duration if duration else 0.0,
+        kv_cache_tokens=eng.kv_cache_tokens, slo_met=slo_met, requests=df)
+
+
+def bench_serve(flags: dict[str, Any], profile: Profile, model, num_prompts: int,
+                input_len: int = 512, output_len: int = 128, max_concurrency: int | None = None,
+                request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> Prediction:
+    """What ``vllm bench serve --dataset-name random --ignore-eos`` would report (fresh prompts)."""
+    reqs = [PredictRequest(input_len, output_len) for _ in range(num_prompts)]
+    if request_rate == math.inf:
+        arrivals: Closed | Open = Closed(users=max_concurrency or num_prompts)
+    else:
+        arrivals = Open(rate=request_rate, burstiness=burstiness, max_in_flight=max_concurrency)
+    return predict(flags, profile, model, reqs, arrivals, seed=seed)
+
+
+def sharegpt_like(n: int, seed: int = 0, prompt_mean: float = 161.0, output_mean: float = 338.0,
+                  max_len: int = 4096) -> list[PredictRequest]:
+    """Requests with lognormal prompt and output lengths, ShareGPT-like means (~161 / ~338 tokens)."""
+    rng = np.random.default_rng(seed)
+    sp, so = 1.0, 0.8
+    p = rng.lognormal(math.log(prompt_mean) - sp * sp / 2, sp, n)
+    o = rng.lognormal(math.log(output_mean) - so * so / 2, so, n)
+    p = np.clip(np.rint(p), 4, max_len).astype(int)
+    o = np.clip(np.rint(o), 2, max_len).astype(int)
+    return [PredictRequest(int(a), int(b)) for a, b in zip(p, o)]

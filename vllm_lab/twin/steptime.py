@@ -1,0 +1,81 @@
+"""The time of one engine step: roofline terms from the model shape and hardware, plus fitted overheads.
+
+Linear layers: max(FLOPs / (peak x efficiency), weight bytes / (bandwidth x efficiency)) - weights
+are read once per step whatever the batch. Attention: max(FLOPs over query-key pairs, KV bytes
+read). Then fixed costs per step, per sequence and per token, kernel launches when no CUDA graph
+covers the step, and two all-reduces per layer under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_lab.twin.profile import Profile
+
+DTYPE_PEAK_KEY = {4: "fp32", 2: "bf16", 1: "fp8"}
+
+
+class StepTimeModel:
+    """Prices one step from its batch composition."""
+
+    def __init__(self, profile: Profile, model, weight_bytes: int, kv_bytes: int, tp: int = 1,
+                 enforce_eager: bool = False, block_size: int = 16, cuda_graph_max_tokens: int = 512,
+                 dtype_name: str = "bf16"):
+        hw, co = profile.hardware, profile.coefficients
+        self.co = co
+        h, v, layers = model.hidden_size, model.vocab_size, model.num_layers
+        attn = h * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+        attn += model.num_heads * model.head_dim * h
+        linear_params = layers * (attn + 3 * h * model.intermediate_size)
+        peak = hw.tflops.get(dtype_name) or hw.tflops.get(DTYPE_PEAK_KEY[weight_bytes]) or 100.0
+        bw = hw.bandwidth_gbs * 1e9 * co.bandwidth_efficiency
+        self.gemm_s_per_token = 2 * linear_params / tp / (peak * 1e12 * co.gemm_efficiency)
+        self.lm_head_s_per_sample = 2 * h * v / tp / (peak * 1e12 * co.gemm_efficiency)
+        self.weights_s = (linear_params + h * v) * weight_bytes / tp / bw
+        self.attn_s_per_pair = (4 * layers * model.num_heads * model.head_dim / tp
+                                / (peak * 1e12 * co.attention_efficiency))
+        self.kv_s_per_token = 2 * layers * model.num_kv_heads * model.head_dim * kv_bytes / tp / bw
+        self.block_s_per_token = co.block_overhead_s * layers / block_size
+        self.launch_s = co.eager_layer_overhead_s * layers
+        self.graph_max = 0 if enforce_eager else cuda_graph_max_tokens
+        self.comm_s = self.comm_s_per_token = 0.0
+        if tp > 1:
+            self.comm_s = 2 * layers * hw.interconnect_latency_us * 1e-6
+            self.comm_s_per_token = (2 * layers * h * 2 * 2 * (tp - 1) / tp
+                                     / (hw.interconnect_gbs * 1e9))
+        self.fixed_s = co.step_overhead_s
+
+    def step_time(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
+                  kv_tokens: float) -> float:
+        """Seconds for a step of ``num_tokens`` tokens over ``num_seqs`` sequences.
+
+        ``attn_pairs``: query-key pairs attention computes; ``kv_tokens``: KV tokens read or written.
+        """
+        co = self.co
+        gemm = num_tokens * self.gemm_s_per_token + num_sampled * self.lm_head_s_per_sample
+        t = max(self.weights_s, gemm)
+        attn = attn_pairs * self.attn_s_per_pair
+        kv = kv_tokens * self.kv_s_per_token
+        t += max(kv, attn)
+        t += self.fixed_s + co.seq_overhead_s * num_seqs + co.token_overhead_s * num_tokens
+        t += kv_tokens * self.block_s_per_token
+        if num_tokens > self.graph_max:
+            t += self.launch_s
+        if self.comm_s:
+            t += self.comm_s + num_tokens * self.comm_s_per_token
+        return t
+
+    def decode_times(self, batch: int, ctx_sum: int, steps: int) -> np.ndarray:
+        """Times of ``steps`` pure-decode steps of ``batch`` sequences whose contexts sum to ``ctx_sum``
+        at the first step and grow by ``batch`` each step."""
+        co = self.co
+        ctx = ctx_sum + batch * np.arange(steps, dtype=np.float64)
+        gemm = batch * (self.gemm_s_per_token + self.lm_head_s_per_sample)
+        fixed = max(gemm, self.weights_s) + self.fixed_s + co.seq_overhead_s * batch
+        fixed += co.token_overhead_s * batch
+        if batch > self.graph_max:
+            fixed += self.launch_s
+        if self.comm_s:
+            fixed += self.comm_s + batch * self.comm_s_per_token
+        t = np.maximum(ctx * self.attn_s_per_pair, ctx * self.kv_s_per_token)
+        return t + ctx * self.block_s_per_token + fixed
