@@ -15,6 +15,7 @@ SET       ?=                          # extra overrides, e.g. SET="serve.dtype=f
 MODEL     ?=                          # override serve.model, e.g. a model folder on the GPU host
 REPEATS   ?=                          # runs per point (default: the scenario's run.repeats)
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
+SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
 PYTHON    ?= python3                  # the Python that creates .venv
 
 VENV := .venv
@@ -43,6 +44,23 @@ help: ## Show every target with one line of help
 	@echo
 	@echo "Variables (make VAR=value target):"
 	@awk '/^[A-Z_]+ +\?=/ {sub(/ +\?= */, " "); n=index($$0,"#"); printf "  %-12s %s\n", $$1, (n ? substr($$0, n+2) : "")}' $(MAKEFILE_LIST)
+
+RUN_ARGS = $(SCENARIO_ARGS) --inventory $(strip $(INVENTORY)) --backend $(strip $(BACKEND)) \
+  --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT))) \
+  $(if $(strip $(RESUME)),--resume) $(if $(strip $(REPEATS)),--repeats $(strip $(REPEATS))) \
+  $(if $(strip $(SPREAD)),--spread)
+
+##@ The tuning method
+.PHONY: baseline sweep report
+baseline: venv ## Step 1: vLLM's defaults on the scenario's traffic, repeated (default 3)
+	@$(LAB) baseline $(RUN_ARGS)
+
+sweep: venv ## Step 2: one flag over a ladder, e.g. make sweep PARAM=max-num-seqs [VALUES=8,16,32]
+	@if [ -z "$(strip $(PARAM))" ]; then echo "make: PARAM is required, e.g. make sweep PARAM=max-num-seqs" >&2; exit 2; fi
+	@$(LAB) sweep $(RUN_ARGS) --param $(strip $(PARAM)) $(if $(strip $(VALUES)),--values $(strip $(VALUES)))
+
+report: venv ## Rebuild an experiment's report from the store alone (EXPERIMENT=..., default the newest)
+	@$(LAB) report --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT)))
 
 ##@ Scenarios
 .PHONY: lint show

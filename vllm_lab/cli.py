@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import yaml
 
 from vllm_lab import lint as lint_mod
-from vllm_lab import scenarios
+from vllm_lab import plans, scenarios, serving
 from vllm_lab.store import StoreError
 
 
@@ -57,6 +58,122 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_args(p: argparse.ArgumentParser) -> None:
+    _scenario_args(p)
+    p.add_argument("--inventory", type=Path, default=Path("inventory/local.yml"))
+    p.add_argument("--backend", choices=("twin", "vllm", "predict"), default="twin")
+    p.add_argument("--out", type=Path, default=Path("reports"), help="reports folder")
+    p.add_argument("--store", type=Path, default=None, help="store file (default OUT/lab.db)")
+    p.add_argument("--experiment", default=None, help="experiment id (to resume or name it)")
+    p.add_argument("--resume", action="store_true", help="continue the experiment (or the newest alike)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per point")
+    p.add_argument("--spread", action="store_true", help="spread points over all inventory hosts")
+
+
+def _backend(args: argparse.Namespace):
+    from vllm_lab.backends import LiveBackend, PredictBackend
+    if args.backend == "predict":
+        return PredictBackend()
+    return LiveBackend(args.backend, args.inventory, api_key=os.environ.get("VLLM_API_KEY") or None)
+
+
+def _experiment_id(args, step: str, scenario, param: str | None, store_path: Path) -> str:
+    """EXPERIMENT if given; with --resume the newest experiment of this step, scenario and param."""
+    if args.experiment:
+        return args.experiment
+    if args.resume:
+        from vllm_lab.store import Store
+        store = Store(store_path)
+        exps = store.experiments()
+        store.close()
+        prefix = plans.experiment_name(step, scenario, param)[: -len("-YYYYmmdd-HHMMSS")]
+        alike = exps[exps["id"].str.startswith(prefix + "-")]
+        if alike.empty:
+            raise StoreError(f"{store_path}: nothing to resume for {prefix}; run without RESUME=1")
+        return str(alike.iloc[0]["id"])
+    return plans.experiment_name(step, scenario, param)
+
+
+def _take(args, step: str, scenario, points, meta: dict, param: str | None = None) -> int:
+    from vllm_lab import report
+    store_path = args.store or args.out / "lab.db"
+    exp_id = _experiment_id(args, step, scenario, param, store_path)
+    plan = plans.Plan(exp_id, step, points, meta)
+    hosts = serving.serve_hosts(args.inventory) if args.spread else [None]
+    print(f"{step}: experiment {exp_id}, {len(points)} runs, backend {args.backend}")
+
+    def progress(point, m):
+        s = m.summary
+        figures = (f"{s.get('output_throughput', 0):.0f} tok/s, TTFT p50 "
+                   f"{(s.get('ttft_p50') or 0) * 1000:.0f} ms, TPOT p50 {(s.get('tpot_p50') or 0) * 1000:.1f} ms"
+                   if m.status in ("ok", "client-overloaded") else m.error.splitlines()[0][:120])
+        print(f"  {point.values or 'baseline'} repeat {point.repeat}: {m.status}: {figures}", flush=True)
+
+    try:
+        counts = plans.execute(plan, _backend(args), store_path, args.out / ".work", hosts, progress)
+    except KeyboardInterrupt:
+        print(f"lab: interrupted; finished runs are kept. Continue with: make {step} ... "
+              f"RESUME=1 EXPERIMENT={exp_id}", file=sys.stderr)
+        return 130
+    index = report.build(store_path, exp_id, args.out)
+    print(f"runs this session: {counts or 'none (all were already recorded)'}")
+    print(f"report: {index}")
+    return 0
+
+
+def cmd_baseline(args: argparse.Namespace) -> int:
+    """vLLM's defaults on the scenario's traffic, repeated: the reference later steps compare with."""
+    scenario = _resolve_checked(args)
+    repeats = args.repeats or max(3, scenario.run.repeats)
+    return _take(args, "baseline", scenario, plans.baseline_points(scenario, repeats),
+                 {"repeats": repeats})
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """One flag over a ladder of values."""
+    scenario = _resolve_checked(args)
+    values = plans.parse_values(args.param, args.values) if args.values else \
+        plans.default_values(args.param, scenario)
+    points = plans.sweep_points(scenario, args.param, values, args.repeats or scenario.run.repeats)
+    for p in points:
+        _lint_or_note(p)
+    return _take(args, "sweep", scenario, points, {"param": args.param, "values": values}, args.param)
+
+
+def _lint_or_note(point) -> None:
+    """A value vLLM would refuse is still a data point: it is measured (and recorded as refused)."""
+    for f in lint_mod.lint(point.scenario):
+        if f.severity == "error":
+            print(f"  note: {point.values}: {f.message}")
+
+
+def _resolve_checked(args: argparse.Namespace):
+    """Resolve the scenario and stop on lint errors: nothing is launched with a refused flag."""
+    layers = scenarios.load_layers(args.scenario, args.hardware, args.overrides)
+    scenario = scenarios.validate(layers)
+    errors = [f for f in lint_mod.lint(scenario, layers) if f.severity == "error"]
+    if errors:
+        raise scenarios.ScenarioError(f"{errors[0]} (make lint SCENARIO={args.scenario} lists all)")
+    return scenario
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Rebuild an experiment's report from the store alone."""
+    from vllm_lab import report
+    store_path = args.store or args.out / "lab.db"
+    experiment = args.experiment
+    if not experiment:
+        from vllm_lab.store import Store
+        store = Store(store_path)
+        exps = store.experiments()
+        store.close()
+        if exps.empty:
+            raise StoreError(f"{store_path}: no experiments yet; run make baseline or make sweep first")
+        experiment = str(exps.iloc[0]["id"])
+    print(f"report: {report.build(store_path, experiment, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every lab command."""
     parser = argparse.ArgumentParser(prog="lab", description=__doc__)
@@ -71,6 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print the resolved scenario")
     _scenario_args(p)
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("baseline", help="measure vLLM's defaults on the scenario's traffic")
+    _run_args(p)
+    p.set_defaults(func=cmd_baseline)
+
+    p = sub.add_parser("sweep", help="sweep one flag over a ladder of values")
+    _run_args(p)
+    p.add_argument("--param", required=True, help="flag (max-num-seqs) or path (load.shape.level)")
+    p.add_argument("--values", default=None, help="comma-separated values (default: a ladder)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("report", help="rebuild an experiment's report from the store")
+    p.add_argument("--experiment", default=None, help="experiment id (default: the newest)")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--store", type=Path, default=None)
+    p.set_defaults(func=cmd_report)
     return parser
 
 

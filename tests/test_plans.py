@@ -1,0 +1,133 @@
+"""Plan logic: ladders, grouping by serve flags, restarts, resume, failures recorded as data."""
+
+import pandas as pd
+import pytest
+
+from vllm_lab import backends, plans, scenarios, serving
+from vllm_lab.backends import LiveBackend, Measurement
+from vllm_lab.scenarios import ScenarioError
+from vllm_lab.store import Store
+
+
+@pytest.fixture
+def base():
+    return scenarios.resolve("default")
+
+
+def test_ladders_fit_the_hardware(base):
+    assert plans.default_values("max-num-seqs", base) == [8, 16, 32, 64, 128, 256]
+    # H200: vLLM's default max-num-seqs is 1024, and a token budget below it is refused.
+    assert min(plans.default_values("max-num-batched-tokens", base)) >= 1024
+    small = scenarios.resolve("default", "rtx3090")
+    assert min(plans.default_values("max-num-batched-tokens", small)) >= 256
+    # An 8B model in bf16 needs ~15 GiB: on a 24 GB card the ladder starts above that.
+    assert min(plans.default_values("gpu-memory-utilization", small)) > 15 / 23.7
+    assert plans.default_values("tensor-parallel-size", base) == [1]
+    assert max(plans.default_values("max-model-len", base)) == 131072
+    with pytest.raises(ScenarioError, match="no default ladder"):
+        plans.default_values("seed", base)
+
+
+def test_values_are_typed_by_the_flag():
+    assert plans.parse_values("max-num-seqs", "8, 16,32") == [8, 16, 32]
+    assert plans.parse_values("enforce-eager", "false,true") == [False, True]
+    assert plans.parse_values("gpu-memory-utilization", "0.8,0.9") == [0.8, 0.9]
+    with pytest.raises(ScenarioError, match="'x' is not a value of max-num-seqs"):
+        plans.parse_values("max-num-seqs", "8,x")
+
+
+def test_sweep_points_change_only_the_swept_flag(base):
+    points = plans.sweep_points(base, "max-num-seqs", [8, 16], repeats=2)
+    assert [(p.values["max-num-seqs"], p.repeat) for p in points] == [(8, 0), (8, 1), (16, 0), (16, 1)]
+    assert all(p.scenario.serve["model"] == base.serve["model"] for p in points)
+    assert len({p.key for p in points}) == 4
+    assert [len(g) for g in plans.group_by_server(points)] == [2, 2]
+
+
+def test_load_parameter_shares_one_server(base):
+    points = plans.sweep_points(base, "load.shape.level", [4, 16, 64])
+    assert [p.scenario.load.shape.level for p in points] == [4, 16, 64]
+    assert len(plans.group_by_server(points)) == 1
+
+
+class FakeBackend:
+    """Measures instantly; fails the points it is told to, the way a live server would."""
+
+    name = "fake"
+
+    def __init__(self, fail=None, interrupt_at=None):
+        self.fail = fail or {}
+        self.measured = []
+        self.interrupt_at = interrupt_at
+
+    def measure(self, scenario, host, workdir):
+        seqs = scenario.serve.get("max-num-seqs")
+        if self.interrupt_at is not None and len(self.measured) == self.interrupt_at:
+            raise KeyboardInterrupt
+        self.measured.append(seqs)
+        if seqs in self.fail:
+            return Measurement(status=self.fail[seqs], started=0, ended=1, error="boom")
+        samples = pd.DataFrame({"request_id": ["a"], "ttft_s": [0.1]})
+        return Measurement(status="ok", started=0, ended=1, samples=samples,
+                           summary={"output_throughput": float(seqs)})
+
+    def close(self, host):
+        pass
+
+
+def test_failures_are_data_and_resume_skips_finished(base, tmp_path):
+    points = plans.sweep_points(base, "max-num-seqs", [8, 16, 32, 64])
+    plan = plans.Plan("exp", "sweep", points, {"param": "max-num-seqs"})
+    backend = FakeBackend(fail={16: "oom"}, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        plans.execute(plan, backend, tmp_path / "lab.db", tmp_path / "work")
+    runs = Store(tmp_path / "lab.db").runs("exp")
+    assert dict(zip(runs["point"].map(lambda p: p["max-num-seqs"]), runs["status"])) == \
+        {8: "ok", 16: "oom", 32: "ok"}
+    resumed = FakeBackend(fail={16: "oom"})
+    counts = plans.execute(plan, resumed, tmp_path / "lab.db", tmp_path / "work")
+    assert resumed.measured == [64] and counts == {"ok": 1}
+    assert len(Store(tmp_path / "lab.db").runs("exp")) == 4
+
+
+def test_points_spread_over_hosts(base, tmp_path):
+    seen = {}
+
+    class HostBackend(FakeBackend):
+        def measure(self, scenario, host, workdir):
+            seen.setdefault(host, []).append(scenario.serve["max-num-seqs"])
+            return super().measure(scenario, host, workdir)
+
+    points = plans.sweep_points(base, "max-num-seqs", [8, 16, 32, 64])
+    plans.execute(plans.Plan("e", "sweep", points, {}), HostBackend(), tmp_path / "lab.db",
+                  tmp_path / "w", hosts=["a", "b"])
+    assert seen == {"a": [8, 32], "b": [16, 64]}
+
+
+def test_live_backend_restarts_only_when_serve_flags_change(base, tmp_path, monkeypatch):
+    starts, stops = [], []
+
+    def fake_start(flags, **kw):
+        starts.append(flags["max-num-seqs"] if "max-num-seqs" in flags else None)
+        return serving.Instances([serving.Instance("h", "http://127.0.0.1:9", 9, "/tmp/log")])
+
+    monkeypatch.setattr(serving, "start", fake_start)
+    monkeypatch.setattr(serving, "stop", lambda inv, limit=None: stops.append(limit))
+    monkeypatch.setattr(backends, "_get", lambda url, timeout=5.0: 200)
+    monkeypatch.setattr(backends, "_post", lambda *a, **k: 200)
+    live = LiveBackend("twin", tmp_path / "inv.yml")
+    for p in plans.sweep_points(base, "max-num-seqs", [8, 8, 16]) + \
+            plans.sweep_points(base.with_serve(**{"max-num-seqs": 16}), "load.shape.level", [1, 2]):
+        live._ensure_server(p.scenario, None)
+    assert starts == [8, 16] and stops == [None]
+
+
+@pytest.mark.parametrize("cause, status", [("oom", "oom"), ("refused-flag", "failed-start"),
+                                           ("start-timeout", "timeout"), ("crashed", "crashed")])
+def test_start_failures_are_classified(base, tmp_path, monkeypatch, cause, status):
+    def failing_start(flags, **kw):
+        raise serving.ServeError(cause, "log tail line", host="h")
+
+    monkeypatch.setattr(serving, "start", failing_start)
+    m = LiveBackend("twin", tmp_path / "inv.yml").measure(base, None, tmp_path)
+    assert m.status == status and m.error.startswith(cause) and "log tail line" in m.error

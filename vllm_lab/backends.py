@@ -1,0 +1,247 @@
+"""Where a point is measured: a live server (real vLLM or the twin, through the playbooks and
+Locust), or the twin's offline predictor. Plans see one interface, ``Backend``.
+
+A live backend keeps one server per host and restarts it only when the serve flags change, so a
+sweep over a load parameter (``load.shape.level``) reuses the running server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import pandas as pd
+
+from vllm_lab import serving
+from vllm_lab.scenarios import Scenario
+from vllm_lab.summary import summarize
+
+log = logging.getLogger(__name__)
+
+# How a failed start is recorded (the store's statuses).
+START_STATUS = {"oom": "oom", "refused-flag": "failed-start", "start-timeout": "timeout",
+                "crashed": "crashed", "unreachable": "failed-start"}
+
+
+@dataclass
+class Measurement:
+    """What one run produced, ready for the store."""
+
+    status: str
+    started: float
+    ended: float
+    host: str = ""
+    error: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+    samples: pd.DataFrame | None = None
+    server_metrics: pd.DataFrame | None = None
+
+
+class Backend(Protocol):
+    """Measures points; ``name`` is recorded with each run."""
+
+    name: str
+
+    def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement: ...
+
+    def close(self, host: str | None) -> None: ...
+
+
+def _served_model(scenario: Scenario) -> str:
+    return str(scenario.serve.get("served-model-name") or scenario.serve["model"])
+
+
+def _get(url: str, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - lab's own servers
+            return r.status
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def _post(url: str, body: dict | None, api_key: str | None, timeout: float = 120.0) -> int:
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - lab's own servers
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+class LiveBackend:
+    """Real vLLM or the twin on the inventory's hosts, driven by Locust."""
+
+    def __init__(self, name: str, inventory: Path, api_key: str | None = None,
+                 processes: int = 1):
+        self.name = name  # "twin" | "vllm"
+        self.inventory = inventory
+        self.api_key = api_key
+        self.processes = processes
+        self._running: dict[str | None, tuple[str, serving.Instance]] = {}
+
+    # -- server lifecycle ----------------------------------------------------------------------
+    def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
+        """The host's server for these serve flags: reused when they match and it is healthy."""
+        key = json.dumps(scenario.serve, sort_keys=True, default=str)
+        current = self._running.get(host)
+        if current and current[0] == key and _get(current[1].url + "/health") == 200:
+            return current[1]
+        self.close(host)
+        instances = serving.start(
+            scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
+            twin_profile=scenario.hardware.twin_profile if self.name == "twin" else None,
+            extra_vars={"vllm_health_timeout_s": int(scenario.run.start_timeout_s),
+                        # /reset_prefix_cache is a dev-mode endpoint in vLLM.
+                        "vllm_environment": {"VLLM_SERVER_DEV_MODE": "1"}},
+            timeout=scenario.run.start_timeout_s + 120)
+        instance = instances[0]
+        self._running[host] = (key, instance)
+        self._warm_up(scenario, instance)
+        return instance
+
+    def _warm_up(self, scenario: Scenario, instance: serving.Instance) -> None:
+        """Send a few short requests and discard them: first-call costs stay out of the data."""
+        body = {"model": _served_model(scenario), "prompt": "warm up " * 16, "max_tokens": 8,
+                "ignore_eos": True}
+        for _ in range(scenario.run.warmup_requests):
+            _post(instance.url + "/v1/completions", body, self.api_key)
+
+    def close(self, host: str | None) -> None:
+        """Stop the host's server if this backend started one."""
+        if self._running.pop(host, None) is not None:
+            serving.stop(self.inventory, limit=host)
+
+    # -- one run -------------------------------------------------------------------------------
+    def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
+        """Start (or reuse) the server, reset its prefix cache if asked, run the load, summarize."""
+        from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
+
+        started = time.time()
+        try:
+            instance = self._ensure_server(scenario, host)
+        except serving.ServeError as e:
+            self._running.pop(host, None)
+            return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
+                               ended=time.time(), host=e.host or host or "",
+                               error=f"{e.cause}: {e.log_tail[-2000:]}")
+        if scenario.run.clean:
+            _post(instance.url + "/reset_prefix_cache", None, self.api_key)
+        started = time.time()
+        result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
+                          workdir, seed=scenario.run.seed, api_key=self.api_key,
+                          processes=self.processes)
+        ended = time.time()
+        alive = _get(instance.url + "/health") == 200
+        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
+        summary["schedule_lag_p99_s"] = result.schedule_lag_p99_s
+        status, error = "ok", ""
+        if not alive:
+            status, error = "crashed", "the server stopped answering /health during the run"
+            self._running.pop(host, None)
+        elif result.client_overloaded:
+            status = "client-overloaded"
+            error = (f"the load generator fell behind its schedule (lag p99 "
+                     f"{result.schedule_lag_p99_s * 1000:.1f} ms): these figures describe the client")
+        return Measurement(status=status, started=started, ended=ended, host=instance.host,
+                           error=error, summary=summary, samples=result.samples,
+                           server_metrics=result.server_metrics)
+
+
+class PredictBackend:
+    """The twin's offline predictor: the same engine on a virtual clock, no server, no Locust.
+
+    A run takes seconds instead of minutes, so it pre-screens a search before GPU hours are spent.
+    A closed loop runs ``users x REQUESTS_PER_USER`` requests; an open loop ``rate x duration``.
+    """
+
+    name = "predict"
+    REQUESTS_PER_USER = 8
+
+    def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
+        """Predict the run the scenario describes."""
+        from vllm_lab.models import load_model_shape
+        from vllm_lab.twin.engine import EngineStartError
+        from vllm_lab.twin.predictor import Closed, Open, predict
+        from vllm_lab.twin.profile import load_profile
+
+        started = time.time()
+        load = scenario.load
+        level = load.shape.level
+        if load.mode == "closed":
+            arrivals = Closed(users=int(level), think_time_s=load.think_time_s)
+            count = int(level) * self.REQUESTS_PER_USER
+        else:
+            arrivals = Open(rate=level, burstiness=load.burstiness, max_in_flight=load.max_in_flight)
+            count = max(int(level * load.stop.duration_s), 1)
+        requests = predicted_requests(scenario, count)
+        try:
+            prediction = predict(scenario.serve, load_profile(scenario.hardware.twin_profile),
+                                 load_model_shape(str(scenario.serve["model"])), requests, arrivals,
+                                 seed=scenario.run.seed)
+        except EngineStartError as e:
+            return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
+                               ended=time.time(), host="predictor", error=f"{e.cause}: {e}")
+        samples = _prediction_samples(prediction.requests)
+        summary = summarize(samples, scenario.slo, duration_s=prediction.duration_s)
+        summary.update(itl_p50=prediction.itl["p50"], itl_p90=prediction.itl["p90"],
+                       itl_p99=prediction.itl["p99"], kv_usage_mean=prediction.kv_usage_mean,
+                       kv_usage_max=prediction.kv_usage_peak,
+                       preemptions=float(prediction.num_preemptions),
+                       gpu_util_mean=prediction.gpu_utilization * 100,
+                       kv_cache_tokens=prediction.kv_cache_tokens)
+        return Measurement(status="ok", started=started, ended=time.time(), host="predictor",
+                           summary=summary, samples=samples)
+
+    def close(self, host: str | None) -> None:
+        """Nothing runs between predictions."""
+
+
+def predicted_requests(scenario: Scenario, count: int):
+    """The scenario's workload as predictor requests: same lengths and prefix sharing, no text."""
+    import numpy as np
+
+    from vllm_lab.traffic.workloads import sample_lengths
+    from vllm_lab.twin.predictor import PredictRequest
+
+    rng = np.random.default_rng(scenario.run.seed)
+    lin, lout = scenario.workload.lengths()
+    if lin is None or lout is None:
+        raise ValueError(f"workload source {scenario.workload.source!r} has no length "
+                         f"distribution the predictor can use; give input: and output: lengths")
+    prompts, outputs = sample_lengths(lin, rng, count), sample_lengths(lout, rng, count)
+    shared = int(scenario.workload.shared_prefix_ratio * lin.mean)
+    if not shared:
+        return [PredictRequest(int(p), int(o)) for p, o in zip(prompts, outputs)]
+    # Token ids only matter for prefix caching: a common system prompt, then unique tokens.
+    groups = scenario.workload.prefix_groups
+    prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
+    out = []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + int(p)))
+        out.append(PredictRequest(prefix[i % groups] + unique, int(o)))
+    return out
+
+
+def _prediction_samples(df: pd.DataFrame) -> pd.DataFrame:
+    """The predictor's per-request frame in the traffic layer's sample columns."""
+    done = df["finish_s"].notna()
+    return pd.DataFrame({
+        "request_id": [f"p-{i}" for i in range(len(df))],
+        "start_ts": df["send_s"], "ttft_s": df["ttft_s"], "tpot_s": df["tpot_s"],
+        "e2e_s": df["e2e_s"], "itl_s": [[] for _ in range(len(df))],
+        "prompt_tokens": df["prompt_tokens"], "output_tokens": df["output_tokens"],
+        "status": ["ok" if d else "error" for d in done],
+        "error": ["" if d else "not finished" for d in done],
+    })

@@ -1,0 +1,266 @@
+"""The tuning method's plans: which runs to take, and taking them into the store.
+
+A plan is a list of ``Point``s (a resolved scenario, the values it varies, a repeat index). The
+runner groups points by serve flags so a server starts once per serve value, records each run
+when it ends (failures included, as data with their cause), skips runs a resumed experiment already
+has, spreads serve groups over the inventory's hosts, and stops every server on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_lab import flags as flagcat
+from vllm_lab.backends import Backend, Measurement
+from vllm_lab.models import DTYPE_BYTES, load_model_shape
+from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
+from vllm_lab.store import RunRecord, Store, run_identity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run to take: the scenario as it will run, the values it varies, and its repeat index."""
+
+    scenario: Scenario
+    values: dict[str, Any]
+    repeat: int = 0
+
+    @property
+    def key(self) -> str:
+        """The run's identity in the store."""
+        return run_identity(self.scenario.to_record(), self.repeat)
+
+    @property
+    def serve_key(self) -> str:
+        """Points with the same serve flags share one server start."""
+        return json.dumps(self.scenario.serve, sort_keys=True, default=str)
+
+
+# -- what a parameter is, and the values to try -------------------------------------------------
+
+def is_serve_flag(param: str) -> bool:
+    """A vLLM flag (restart needed) rather than a dotted scenario path like load.shape.level."""
+    return "." not in param
+
+
+def apply_value(scenario: Scenario, param: str, value: Any) -> Scenario:
+    """The scenario with ``param`` set: a serve flag, or a dotted path (load.shape.level)."""
+    if is_serve_flag(param):
+        return scenario.with_serve(**{param: value})
+    data = deep_merge(scenario.to_record(), parse_override(f"{param}={json.dumps(value)}"))
+    try:
+        return Scenario.model_validate(data)
+    except Exception as e:  # noqa: BLE001 - pydantic's error, said in one sentence
+        raise ScenarioError(f"PARAM {param}={value!r}: not a valid scenario value ({e})") from None
+
+
+def parse_values(param: str, text: str) -> list[Any]:
+    """VALUES="8,16,32" for PARAM, typed as the flag's catalog entry says."""
+    flag = flagcat.FLAGS.get(param)
+    out = []
+    for raw in (t.strip() for t in text.split(",") if t.strip()):
+        kind = flag.kind if flag else ("float" if "." in raw else "int")
+        try:
+            if kind == "int":
+                out.append(int(raw))
+            elif kind == "float":
+                out.append(float(raw))
+            elif kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(raw)
+                out.append(raw.lower() in ("true", "1", "yes"))
+            else:
+                out.append(raw)
+        except ValueError:
+            allowed = flag.describe_range() if flag else "a number"
+            raise ScenarioError(f"VALUES: {raw!r} is not a value of {param} ({allowed})") from None
+    if not out:
+        raise ScenarioError(f"VALUES is empty; give comma-separated values, e.g. VALUES=8,16,32")
+    return out
+
+
+def _weights_share(scenario: Scenario) -> float:
+    """Share of one GPU's memory the model's weights take (0 when the model is unknown)."""
+    try:
+        shape = load_model_shape(str(scenario.serve["model"]))
+    except (ValueError, OSError, KeyError):
+        return 0.0
+    dtype = scenario.serve.get("dtype", "auto")
+    dtype = shape.torch_dtype if dtype == "auto" else dtype
+    tp = scenario.serve.get("tensor-parallel-size", 1)
+    return shape.num_params * DTYPE_BYTES.get(dtype, 2) / tp / (scenario.hardware.memory_gib * 1024**3)
+
+
+def default_values(param: str, scenario: Scenario) -> list[Any]:
+    """A ladder for ``param`` fitted to the hardware preset and the model."""
+    hw = scenario.hardware
+    defaults = flagcat.engine_defaults(hw.memory_gib, hw.name)
+    seqs = scenario.serve.get("max-num-seqs", defaults["max-num-seqs"])
+    ladders: dict[str, Callable[[], list[Any]]] = {
+        "max-num-seqs": lambda: [8, 16, 32, 64, 128, 256],
+        # vLLM refuses a token budget below max-num-seqs: the ladder starts there.
+        "max-num-batched-tokens": lambda: [v for v in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+                                           if v >= seqs][:6],
+        "gpu-memory-utilization": lambda: _memory_ladder(scenario),
+        "block-size": lambda: [16, 32, 64, 128],
+        "max-model-len": lambda: _length_ladder(scenario),
+        "enforce-eager": lambda: [False, True],
+        "dtype": lambda: ["bfloat16", "float16", "float32"],
+        "kv-cache-dtype": lambda: ["auto", "fp8"],
+        "enable-prefix-caching": lambda: [True, False],
+        "tensor-parallel-size": lambda: [n for n in (1, 2, 4, 8) if n <= hw.gpu_count],
+        "long-prefill-token-threshold": lambda: [0, 256, 1024, 4096],
+        "max-num-partial-prefills": lambda: [1, 2, 4],
+        "async-scheduling": lambda: [False, True],
+        "load.shape.level": lambda: [1, 4, 16, 64, 128, 256],
+    }
+    if param not in ladders:
+        known = ", ".join(ladders)
+        raise ScenarioError(f"PARAM {param!r} has no default ladder; give VALUES=a,b,c "
+                            f"(ladders exist for: {known})")
+    return ladders[param]()
+
+
+def _memory_ladder(scenario: Scenario) -> list[float]:
+    # Start just above what the weights need, so the lowest point still starts.
+    floor = _weights_share(scenario) + 0.05
+    return [v for v in (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95) if v >= floor] or [0.9, 0.95]
+
+
+def _length_ladder(scenario: Scenario) -> list[int]:
+    try:
+        longest = load_model_shape(str(scenario.serve["model"])).max_position_embeddings
+    except (ValueError, OSError, KeyError):
+        longest = 32768
+    return [v for v in (2048, 4096, 8192, 16384, 32768, 131072) if v <= longest]
+
+
+def baseline_points(scenario: Scenario, repeats: int = 3) -> list[Point]:
+    """vLLM's defaults on the scenario's traffic, repeated."""
+    return [Point(scenario, {}, r) for r in range(repeats)]
+
+
+def sweep_points(scenario: Scenario, param: str, values: Sequence[Any], repeats: int = 1) -> list[Point]:
+    """One flag (or load parameter) over ``values``, each repeated; serve values grouped together."""
+    return [Point(apply_value(scenario, param, v), {param: v}, r)
+            for v in values for r in range(repeats)]
+
+
+def grid_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: int = 1) -> list[Point]:
+    """Every combination of several parameters' values."""
+    points = [Point(scenario, {}, 0)]
+    for param, values in grid.items():
+        points = [Point(apply_value(p.scenario, param, v), {**p.values, param: v}, 0)
+                  for p in points for v in values]
+    return [Point(p.scenario, p.values, r) for p in points for r in range(repeats)]
+
+
+# -- taking the runs ---------------------------------------------------------------------------
+
+def group_by_server(points: Sequence[Point]) -> list[list[Point]]:
+    """Consecutive runs per serve flags, in first-seen order: one server start per group."""
+    groups: dict[str, list[Point]] = {}
+    for p in points:
+        groups.setdefault(p.serve_key, []).append(p)
+    return list(groups.values())
+
+
+@dataclass
+class Plan:
+    """An experiment to take: its id, its step, its points and where its work files go."""
+
+    experiment_id: str
+    step: str
+    points: list[Point]
+    meta: dict[str, Any]
+
+
+def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
+            hosts: Sequence[str | None] = (None,),
+            on_run: Callable[[Point, Measurement], None] | None = None) -> dict[str, int]:
+    """Take every point not yet in the store; return counts by status (this session's runs).
+
+    Serve groups are dealt to ``hosts`` round-robin and each host works through its share in its
+    own thread; every run is committed as it ends, so Ctrl-C loses only the runs in flight.
+    """
+    base = plan.points[0].scenario
+    store = Store(store_path)
+    store.create_experiment(plan.experiment_id, plan.step, base.name, plan.meta)
+    done = store.finished_keys(plan.experiment_id)
+    store.close()
+    todo = [p for p in plan.points if p.key not in done]
+    if len(todo) < len(plan.points):
+        log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,
+                 len(plan.points) - len(todo), len(plan.points))
+    groups = group_by_server(todo)
+    shares: dict[str | None, list[list[Point]]] = {h: [] for h in hosts}
+    for i, group in enumerate(groups):
+        shares[hosts[i % len(hosts)]].append(group)
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def work(host: str | None) -> None:
+        host_store = Store(store_path)  # one SQLite connection per thread
+        try:
+            for group in shares[host]:
+                for point in group:
+                    if stop.is_set():
+                        return
+                    m = backend.measure(point.scenario, host, workdir / plan.experiment_id / point.key)
+                    if stop.is_set():
+                        return  # interrupted mid-run: its figures are not a measurement
+                    host_store.record_run(_record(plan, point, backend, m), m.samples, m.server_metrics)
+                    with lock:
+                        counts[m.status] = counts.get(m.status, 0) + 1
+                    if on_run:
+                        on_run(point, m)
+        finally:
+            host_store.close()
+            backend.close(host)
+
+    busy = [h for h in hosts if shares[h]]
+    if len(busy) <= 1:
+        # One host: work in this thread, so Ctrl-C lands inside the run and its cleanup runs.
+        for h in busy:
+            work(h)
+        return counts
+    with ThreadPoolExecutor(max_workers=len(busy)) as pool:
+        futures = [pool.submit(work, h) for h in busy]
+        try:
+            for f in futures:
+                while not f.done():
+                    time.sleep(0.2)  # wake for Ctrl-C: a blocking result() would not
+                f.result()
+        except KeyboardInterrupt:
+            stop.set()
+            for h in busy:
+                backend.close(h)  # the runs in flight fail fast and are not recorded
+            raise
+    return counts
+
+
+def _record(plan: Plan, point: Point, backend: Backend, m: Measurement) -> RunRecord:
+    s = point.scenario
+    return RunRecord(
+        experiment_id=plan.experiment_id, run_key=point.key, step=plan.step, scenario_name=s.name,
+        scenario=s.to_record(), status=m.status, started=m.started, ended=m.ended,
+        point=point.values, repeat=point.repeat, host=m.host, gpu_model=s.hardware.name,
+        gpu_count=int(s.serve.get("tensor-parallel-size", 1)), vllm_version=s.vllm_version,
+        backend=backend.name, error=m.error, summary=m.summary)
+
+
+def experiment_name(step: str, scenario: Scenario, param: str | None = None) -> str:
+    """A readable, unique experiment id: step, scenario, parameter and the time."""
+    parts = [step, scenario.name.replace("/", "-")] + ([param] if param else [])
+    return "-".join(parts) + time.strftime("-%Y%m%d-%H%M%S")

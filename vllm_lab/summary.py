@@ -1,0 +1,109 @@
+"""One run's figures from its raw samples and server time series: the numbers a report compares.
+
+Percentiles come from the pooled raw samples of every worker, never from averaged percentiles.
+Goodput counts the requests per second that meet every per-request SLO threshold (the way
+``vllm bench serve --goodput`` counts them); ``meets_slo`` says whether the run's percentiles are
+under every SLO at the percentile the scenario names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vllm_lab.scenarios import Slo
+
+PERCENTILES = (50, 90, 99)
+LATENCIES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
+
+
+def _itl_values(samples: pd.DataFrame) -> np.ndarray:
+    if "itl_s" not in samples or samples.empty:
+        return np.array([])
+    lists = [np.asarray(x, dtype=float) for x in samples["itl_s"] if x is not None and len(x)]
+    return np.concatenate(lists) if lists else np.array([])
+
+
+def _metric_values(samples: pd.DataFrame, metric: str) -> np.ndarray:
+    if metric == "itl":
+        return _itl_values(samples)
+    column = LATENCIES[metric]
+    return samples[column].dropna().to_numpy(dtype=float) if column in samples else np.array([])
+
+
+def request_meets_slo(ok: pd.DataFrame, slo: Slo) -> pd.Series:
+    """Per request: under every SLO threshold (ITL: the request's worst gap)."""
+    meets = pd.Series(True, index=ok.index)
+    for metric, target in slo.targets().items():
+        limit = target.threshold_ms / 1000
+        if metric == "itl":
+            worst = ok["itl_s"].map(lambda g: max(g) if g is not None and len(g) else 0.0)
+            meets &= worst <= limit
+        else:
+            values = ok[LATENCIES[metric]]
+            meets &= values.fillna(0.0 if metric == "tpot" else np.inf) <= limit
+    return meets
+
+
+def _server_view(metrics: pd.DataFrame | None) -> dict[str, float]:
+    """Queue, KV usage, preemptions and GPU figures from the scraped /metrics series."""
+    if metrics is None or metrics.empty:
+        return {}
+
+    def series(name: str) -> pd.Series:
+        return metrics.loc[metrics["name"] == name].groupby("ts")["value"].sum()
+
+    out: dict[str, float] = {}
+    waiting, kv = series("vllm:num_requests_waiting"), series("vllm:kv_cache_usage_perc")
+    preempt = series("vllm:num_preemptions_total")
+    util, used = series("DCGM_FI_DEV_GPU_UTIL"), series("DCGM_FI_DEV_FB_USED")
+    if len(waiting):
+        out.update(queue_len_mean=float(waiting.mean()), queue_len_max=float(waiting.max()))
+    if len(kv):
+        out.update(kv_usage_mean=float(kv.mean()), kv_usage_max=float(kv.max()))
+    if len(preempt):
+        out["preemptions"] = float(preempt.iloc[-1] - preempt.iloc[0])
+    if len(util):
+        out["gpu_util_mean"] = float(util.mean())
+    if len(used):
+        out["gpu_mem_used_max_gib"] = float(used.max()) / 1024  # DCGM reports MiB
+    return out
+
+
+def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
+              server_metrics: pd.DataFrame | None = None) -> dict[str, Any]:
+    """The run's summary: throughput, goodput, latency percentiles, SLO verdict, server view."""
+    out: dict[str, Any] = {"requests": float(len(samples))}
+    if samples.empty:
+        return {**out, "errors": 0.0, **_server_view(server_metrics)}
+    ok = samples[samples["status"] == "ok"] if "status" in samples else samples
+    out["errors"] = float(len(samples) - len(ok))
+    if duration_s is None:
+        start = samples["start_ts"].min()
+        duration_s = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - start)
+    duration_s = max(float(duration_s), 1e-9)
+    out["duration_s"] = duration_s
+    out_tokens = float(ok["output_tokens"].fillna(0).sum())
+    in_tokens = float(ok["prompt_tokens"].fillna(0).sum())
+    out["request_throughput"] = len(ok) / duration_s
+    out["output_throughput"] = out_tokens / duration_s
+    out["total_throughput"] = (out_tokens + in_tokens) / duration_s
+    meets = request_meets_slo(ok, slo)
+    out["goodput"] = float(meets.sum()) / duration_s
+    out["slo_attainment"] = float(meets.sum()) / len(samples)
+    verdicts = {}
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        values = _metric_values(ok, metric)
+        for p in PERCENTILES:
+            out[f"{metric}_p{p}"] = float(np.percentile(values, p)) if len(values) else None
+        out[f"{metric}_mean"] = float(values.mean()) if len(values) else None
+        target = slo.targets().get(metric)
+        if target is not None:
+            at = float(np.percentile(values, target.percentile)) if len(values) else np.inf
+            verdicts[metric] = at <= target.threshold_ms / 1000
+    out["meets_slo"] = bool(verdicts) and all(verdicts.values()) and out["errors"] == 0
+    out["slo_verdicts"] = verdicts
+    out.update(_server_view(server_metrics))
+    return out
