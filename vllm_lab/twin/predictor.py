@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab.twin.engine import Engine, EngineRequest
+from vllm_lab.twin.frontend import Frontend
 from vllm_lab.twin.profile import Profile
 
 PERCENTILES = (50, 90, 99)
@@ -184,8 +185,8 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
     nxt_backlog: list[int] = []
     # The API server is one process: it streams each step's tokens after the GPU made them and
     # before the next step's; when it falls behind, clients see tokens (and finishes) late.
-    fe_cost = profile.coefficients.frontend_token_s
-    fe_free = last_seen = 0.0
+    frontend = Frontend(profile.coefficients.frontend_token_s)
+    last_seen = 0.0
     now = 0.0
     ai = 0
     while True:
@@ -216,11 +217,8 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
             times, finished = ff
             nb = eng.B + len(finished)
             ends = now + np.cumsum(times)
-            if fe_cost:
-                vis = np.empty_like(ends)
-                for j, e in enumerate(ends):
-                    fe_free = (max(fe_free, e)) + nb * fe_cost
-                    vis[j] = fe_free
+            if frontend.token_cost_s:
+                vis = np.array([frontend.release(e, nb) for e in ends])
             else:
                 vis = ends
             gaps = np.diff(vis, prepend=max(last_seen, now))
@@ -241,10 +239,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
             continue
         ndec = tokens - sum(q for _r, q, _c in chunks)
         now += dur
-        seen = now
-        if fe_cost:
-            fe_free = (max(fe_free, now)) + (ndec + len(firsts)) * fe_cost
-            seen = fe_free
+        seen = frontend.release(now, ndec + len(firsts))
         if ndec:     # a decoder's previous token became visible with the previous step's
             step_t.append(seen - max(last_seen, now - dur))
             step_w.append(ndec)
