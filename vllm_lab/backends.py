@@ -103,8 +103,11 @@ class LiveBackend:
             scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
             twin_profile=scenario.hardware.twin_profile if self.name == "twin" else None,
             extra_vars={"vllm_health_timeout_s": int(scenario.run.start_timeout_s),
-                        # /reset_prefix_cache is a dev-mode endpoint in vLLM.
-                        "vllm_environment": {"VLLM_SERVER_DEV_MODE": "1"}},
+                        # /reset_prefix_cache is a dev-mode endpoint in vLLM; the twin simulates
+                        # the scenario's GPU.
+                        "vllm_environment": {
+                            "VLLM_SERVER_DEV_MODE": "1",
+                            "VLLM_TWIN_HARDWARE": json.dumps(scenario.hardware.model_dump(mode="json"))}},
             timeout=scenario.run.start_timeout_s + 120)
         instance = instances[0]
         self._running[host] = (key, instance)
@@ -174,7 +177,7 @@ class PredictBackend:
         from vllm_lab.models import load_model_shape
         from vllm_lab.twin.engine import EngineStartError
         from vllm_lab.twin.predictor import Closed, Open, predict
-        from vllm_lab.twin.profile import load_profile
+        from vllm_lab.twin.profile import load_profile, on_hardware
 
         started = time.time()
         load = scenario.load
@@ -187,7 +190,9 @@ class PredictBackend:
             count = max(int(level * load.stop.duration_s), 1)
         requests = predicted_requests(scenario, count)
         try:
-            prediction = predict(scenario.serve, load_profile(scenario.hardware.twin_profile),
+            profile = on_hardware(load_profile(scenario.hardware.twin_profile),
+                                  scenario.hardware.model_dump())
+            prediction = predict(scenario.serve, profile,
                                  load_model_shape(str(scenario.serve["model"])), requests, arrivals,
                                  seed=scenario.run.seed)
         except EngineStartError as e:

@@ -74,6 +74,29 @@ class Profile(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=100)
 
 
+def on_hardware(profile: Profile, hardware: dict) -> Profile:
+    """The profile's fitted coefficients on another GPU: the roofline takes that GPU's numbers.
+
+    ``hardware`` is a lab hardware preset's ``hardware:`` block (memory_gib, bandwidth_gbs,
+    tflops_bf16/fp16/fp32, interconnect_gbs, gpu_count), as the lab passes it in
+    ``VLLM_TWIN_HARDWARE``; the overheads stay those measured on the profile's own GPU.
+    """
+    tflops = dict(profile.hardware.tflops)
+    for dtype in ("bf16", "fp16", "fp32"):
+        if f"tflops_{dtype}" in hardware:
+            tflops[dtype] = float(hardware[f"tflops_{dtype}"])
+    if "fp8" in tflops and "tflops_bf16" in hardware:
+        tflops["fp8"] = tflops["fp8"] / profile.hardware.tflops["bf16"] * tflops["bf16"]
+    hw = profile.hardware.model_copy(update={
+        "name": hardware.get("name", profile.hardware.name),
+        "memory_gib": float(hardware.get("memory_gib", profile.hardware.memory_gib)),
+        "bandwidth_gbs": float(hardware.get("bandwidth_gbs", profile.hardware.bandwidth_gbs)),
+        "interconnect_gbs": float(hardware.get("interconnect_gbs") or profile.hardware.interconnect_gbs),
+        "gpu_count": int(hardware.get("gpu_count", profile.hardware.gpu_count)),
+        "tflops": tflops})
+    return profile.model_copy(update={"hardware": hw})
+
+
 def available_profiles() -> list[str]:
     """Names of the profiles shipped with the twin."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))

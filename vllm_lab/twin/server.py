@@ -846,9 +846,12 @@ def _max_model_len(engine: Any, flags: dict[str, Any], model_shape: Any) -> int:
 
 
 def _load_profile(name: str) -> Any:
-    from vllm_lab.twin.profile import load_profile
+    """The profile, moved onto the lab's hardware preset when VLLM_TWIN_HARDWARE (JSON) is set."""
+    from vllm_lab.twin.profile import load_profile, on_hardware
 
-    return load_profile(name)
+    profile = load_profile(name)
+    hardware = os.environ.get("VLLM_TWIN_HARDWARE")
+    return on_hardware(profile, json.loads(hardware)) if hardware else profile
 
 
 def _cache_config(flags: dict[str, Any], stats: Any, max_model_len: int) -> dict[str, Any]:

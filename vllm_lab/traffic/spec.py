@@ -1,0 +1,138 @@
+"""The traffic layer's configuration: what requests look like (`Workload`) and when they go (`Load`).
+
+Scenario files embed these under `workload:` and `load:`; every model forbids unknown keys so a
+misspelled key fails instead of running silently with a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Lengths(_Strict):
+    """A token-length distribution: fixed, uniform, normal or lognormal, clipped to [min, max]."""
+
+    dist: Literal["fixed", "uniform", "normal", "lognormal"] = "fixed"
+    mean: float = Field(128, gt=0, description="mean tokens (fixed: the value)")
+    std: float = Field(0, ge=0, description="standard deviation in tokens (normal, lognormal)")
+    min: int = Field(1, ge=1, description="lower clip, and the low end of uniform")
+    max: int = Field(32768, ge=1, description="upper clip, and the high end of uniform")
+
+    @model_validator(mode="after")
+    def _check(self) -> Lengths:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        if self.dist in ("normal", "lognormal") and self.std == 0:
+            raise ValueError(f"dist {self.dist!r} needs std > 0 (use dist: fixed for a constant)")
+        return self
+
+
+PRESETS: dict[str, tuple[Lengths, Lengths]] = {
+    # Means from the PagedAttention paper's dataset statistics (ShareGPT 161.31 in / 337.99 out,
+    # Alpaca 19.31 / 58.45); the spreads are long-tailed like the real sets. The lognormal means
+    # are set a little above the target because clipping at `max` trims the tail.
+    "sharegpt-like": (
+        Lengths(dist="lognormal", mean=163, std=190, min=4, max=1024),
+        Lengths(dist="lognormal", mean=345, std=300, min=4, max=2048),
+    ),
+    "alpaca-like": (
+        Lengths(dist="lognormal", mean=19.5, std=11, min=4, max=256),
+        Lengths(dist="lognormal", mean=58.5, std=50, min=4, max=1024),
+    ),
+}
+
+
+class Workload(_Strict):
+    """What the requests look like: the prompt source, lengths, API, turns and prefix sharing."""
+
+    source: Literal["sharegpt-like", "alpaca-like", "synthetic", "sharegpt-file", "jsonl-file"] = (
+        "sharegpt-like"
+    )
+    input: Lengths | None = Field(None, description="prompt tokens (synthetic; overrides a preset)")
+    output: Lengths | None = Field(None, description="output tokens (synthetic; overrides a preset)")
+    path: Path | None = Field(None, description="ShareGPT JSON or JSONL prompt file (file sources)")
+    api: Literal["completions", "chat"] = "completions"
+    tokenizer: Path | None = Field(
+        None, description="model folder with tokenizer.json; else ~1 token per common English word"
+    )
+    ignore_eos: bool | None = Field(
+        None, description="send ignore_eos; default: true when the workload fixes output lengths"
+    )
+    turns: int = Field(1, ge=1, description="turns per conversation (chat); history is resent")
+    shared_prefix_ratio: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="share of the mean prompt that is a system prompt common to all requests",
+    )
+    prefix_groups: int = Field(1, ge=1, description="how many distinct shared system prompts")
+    temperature: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Workload:
+        if self.source in ("sharegpt-file", "jsonl-file") and self.path is None:
+            raise ValueError(f"source {self.source!r} needs path: <file>")
+        if self.source == "synthetic" and (self.input is None or self.output is None):
+            raise ValueError("source 'synthetic' needs both input: and output: lengths")
+        if self.turns > 1 and self.api != "chat":
+            raise ValueError("turns > 1 needs api: chat (a conversation resends its history)")
+        return self
+
+    def lengths(self) -> tuple[Lengths | None, Lengths | None]:
+        """Return the (input, output) length distributions after applying the preset."""
+        preset = PRESETS.get(self.source, (None, None))
+        return (self.input or preset[0], self.output or preset[1])
+
+    def fixes_output(self) -> bool:
+        """Whether output lengths come from the workload (then ignore_eos makes them exact)."""
+        if self.ignore_eos is not None:
+            return self.ignore_eos
+        return self.source != "jsonl-file" or self.output is not None
+
+
+class Shape(_Strict):
+    """How the load level (users for a closed loop, requests/s for an open loop) moves over time."""
+
+    kind: Literal["constant", "ramp", "step", "spike", "soak"] = "constant"
+    level: float = Field(8, gt=0, description="users (closed) or requests/s (open); the peak")
+    start_level: float = Field(1, ge=0, description="ramp and step: the level at t=0")
+    steps: int = Field(5, ge=1, description="step: how many equal steps up to `level`")
+    step_s: float = Field(30, gt=0, description="step: seconds per step")
+    ramp_s: float = Field(30, gt=0, description="ramp: seconds from start_level to level")
+    spike_at_s: float = Field(30, ge=0, description="spike: when the spike starts")
+    spike_s: float = Field(10, gt=0, description="spike: how long it lasts")
+    spike_factor: float = Field(4, ge=1, description="spike: level multiplier during the spike")
+
+
+class Stop(_Strict):
+    """When a run ends: the first of duration, request count, error rate and saturation."""
+
+    duration_s: float = Field(60, gt=0)
+    max_requests: int | None = Field(None, ge=1)
+    max_error_rate: float | None = Field(None, gt=0, le=1, description="fraction of failures")
+    min_requests_for_error_rate: int = Field(20, ge=1)
+    saturation: bool = Field(False, description="stop when TTFT and the server queue grow unbounded")
+    saturation_window_s: float = Field(20, gt=0)
+
+
+class Load(_Strict):
+    """When requests go: closed loop (users with think time) or open loop (Poisson/gamma arrivals)."""
+
+    mode: Literal["closed", "open"] = "closed"
+    arrival: Literal["poisson", "gamma"] = "poisson"
+    burstiness: float = Field(
+        1.0, gt=0, description="gamma shape as in `vllm bench serve` (1 = Poisson, <1 burstier)"
+    )
+    think_time_s: float = Field(0.0, ge=0, description="closed loop: pause between requests")
+    max_in_flight: int = Field(256, ge=1, description="open loop: cap on concurrent requests")
+    shape: Shape = Field(default_factory=Shape)
+    stop: Stop = Field(default_factory=Stop)
+    request_timeout_s: float = Field(120, gt=0, description="no byte for this long: a timeout")
+    max_schedule_lag_s: float = Field(
+        0.010, gt=0, description="client lag p99 above this marks the run client_overloaded"
+    )

@@ -1,0 +1,228 @@
+"""Request generation: prompt and output lengths, prompt text, files, turns and shared prefixes.
+
+Every request is a pure function of (seed, global request index), so the same seed gives the same
+request sequence at every sweep point and on every worker, whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from vllm_lab.traffic.spec import Lengths, Workload
+
+# Common English words that GPT-2/Llama-3-style BPE vocabularies hold as one token each with
+# their leading space; without a tokenizer a prompt of N of them is taken as N tokens.
+_WORDS = [
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "they", "you", "were", "her", "she", "there", "been", "one", "all", "we", "their", "has",
+    "would", "when", "if", "so", "what", "out", "up", "more", "who", "will", "no", "some",
+    "time", "can", "them", "other", "into", "than", "its", "only", "could", "new", "these",
+    "may", "two", "first", "any", "then", "like", "well", "also", "back", "after", "use",
+    "our", "over", "such", "how", "work", "where", "most", "way", "even", "made", "many",
+    "down", "before", "good", "very", "through", "long", "must", "each", "people", "year",
+    "same", "take", "still", "man", "just", "little", "own", "under", "might", "great", "last",
+    "old", "world", "life", "both", "while", "never", "day", "part", "place", "find", "state",
+    "house", "show", "again", "small", "number", "hand", "high", "large", "point", "group",
+    "end", "week", "city", "game", "water", "line", "name", "order", "home", "book", "room",
+    "light", "story", "study", "night", "fact", "money", "area", "case", "power", "school",
+    "music", "road", "field", "river", "price", "table", "paper", "voice", "window", "garden",
+    "market", "letter", "summer", "answer", "question", "system", "model", "data", "result",
+    "value", "method", "range", "level", "plan", "test", "early", "late",
+]
+
+APPROXIMATION = "1 token per common English word; file texts: 1 token per 4 characters"
+
+
+@dataclass
+class Turn:
+    """One user turn: its text, its intended prompt tokens and the output tokens asked for."""
+
+    text: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class RequestSpec:
+    """One request (or conversation of several turns) derived from (seed, index)."""
+
+    index: int
+    turns: list[Turn]
+    system: str | None = None
+    ignore_eos: bool = True
+    meta: dict = field(default_factory=dict)
+
+
+def sample_lengths(spec: Lengths, rng: np.random.Generator, n: int | None = None) -> np.ndarray:
+    """Draw token lengths from a distribution, rounded and clipped to [min, max]."""
+    size = 1 if n is None else n
+    if spec.dist == "fixed":
+        x = np.full(size, spec.mean)
+    elif spec.dist == "uniform":
+        x = rng.uniform(spec.min, spec.max + 1, size)
+    elif spec.dist == "normal":
+        x = rng.normal(spec.mean, spec.std, size)
+    else:
+        # Parameterised by the wanted mean and std, not by the underlying normal's.
+        sigma2 = math.log(1 + (spec.std / spec.mean) ** 2)
+        mu = math.log(spec.mean) - sigma2 / 2
+        x = rng.lognormal(mu, math.sqrt(sigma2), size)
+    out = np.clip(np.floor(x) if spec.dist == "uniform" else np.rint(x), spec.min, spec.max)
+    return out.astype(int)
+
+
+class PromptBuilder:
+    """Builds text of a target token count, exact with a tokenizer.json, else by approximation."""
+
+    def __init__(self, tokenizer_dir: Path | None = None):
+        self.tokenizer = None
+        self.approximation: str | None = APPROXIMATION
+        if tokenizer_dir is not None:
+            path = Path(tokenizer_dir) / "tokenizer.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"workload.tokenizer: {path} does not exist")
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(path))
+            self.approximation = None
+
+    def count(self, text: str) -> int:
+        """Count the tokens of a text (exact with a tokenizer, else ~4 characters a token)."""
+        if self.tokenizer is not None:
+            return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return max(1, round(len(text) / 4))
+
+    def build(self, n_tokens: int, rng: np.random.Generator) -> str:
+        """Return random text of about n_tokens tokens (within 5% with a tokenizer)."""
+        n_tokens = max(1, int(n_tokens))
+        if self.tokenizer is None:
+            return " ".join(rng.choice(_WORDS, n_tokens))
+        words = " ".join(rng.choice(_WORDS, int(n_tokens * 1.3) + 8))
+        ids = self.tokenizer.encode(words, add_special_tokens=False).ids
+        while len(ids) < n_tokens:
+            ids = ids + ids
+        take = n_tokens
+        text = self.tokenizer.decode(ids[:take])
+        # Decoding a slice and re-encoding can merge or split at the edges; nudge the slice.
+        for _ in range(4):
+            got = self.count(text)
+            if got == n_tokens:
+                break
+            take = max(1, take + (n_tokens - got))
+            text = self.tokenizer.decode(ids[:take])
+        return text
+
+
+def _load_sharegpt(path: Path) -> list[tuple[str, str | None]]:
+    data = json.loads(Path(path).read_text())
+    pairs = []
+    for item in data:
+        conv = item.get("conversations") or item.get("conversation") or []
+        if len(conv) >= 2 and conv[0].get("value"):
+            pairs.append((conv[0]["value"], conv[1].get("value") or ""))
+    if not pairs:
+        raise ValueError(f"workload.path: {path} holds no conversations with two turns")
+    return pairs
+
+
+def _load_jsonl(path: Path) -> list[tuple[str, int | None]]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        if "prompt" not in obj:
+            raise ValueError(f"workload.path: {path} line {n} has no 'prompt' key")
+        rows.append((obj["prompt"], obj.get("output_tokens")))
+    if not rows:
+        raise ValueError(f"workload.path: {path} holds no prompts")
+    return rows
+
+
+class WorkloadGenerator:
+    """Turns (workload, seed) into `RequestSpec`s; `request(i)` depends only on seed and i."""
+
+    def __init__(self, workload: Workload, seed: int = 0):
+        self.workload = workload
+        self.seed = int(seed)
+        self.builder = PromptBuilder(workload.tokenizer)
+        self.in_lengths, self.out_lengths = workload.lengths()
+        self.ignore_eos = workload.fixes_output()
+
+    @cached_property
+    def _records(self) -> list:
+        w = self.workload
+        if w.source == "sharegpt-file":
+            recs = _load_sharegpt(w.path)
+        elif w.source == "jsonl-file":
+            recs = _load_jsonl(w.path)
+        else:
+            return []
+        # A seeded permutation: file order does not leak into the sequence, the seed decides.
+        perm = np.random.default_rng([self.seed, 7]).permutation(len(recs))
+        return [recs[k] for k in perm]
+
+    def _mean_input(self) -> float:
+        if self.in_lengths is not None:
+            return self.in_lengths.mean
+        texts = [r[0] for r in self._records[:200]]
+        return float(np.mean([self.builder.count(t) for t in texts]))
+
+    @cached_property
+    def _prefixes(self) -> list[str]:
+        ratio = self.workload.shared_prefix_ratio
+        if ratio <= 0:
+            return []
+        n = max(1, round(ratio * self._mean_input()))
+        return [
+            self.builder.build(n, np.random.default_rng([self.seed, 1, g]))
+            for g in range(self.workload.prefix_groups)
+        ]
+
+    def _turn(self, i: int, t: int) -> Turn:
+        rng = np.random.default_rng([self.seed, 0, i, t])
+        prefix_tokens = self.builder.count(self._prefixes[0]) if self._prefixes else 0
+        if self._records:
+            text, out = self._records[(i * self.workload.turns + t) % len(self._records)]
+            if isinstance(out, str):
+                out = self.builder.count(out)
+            if out is None or self.out_lengths is not None:
+                out = int(sample_lengths(self.out_lengths, rng)[0]) if self.out_lengths else 256
+            return Turn(text, self.builder.count(text), max(1, int(out)))
+        n_in, n_out = (int(sample_lengths(d, rng)[0]) for d in (self.in_lengths, self.out_lengths))
+        user_tokens = max(1, n_in - prefix_tokens)
+        return Turn(self.builder.build(user_tokens, rng), user_tokens, n_out)
+
+    def request(self, i: int) -> RequestSpec:
+        """Return request (conversation) number i; the same (seed, i) always gives the same one."""
+        turns = [self._turn(i, t) for t in range(self.workload.turns)]
+        system = self._prefixes[i % len(self._prefixes)] if self._prefixes else None
+        return RequestSpec(index=i, turns=turns, system=system, ignore_eos=self.ignore_eos)
+
+    def body(self, spec: RequestSpec, model: str, turn: int = 0, history: list | None = None):
+        """Return (path, JSON body) of one streamed OpenAI request for a turn of a request."""
+        w, t = self.workload, spec.turns[turn]
+        common = {
+            "model": model,
+            "max_tokens": t.max_tokens,
+            "temperature": w.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if spec.ignore_eos:
+            common["ignore_eos"] = True
+            # min_tokens makes the length exact even where ignore_eos alone is not honoured.
+            common["min_tokens"] = t.max_tokens
+        if w.api == "completions":
+            prompt = t.text if spec.system is None else spec.system + "\n" + t.text
+            return "/v1/completions", {**common, "prompt": prompt}
+        messages = [{"role": "system", "content": spec.system}] if spec.system else []
+        messages += list(history or []) + [{"role": "user", "content": t.text}]
+        return "/v1/chat/completions", {**common, "messages": messages}
