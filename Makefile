@@ -17,9 +17,15 @@ REPEATS   ?=                          # runs per point (default: the scenario's 
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
 PYTHON    ?= python3                  # the Python that creates .venv
+LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
 
 VENV := .venv
+ifeq ($(strip $(LAB_PYTHON)),)
 PY   := $(VENV)/bin/python
+else
+PY   := $(strip $(LAB_PYTHON))
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+endif
 LAB  := $(PY) scripts/lab.py
 STORE := $(strip $(OUT))/lab.db
 SCENARIO_ARGS = --scenario $(strip $(SCENARIO)) $(if $(strip $(HARDWARE)),--hardware $(strip $(HARDWARE))) \
@@ -34,7 +40,11 @@ $(VENV)/.installed: pyproject.toml
 	  || { tail -20 $(VENV)/install.log; echo "make: installing the lab into $(VENV) failed (log: $(VENV)/install.log)"; exit 1; }
 	@touch $@
 
+ifeq ($(strip $(LAB_PYTHON)),)
 venv: $(VENV)/.installed
+else
+venv: ; @$(PY) -c "import vllm_lab, locust, pydantic" || { echo "make: $(PY) lacks the lab's dependencies" >&2; exit 1; }
+endif
 
 ##@ Getting started
 .PHONY: help
