@@ -80,6 +80,15 @@ def _post(url: str, body: dict | None, api_key: str | None, timeout: float = 120
         return 0
 
 
+def _evidence(log_tail: str) -> str:
+    """The log line that says why a start failed (an error line), else the last line."""
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error:" in ln:
+            return ln[-300:]
+    return lines[-1][-300:] if lines else "no log"
+
+
 class LiveBackend:
     """Real vLLM or the twin on the inventory's hosts, driven by Locust."""
 
@@ -138,7 +147,7 @@ class LiveBackend:
             self._running.pop(host, None)
             return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
                                ended=time.time(), host=e.host or host or "",
-                               error=f"{e.cause}: {e.log_tail[-2000:]}")
+                               error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}")
         if scenario.run.clean:
             _post(instance.url + "/reset_prefix_cache", None, self.api_key)
         started = time.time()

@@ -74,6 +74,12 @@ def _backend(args: argparse.Namespace):
     from vllm_lab.backends import LiveBackend, PredictBackend
     if args.backend == "predict":
         return PredictBackend()
+    # Idempotent: on a provisioned host this changes nothing and takes a few seconds.
+    print(f"provisioning {args.inventory} (playbooks/provision.yml)", flush=True)
+    try:
+        serving.provision(args.inventory)
+    except RuntimeError as e:
+        raise StoreError(f"{args.inventory}: hosts could not be provisioned: {e}") from None
     return LiveBackend(args.backend, args.inventory, api_key=os.environ.get("VLLM_API_KEY") or None)
 
 

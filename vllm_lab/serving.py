@@ -250,3 +250,33 @@ def stop(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
     if failed:
         raise RuntimeError(f"stop failed on {', '.join(failed)}:\n{_play_failure(run.stdout)}")
     return run
+
+
+def provision(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
+              extra_vars: dict | None = None, timeout: float | None = None) -> PlaybookRun:
+    """Run provision.yml (idempotent: a provisioned host reports no change); raise on failure."""
+    run = run_playbook("provision.yml", inventory=Path(inventory), extra_vars=extra_vars or {},
+                       limit=limit, timeout=timeout)
+    for host, why in run.unreachable.items():
+        log.warning("serving: host %s unreachable during provision: %s", host, why)
+    failed = [h for h, c in run.recap.items() if c.get("failed")]
+    if failed or (run.returncode and not run.unreachable):
+        raise RuntimeError(f"provision failed on {', '.join(failed) or 'the inventory'}:\n"
+                           f"{_play_failure(run.stdout)}")
+    return run
+
+
+def serve_hosts(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_servers") -> list[str]:
+    """The hosts of the inventory's serving group, in inventory order."""
+    exe = str(Path(_ansible_playbook()).with_name("ansible-inventory"))
+    out = subprocess.run([exe, "-i", str(inventory), "--list"], capture_output=True, text=True,
+                         check=False)
+    if out.returncode:
+        raise RuntimeError(f"{inventory}: ansible-inventory failed: {out.stderr.strip()[-500:]}")
+    data = json.loads(out.stdout)
+    hosts = list(data.get(group, {}).get("hosts", []))
+    for child in data.get(group, {}).get("children", []):
+        hosts += [h for h in data.get(child, {}).get("hosts", []) if h not in hosts]
+    if not hosts:
+        raise RuntimeError(f"{inventory}: no hosts in group {group}")
+    return hosts

@@ -135,7 +135,7 @@ def run_load(
     env = {**os.environ, "VLLM_LAB_TRAFFIC_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base_url,
            "--csv", str(out_dir / "locust"), "--logfile", str(out_dir / "locust.log"),
-           "--only-summary", "--stop-timeout", "0"]
+           "--only-summary", "--stop-timeout", str(int(load.request_timeout_s))]
     worker_procs: list[subprocess.Popen] = []
     if hosts:
         port = _free_port()
