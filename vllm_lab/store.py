@@ -32,6 +32,7 @@ SCHEMA_VERSION = 1
 DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
 STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-overloaded")
+RETRIED_ON_RESUME = ("crashed", "timeout")
 
 # The summary metrics every run row carries as columns (seconds, per second, counts); anything
 # else a plan computes goes into summary_json.
@@ -281,9 +282,14 @@ class Store:
         return df
 
     def finished_keys(self, experiment_id: str) -> set[str]:
-        """Run keys already recorded for an experiment: what a resume skips."""
+        """Run keys a resume skips: every recorded run but those that may pass on a second try.
+
+        A crash or a start timeout can be the machine's doing (a killed server, a slow disk), so
+        a resume measures those again; an OOM or a refused flag would only fail the same way.
+        """
         return {r[0] for r in self._conn.execute(
-            "SELECT run_key FROM runs WHERE experiment_id=?", (experiment_id,))}
+            "SELECT run_key FROM runs WHERE experiment_id=? AND status NOT IN (?, ?)",
+            (experiment_id, *RETRIED_ON_RESUME))}
 
     def samples(self, experiment_id: str, run_key: str) -> pd.DataFrame:
         """The raw per-request samples of one run (empty when it has none)."""
