@@ -3,8 +3,13 @@
 #   openssh-server/openssh-client: the network-namespace test fleet (tests/test_fleet.py) runs its own sshd per host
 #   iproute2: `ip netns` and veth pairs for that fleet
 #   procps: ps/pgrep-free process checks (ps) used by the serving role's stop assertions
+#   prometheus (prometheus + promtool), prometheus-node-exporter: make monitor and tests/test_monitor.py
+#   chromium: prints the quarterly report's PDF (make report PERIOD=...) and renders screenshots
+#   poppler-utils: pdftoppm, to look at the PDF's pages as pictures
+#   fonts-dejavu-core: the report's font, so the PDF looks the same everywhere
 set -euo pipefail
-PKGS=(openssh-server openssh-client iproute2 procps)
+PKGS=(openssh-server openssh-client iproute2 procps prometheus prometheus-node-exporter chromium
+      poppler-utils fonts-dejavu-core)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

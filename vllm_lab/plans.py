@@ -49,8 +49,8 @@ class Point:
 # -- what a parameter is, and the values to try -------------------------------------------------
 
 def is_serve_flag(param: str) -> bool:
-    """A vLLM flag (restart needed) rather than a dotted scenario path like load.shape.level."""
-    return "." not in param
+    """A vLLM flag (restart needed) rather than a scenario path like load.shape.level or workload."""
+    return "." not in param and param not in Scenario.model_fields
 
 
 def apply_value(scenario: Scenario, param: str, value: Any) -> Scenario:

@@ -1,0 +1,72 @@
+"""Troubleshooting findings: each pattern of the tuning guide, the numbers it cites, the flag to try."""
+
+from __future__ import annotations
+
+import json
+
+from vllm_lab import findings
+
+
+def _row(serve: dict | None = None, **figures) -> dict:
+    base = {"experiment_id": "e", "run_key": "k", "scenario_name": "default", "status": "ok",
+            "error": "", "requests": 200.0, "gpu_util_mean": 92.0, "queue_len_mean": 0.2,
+            "queue_len_max": 2.0, "ttft_p50": 0.1, "ttft_p99": 0.3, "preemptions": 0.0,
+            "kv_usage_max": 0.6, "output_throughput": 2500.0,
+            "scenario_json": json.dumps({"serve": {"model": "m", **(serve or {})}})}
+    return {**base, **figures}
+
+
+def kinds(row) -> list[str]:
+    return [f.kind for f in findings.findings(row)]
+
+
+def test_a_healthy_run_has_no_finding():
+    assert kinds(_row()) == []
+
+
+def test_small_token_budget_under_80_percent_gpu_raises_the_budget():
+    [f] = findings.findings(_row({"max-num-batched-tokens": 1024}, gpu_util_mean=58.0,
+                                 queue_len_mean=6.5, queue_len_max=20.0, output_throughput=900.0))
+    assert f.kind == "budget"
+    assert "58%" in f.evidence and "6.5 requests waiting" in f.evidence and "1024" in f.evidence
+    assert f.flags == {"max-num-batched-tokens": 2048}
+    # GPU under 80% with nothing waiting is a light load, not a budget problem.
+    assert kinds(_row(gpu_util_mean=40.0, queue_len_mean=0.0)) == []
+
+
+def test_latency_swing_with_long_prompts_caps_long_prefills():
+    [f] = findings.findings(_row(ttft_p50=0.08, ttft_p99=1.2, prompt_p50=150.0, prompt_p99=3800.0))
+    assert f.kind == "long-prefill"
+    assert "15.0x" in f.evidence and "3800" in f.evidence
+    assert f.flags["long-prefill-token-threshold"] == 2048  # a quarter of the default 8192 budget
+    assert f.flags["max-num-partial-prefills"] == 2
+    # A swing without long prompts or a queue has another cause.
+    assert kinds(_row(ttft_p50=0.08, ttft_p99=1.2, prompt_p50=150.0, prompt_p99=300.0,
+                      queue_len_max=0.0)) == []
+
+
+def test_oom_at_high_memory_utilization_lowers_it():
+    row = _row({"gpu-memory-utilization": 0.95}, status="oom",
+               error="oom: torch.OutOfMemoryError: CUDA out of memory\nTraceback ...")
+    [f] = findings.findings(row)
+    assert f.kind == "oom" and "0.95" in f.evidence and "CUDA out of memory" in f.evidence
+    assert f.flags == {"gpu-memory-utilization": 0.9}
+    # vLLM's default 0.9 counts as high; a low setting that OOMs is another problem.
+    assert kinds(_row(status="oom")) == ["oom"]
+    assert kinds(_row({"gpu-memory-utilization": 0.7}, status="oom")) == []
+
+
+def test_preemption_storm_lowers_max_num_seqs_or_raises_memory():
+    [f] = findings.findings(_row({"max-num-seqs": 512, "gpu-memory-utilization": 0.85},
+                                 preemptions=180.0, kv_usage_max=0.99))
+    assert f.kind == "preemption-storm"
+    assert "180 preemptions over 200 requests" in f.evidence and "99%" in f.evidence
+    assert f.flags == {"max-num-seqs": 256, "gpu-memory-utilization": 0.9}
+    # A few preemptions are normal under load.
+    assert kinds(_row(preemptions=5.0, kv_usage_max=0.99)) == []
+
+
+def test_describe_names_the_flag_to_try():
+    [f] = findings.findings(_row(preemptions=100.0, kv_usage_max=1.0))
+    text = findings.describe(f)
+    assert "--max-num-seqs 128" in text and "Preemption storm" in text

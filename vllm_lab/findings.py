@@ -1,0 +1,168 @@
+"""Troubleshooting findings from a run's metrics: what the tuning guide's troubleshooting section
+looks for, each with the numbers that triggered it and the flag to try.
+
+The four patterns (the guide's "Troubleshooting" list):
+
+- **token budget too small**: throughput below expectation while the GPU is under 80% busy and
+  requests wait: each step carries too few tokens, so raise ``max-num-batched-tokens``;
+- **long requests block the queue**: TTFT swings (p99 many times p50) while a few long prompts
+  arrive: cap how much of a step one prefill may take (``long-prefill-token-threshold``) and let
+  several prefills share the chunked-prefill budget (``max-num-partial-prefills``);
+- **out of memory at high gpu-memory-utilization**: the start (or a run) failed with an OOM while
+  ``gpu-memory-utilization`` was 0.9 or more: lower it;
+- **preemption storm**: many preemptions per request with the KV cache full: lower
+  ``max-num-seqs`` or give the KV cache more memory.
+
+Input is one row of ``Store.runs()`` (a mapping), optionally with per-run sample aggregates
+(``prompt_p50``, ``prompt_p99``); nothing here reads the store itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Thresholds named once, so the report can say what triggered a finding.
+GPU_UTIL_LOW = 80.0          # percent: the guide's "GPU utilization under 80%"
+QUEUE_WAITING_MIN = 1.0      # mean requests waiting: the server had work it did not schedule
+TTFT_SWING = 5.0             # TTFT p99 / p50: a latency swing
+LONG_PROMPT_RATIO = 4.0      # prompt p99 / p50: a few long requests among short ones
+HIGH_GPU_MEMORY = 0.90       # gpu-memory-utilization at or above this counts as high
+PREEMPTIONS_PER_REQUEST = 0.1
+KV_FULL = 0.95
+
+# vLLM 0.26's defaults, used when a run's serve flags leave a flag unset.
+VLLM_DEFAULTS = {"max-num-batched-tokens": 8192, "max-num-seqs": 256,
+                 "gpu-memory-utilization": 0.9, "long-prefill-token-threshold": 0,
+                 "max-num-partial-prefills": 1}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One troubleshooting finding: what, the numbers that triggered it, and the flags to try."""
+
+    kind: str            # budget | long-prefill | oom | preemption-storm
+    title: str
+    evidence: str        # the numbers, in a sentence
+    advice: str          # what to change and why
+    flags: dict[str, Any] = field(default_factory=dict)   # flag -> suggested value
+    experiment_id: str = ""
+    run_key: str = ""
+    scenario_name: str = ""
+
+
+def _num(row: Mapping[str, Any], key: str) -> float:
+    """A numeric column of the row, NaN when missing or empty."""
+    value = row.get(key)
+    try:
+        return float(value) if value is not None else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def serve_flags(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The serve flags the run used (from its recorded scenario), vLLM's defaults filled in."""
+    scenario = row.get("scenario")
+    if scenario is None:
+        try:
+            scenario = json.loads(row.get("scenario_json") or "{}")
+        except json.JSONDecodeError:
+            scenario = {}
+    return {**VLLM_DEFAULTS, **(scenario.get("serve") or {})}
+
+
+def _budget(row, flags) -> Finding | None:
+    util, waiting = _num(row, "gpu_util_mean"), _num(row, "queue_len_mean")
+    if not (util < GPU_UTIL_LOW and waiting >= QUEUE_WAITING_MIN):
+        return None
+    budget = int(flags["max-num-batched-tokens"])
+    return Finding(
+        "budget", "Throughput below expectation: GPU under 80% busy while requests wait",
+        f"GPU utilization {util:.0f}% (< {GPU_UTIL_LOW:.0f}%) with {waiting:.1f} requests waiting "
+        f"on average (max {_num(row, 'queue_len_max'):.0f}); output "
+        f"{_num(row, 'output_throughput'):.0f} tok/s at max-num-batched-tokens={budget}",
+        "the token budget per step is too small to keep the GPU busy: raise max-num-batched-tokens",
+        {"max-num-batched-tokens": budget * 2})
+
+
+def _long_prefill(row, flags) -> Finding | None:
+    p50, p99 = _num(row, "ttft_p50"), _num(row, "ttft_p99")
+    if not (p50 > 0 and p99 / p50 >= TTFT_SWING):
+        return None
+    prompt50, prompt99 = _num(row, "prompt_p50"), _num(row, "prompt_p99")
+    long_prompts = prompt50 > 0 and prompt99 / prompt50 >= LONG_PROMPT_RATIO
+    queued = _num(row, "queue_len_max") >= QUEUE_WAITING_MIN
+    if not (long_prompts or queued):
+        return None
+    budget = int(flags["max-num-batched-tokens"])
+    threshold = int(flags.get("long-prefill-token-threshold") or 0)
+    # Cap one prefill at a share of the step so short requests still get scheduled beside it.
+    suggested = max(256, min(budget // 4, threshold // 2 if threshold else budget // 4))
+    prompts = (f"; prompts p50 {prompt50:.0f} / p99 {prompt99:.0f} tokens" if long_prompts else "")
+    return Finding(
+        "long-prefill", "Latency swings: long requests block the queue",
+        f"TTFT p99 {p99 * 1000:.0f} ms is {p99 / p50:.1f}x p50 {p50 * 1000:.0f} ms{prompts}; "
+        f"up to {_num(row, 'queue_len_max'):.0f} requests waiting",
+        "long prefills take whole steps: cap them with long-prefill-token-threshold and let "
+        "several prefills share the chunked-prefill budget",
+        {"long-prefill-token-threshold": suggested,
+         "max-num-partial-prefills": max(2, int(flags.get("max-num-partial-prefills") or 1))})
+
+
+def _oom(row, flags) -> Finding | None:
+    gmu = float(flags["gpu-memory-utilization"])
+    if row.get("status") != "oom" or gmu < HIGH_GPU_MEMORY:
+        return None
+    error = str(row.get("error") or "").splitlines()
+    cause = error[0][:160] if error else "out of memory"
+    return Finding(
+        "oom", "Out of memory at high gpu-memory-utilization",
+        f"status oom with gpu-memory-utilization={gmu:g} (>= {HIGH_GPU_MEMORY:g}): {cause}",
+        "leave room for activations, CUDA graphs and other processes: lower gpu-memory-utilization",
+        {"gpu-memory-utilization": round(max(0.5, gmu - 0.05), 2)})
+
+
+def _preemption_storm(row, flags) -> Finding | None:
+    preemptions, requests = _num(row, "preemptions"), _num(row, "requests")
+    kv = _num(row, "kv_usage_max")
+    if not (requests > 0 and preemptions / requests >= PREEMPTIONS_PER_REQUEST and kv >= KV_FULL):
+        return None
+    seqs = int(flags["max-num-seqs"])
+    gmu = float(flags["gpu-memory-utilization"])
+    suggestion: dict[str, Any] = {"max-num-seqs": max(1, seqs // 2)}
+    if gmu < 0.95:
+        suggestion["gpu-memory-utilization"] = round(min(0.95, gmu + 0.05), 2)
+    return Finding(
+        "preemption-storm", "Preemption storm: the KV cache is full",
+        f"{preemptions:.0f} preemptions over {requests:.0f} requests "
+        f"({preemptions / requests:.2f} per request) with KV cache usage up to {kv:.0%}, "
+        f"at max-num-seqs={seqs}, gpu-memory-utilization={gmu:g}",
+        "too many sequences share the KV cache and get recomputed: lower max-num-seqs, "
+        "or give the cache more memory",
+        suggestion)
+
+
+RULES = (_budget, _long_prefill, _oom, _preemption_storm)
+
+
+def findings(row: Mapping[str, Any]) -> list[Finding]:
+    """The troubleshooting findings of one run (a row of ``Store.runs()``), worst first."""
+    flags = serve_flags(row)
+    out = []
+    for rule in RULES:
+        found = rule(row, flags)
+        if found is not None:
+            out.append(Finding(**{**found.__dict__,
+                                  "experiment_id": str(row.get("experiment_id") or ""),
+                                  "run_key": str(row.get("run_key") or ""),
+                                  "scenario_name": str(row.get("scenario_name") or "")}))
+    return out
+
+
+def describe(finding: Finding) -> str:
+    """One finding as two lines: what and its numbers, then the flags to try."""
+    flags = " ".join(f"--{k} {v}" for k, v in finding.flags.items())
+    return f"{finding.title}: {finding.evidence}.\n    try: {flags} ({finding.advice})"

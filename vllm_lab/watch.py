@@ -1,0 +1,202 @@
+"""The regression watch: a small probe load on a schedule against a live deployment, stored as step
+"watch", each probe judged against the deployment's recorded baseline.
+
+A baseline is ``repeats`` probes on the deployment (``--baseline``, or automatically the first
+time). A later probe is a regression when a metric is worse than the baseline's one-sided 99%
+prediction interval: mean ± t(0.99, n-1) · sd · sqrt(1 + 1/n), so the run-to-run spread the
+baseline showed sets the bar, not a fixed percentage. The sd is floored at a small share of the
+mean (``SD_FLOOR``) because three identical repeats would otherwise flag any difference at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scipy import stats
+
+from vllm_lab import scenarios
+from vllm_lab.store import RunRecord, Store, run_identity
+
+# metric -> +1 when higher is better, -1 when lower is better.
+METRICS = {"output_throughput": +1, "ttft_p50": -1, "tpot_p50": -1, "e2e_p50": -1}
+CONFIDENCE = 0.99
+SD_FLOOR = 0.01  # share of the mean: the probe's own measurement resolution
+# The probe: short fixed-length requests from a few users, so it costs the deployment little.
+PROBE = ["workload.source=synthetic", 'workload.input={"dist": "fixed", "mean": 64}',
+         'workload.output={"dist": "fixed", "mean": 32}', "load.mode=closed",
+         "load.shape.level=4", "load.stop.duration_s=8", "run.warmup_requests=0", "run.clean=false"]
+
+
+class WatchError(RuntimeError):
+    """The watch cannot do what was asked; the message is one sentence for the user."""
+
+
+@dataclass
+class Verdict:
+    """A probe judged against the baseline: per metric the bound, and what regressed."""
+
+    regressed: list[str]
+    lines: list[str]
+    baseline_runs: int
+
+
+def experiment_id(url: str) -> str:
+    """One watch experiment per deployment: ``watch-<host>-<port>``."""
+    return "watch-" + re.sub(r"[^A-Za-z0-9]+", "-", url.split("://", 1)[-1]).strip("-")
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The model the deployment serves, from /v1/models."""
+    req = urllib.request.Request(url + "/v1/models",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return str(json.loads(r.read())["data"][0]["id"])
+    except (urllib.error.URLError, OSError, KeyError, IndexError, json.JSONDecodeError) as e:
+        raise WatchError(f"{url}: the deployment does not answer /v1/models ({e}); "
+                         f"is it running (make monitor shows the targets)?") from None
+
+
+def probe_scenario(model: str, hardware: str | None = None, overrides: list[str] | None = None):
+    """The probe as a resolved scenario: the default scenario, the probe load, the served model."""
+    return scenarios.resolve("default", hardware, [*PROBE, f"serve.model={model}", *(overrides or [])])
+
+
+def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | None = None,
+          overrides: list[str] | None = None, api_key: str | None = None) -> dict[str, Any]:
+    """Run one probe against ``url``, store it (step watch, point {"role": role}); return its row."""
+    from vllm_lab.summary import summarize
+    from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
+
+    model = served_model(url, api_key)
+    scenario = probe_scenario(model, hardware, overrides)
+    exp = experiment_id(url)
+    store = Store(store_path)
+    try:
+        store.create_experiment(exp, "watch", scenario.name, {"url": url, "probe": PROBE})
+        index = len(store.finished_keys(exp))
+        started = time.time()
+        result = run_load(url, model, scenario.workload, scenario.load, workdir / exp / str(index),
+                          seed=index, api_key=api_key)
+        ended = time.time()
+        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
+        ok = len(result.samples) and summary.get("errors", 0) < len(result.samples)
+        record = RunRecord(
+            experiment_id=exp, run_key=run_identity({**scenario.to_record(), "url": url}, index),
+            step="watch", scenario_name=scenario.name, scenario=scenario.to_record(),
+            status="ok" if ok else "crashed", started=started, ended=ended,
+            point={"role": role}, repeat=index, host=url, gpu_model=scenario.hardware.name,
+            vllm_version=scenario.vllm_version, backend="live", summary=summary,
+            error="" if ok else "no request of the probe succeeded")
+        if role == "probe":
+            verdict = judge(store.runs(exp), summary)
+            summary["regression"] = bool(verdict.regressed)
+            summary["regressed_metrics"] = verdict.regressed
+            record.summary = summary
+        store.record_run(record, result.samples, result.server_metrics)
+        return {**summary, "run_key": record.run_key, "status": record.status}
+    finally:
+        store.close()
+
+
+def bound(values: list[float], direction: int) -> float:
+    """The worst value a new probe may show before it counts as a regression."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    sd = max(sd, SD_FLOOR * abs(mean))
+    t = stats.t.ppf(CONFIDENCE, max(n - 1, 1))
+    return mean - direction * t * sd * math.sqrt(1 + 1 / n)
+
+
+def judge(runs, summary: dict[str, Any]) -> Verdict:
+    """Compare a probe's summary with the baseline probes of ``runs`` (a watch experiment's rows)."""
+    base = runs[(runs["point"].map(lambda p: p.get("role")) == "baseline") & (runs["status"] == "ok")]
+    if len(base) < 2:
+        raise WatchError("the deployment has fewer than 2 baseline probes; record one with "
+                         "make watch BASELINE=1")
+    regressed, lines = [], []
+    for metric, direction in METRICS.items():
+        values = [float(v) for v in base[metric].dropna()]
+        value = summary.get(metric)
+        if len(values) < 2 or value is None:
+            continue
+        limit = bound(values, direction)
+        worse = (value < limit) if direction > 0 else (value > limit)
+        mean = sum(values) / len(values)
+        lines.append(f"{metric}: {value:.4g} vs baseline {mean:.4g} (n={len(values)}; "
+                     f"{'lower' if direction > 0 else 'upper'} bound {limit:.4g})"
+                     + (" REGRESSION" if worse else ""))
+        if worse:
+            regressed.append(metric)
+    return Verdict(regressed, lines, len(base))
+
+
+def run_schedule(store_path: Path, url: str | None = None, inventory: Path | None = None,
+                 every_s: float = 0, count: int = 1, baseline: bool = False, repeats: int = 3,
+                 probe_overrides: list[str] | None = None, hardware: str | None = None,
+                 workdir: Path = Path("reports/.work"),
+                 echo: Callable[[str], None] = print) -> bool:
+    """Probe each deployment ``count`` times, ``every_s`` apart; return whether any regressed."""
+    if url:
+        urls = [url.rstrip("/")]
+    else:
+        from vllm_lab.monitor import scrape_targets
+        urls = [t.url for t in scrape_targets(inventory or Path("inventory/local.yml"))]
+    if repeats < 2:
+        raise WatchError(f"a baseline needs at least 2 probes to know its spread (got REPEATS={repeats})")
+    regressed = False
+    for round_ in range(max(count, 1)):
+        if round_:
+            time.sleep(every_s)
+        for target in urls:
+            regressed |= _round(target, store_path, baseline and round_ == 0, repeats,
+                                probe_overrides, hardware, workdir, echo)
+    return regressed
+
+
+def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir, echo) -> bool:
+    store = Store(store_path)
+    exp = experiment_id(url)
+    runs = store.runs(exp)
+    store.close()
+    have = int((runs["point"].map(lambda p: p.get("role")) == "baseline").sum()) if len(runs) else 0
+    if new_baseline or have < 2:
+        if new_baseline and len(runs):
+            _retire_baseline(store_path, exp)
+        echo(f"{url}: recording a baseline of {repeats} probes")
+        for i in range(repeats):
+            s = probe(url, store_path, "baseline", workdir, hardware, overrides)
+            echo(f"  baseline {i + 1}/{repeats}: {s.get('output_throughput', 0):.0f} tok/s, "
+                 f"TTFT p50 {(s.get('ttft_p50') or 0) * 1000:.0f} ms")
+    s = probe(url, store_path, "probe", workdir, hardware, overrides)
+    store = Store(store_path)
+    verdict = judge(store.runs(exp), s)
+    store.close()
+    echo(f"{url}: probe {'REGRESSION in ' + ', '.join(verdict.regressed) if verdict.regressed else 'ok'}"
+         f" (against {verdict.baseline_runs} baseline probes)")
+    for line in verdict.lines:
+        echo(f"  {line}")
+    return bool(verdict.regressed)
+
+
+def _retire_baseline(store_path: Path, exp: str) -> None:
+    """A new baseline replaces the old one: old baseline rows become role 'old-baseline'."""
+    import sqlite3
+
+    conn = sqlite3.connect(store_path, timeout=30)
+    try:
+        with conn:
+            conn.execute("UPDATE runs SET point_json=? WHERE experiment_id=? AND point_json=?",
+                         (json.dumps({"role": "old-baseline"}), exp, json.dumps({"role": "baseline"})))
+    finally:
+        conn.close()
