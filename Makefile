@@ -16,7 +16,24 @@ MODEL     ?=                          # override serve.model, e.g. a model folde
 REPEATS   ?=                          # runs per point (default: the scenario's run.repeats)
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
+PARAMS    ?=                          # make combo: 2-3 flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens
+GRID      ?=                          # make combo: values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
+TRIALS    ?=                          # make tune: trials this worker runs (default 20; per host with SPREAD=1)
+OBJECTIVE ?=                          # make tune: goodput (default) | throughput (subject to the SLO) | pareto (NSGA-II)
+SPACE     ?=                          # make tune: search space, a name in scenarios/spaces/ or a YAML file (default: per hardware)
+STUDY_STORAGE ?=                      # make tune: Optuna storage URL (default: the lab database), e.g. postgresql://host/db
+SEED      ?=                          # make tune: sampler seed
+CONFIRM   ?=                          # make tune: re-measure the best N configurations on CONFIRM_BACKEND
+CONFIRM_BACKEND ?=                    # make tune CONFIRM=N: twin (default) | vllm
+SHAPE     ?=                          # make stress: ramp | step (staircases of runs) | spike | soak (one run)
+LEVELS    ?=                          # make stress: offered loads in req/s, e.g. 2,4,8 (default: fractions of the predicted capacity)
 PYTHON    ?= python3                  # the Python that creates .venv
+PERIOD    ?=                          # quarter for `make report`, e.g. 2026Q4: the quarterly report
+URL       ?=                          # make watch: the deployment to probe (default: every instance of INVENTORY)
+EVERY     ?=                          # make watch: seconds between probe rounds (default: one round)
+COUNT     ?=                          # make watch: rounds of probes (with EVERY)
+BASELINE  ?=                          # make watch: BASELINE=1 records a new baseline first
+PROFILE_OUT ?=                        # make calibrate: where the fitted twin profile goes
 LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
 
 VENV := .venv
@@ -61,7 +78,7 @@ RUN_ARGS = $(SCENARIO_ARGS) --inventory $(strip $(INVENTORY)) --backend $(strip 
   $(if $(strip $(SPREAD)),--spread)
 
 ##@ The tuning method
-.PHONY: baseline sweep report
+.PHONY: baseline sweep calibrate report
 baseline: venv ## Step 1: vLLM's defaults on the scenario's traffic, repeated (default 3)
 	@$(LAB) baseline $(RUN_ARGS)
 
@@ -69,8 +86,45 @@ sweep: venv ## Step 2: one flag over a ladder, e.g. make sweep PARAM=max-num-seq
 	@if [ -z "$(strip $(PARAM))" ]; then echo "make: PARAM is required, e.g. make sweep PARAM=max-num-seqs" >&2; exit 2; fi
 	@$(LAB) sweep $(RUN_ARGS) --param $(strip $(PARAM)) $(if $(strip $(VALUES)),--values $(strip $(VALUES)))
 
-report: venv ## Rebuild an experiment's report from the store alone (EXPERIMENT=..., default the newest)
+calibrate: venv ## Measure the calibration plan on BACKEND and fit a twin profile (PROFILE_OUT=path)
+	@$(LAB) calibrate $(RUN_ARGS) $(if $(strip $(PROFILE_OUT)),--profile-out $(strip $(PROFILE_OUT)))
+
+report: venv ## Rebuild an experiment's report from the store (EXPERIMENT=...); PERIOD=2026Q4: the quarterly report
+ifeq ($(strip $(PERIOD)),)
 	@$(LAB) report --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT)))
+else
+	@$(LAB) quarterly --period $(strip $(PERIOD)) --out $(strip $(OUT))
+endif
+
+##@ Combinations and stress
+.PHONY: combo tune stress
+combo: venv ## Step 3: a grid of 2-3 flags, e.g. make combo PARAMS=max-num-seqs,max-num-batched-tokens [GRID="flag=a,b ..."]
+	@if [ -z "$(strip $(PARAMS))$(strip $(GRID))" ]; then echo "make: PARAMS or GRID is required, e.g. make combo PARAMS=max-num-seqs,max-num-batched-tokens" >&2; exit 2; fi
+	@$(LAB) combo $(RUN_ARGS) $(if $(strip $(PARAMS)),--params $(strip $(PARAMS))) $(if $(strip $(GRID)),--grid "$(strip $(GRID))")
+
+tune: venv ## Step 3: Optuna search [TRIALS= OBJECTIVE= SPACE= STUDY_STORAGE= CONFIRM=N]; EXPERIMENT= joins a study
+	@$(LAB) tune $(RUN_ARGS) $(if $(strip $(TRIALS)),--trials $(strip $(TRIALS))) \
+	  $(if $(strip $(OBJECTIVE)),--objective $(strip $(OBJECTIVE))) $(if $(strip $(SPACE)),--space $(strip $(SPACE))) \
+	  $(if $(strip $(STUDY_STORAGE)),--study-storage $(strip $(STUDY_STORAGE))) $(if $(strip $(SEED)),--seed $(strip $(SEED))) \
+	  $(if $(strip $(CONFIRM)),--confirm $(strip $(CONFIRM))) $(if $(strip $(CONFIRM_BACKEND)),--confirm-backend $(strip $(CONFIRM_BACKEND)))
+
+stress: venv ## Step 4: make stress SHAPE=ramp|step|spike|soak [LEVELS=2,4,8]: knee, max sustainable load, spike, drift
+	@if [ -z "$(strip $(SHAPE))" ]; then echo "make: SHAPE is required, e.g. make stress SHAPE=ramp (ramp, step, spike or soak)" >&2; exit 2; fi
+	@$(LAB) stress $(RUN_ARGS) --shape $(strip $(SHAPE)) $(if $(strip $(LEVELS)),--levels $(strip $(LEVELS)))
+
+##@ Long-term monitoring
+.PHONY: monitor watch findings
+monitor: venv ## Step 5: Prometheus scraping every instance, alert rules, exporters, Grafana where installable
+	@$(LAB) monitor --inventory $(strip $(INVENTORY))
+
+watch: venv ## Probe a live deployment, store it, flag a regression vs its baseline [URL= EVERY= COUNT= BASELINE=1]
+	@$(LAB) watch --inventory $(strip $(INVENTORY)) --out $(strip $(OUT)) $(if $(strip $(URL)),--url $(strip $(URL))) \
+	  $(if $(strip $(EVERY)),--every $(strip $(EVERY))) $(if $(strip $(COUNT)),--count $(strip $(COUNT))) \
+	  $(if $(strip $(BASELINE)),--baseline) $(if $(strip $(HARDWARE)),--hardware $(strip $(HARDWARE))) \
+	  $(if $(strip $(REPEATS)),--repeats $(strip $(REPEATS))) $(foreach s,$(SET),--set $(s))
+
+findings: venv ## Troubleshooting findings of an experiment's runs (EXPERIMENT=..., default the newest)
+	@$(LAB) findings --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT)))
 
 ##@ Scenarios
 .PHONY: lint show

@@ -108,7 +108,7 @@ def test_live_backend_restarts_only_when_serve_flags_change(base, tmp_path, monk
     starts, stops = [], []
 
     def fake_start(flags, **kw):
-        starts.append(flags["max-num-seqs"] if "max-num-seqs" in flags else None)
+        starts.append(flags.get("max-num-seqs"))
         return serving.Instances([serving.Instance("h", "http://127.0.0.1:9", 9, "/tmp/log")])
 
     monkeypatch.setattr(serving, "start", fake_start)

@@ -61,7 +61,7 @@ def runs_by_value(store: Store, exp: str) -> pd.DataFrame:
 
 
 def test_sweep_report_matches_the_store(lab):
-    out = subprocess.run(lab_cmd(lab, "--values", "1,8", "--experiment", "e2e-sweep"),
+    out = subprocess.run(lab_cmd(lab, "--values", "1,8", "--experiment", "e2e-sweep"), check=False,
                          capture_output=True, text=True, timeout=400, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     index = lab / "reports/e2e-sweep/index.html"
@@ -123,7 +123,8 @@ def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
     runs = runs_by_value(Store(lab / "reports/lab.db"), "e2e-crash")
     assert runs.loc[2, "status"] == "ok" and runs.loc[4, "status"] == "crashed", out
     first_ok = runs.loc[2, "started"]
-    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300,
+                             cwd=REPO, check=False)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     runs = runs_by_value(Store(lab / "reports/lab.db"), "e2e-crash")
     assert dict(runs["status"]) == {2: "ok", 4: "ok"}

@@ -59,7 +59,7 @@ def _served_model(scenario: Scenario) -> str:
 
 def _get(url: str, timeout: float = 5.0) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - lab's own servers
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status
     except (urllib.error.URLError, OSError):
         return 0
@@ -71,7 +71,7 @@ def _post(url: str, body: dict | None, api_key: str | None, timeout: float = 120
                                  headers={"Content-Type": "application/json",
                                           **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - lab's own servers
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
             return r.status
     except urllib.error.HTTPError as e:

@@ -11,7 +11,9 @@ import yaml
 
 from vllm_lab import lint as lint_mod
 from vllm_lab import plans, scenarios, serving
+from vllm_lab.monitor import MonitorError
 from vllm_lab.store import StoreError
+from vllm_lab.watch import WatchError
 
 
 def _scenario_args(p: argparse.ArgumentParser) -> None:
@@ -163,6 +165,32 @@ def _resolve_checked(args: argparse.Namespace):
     return scenario
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Run the calibration plan on the backend, then fit a twin profile to it."""
+    from vllm_lab import calibrate
+    from vllm_lab.models import load_model_shape
+    from vllm_lab.twin.profile import load_profile, on_hardware
+
+    scenario = _resolve_checked(args)
+    points = calibrate.calibration_points(scenario)
+    rc = _take(args, "calibrate", scenario, points, {"params": ["point"]}, "calibrate")
+    if rc:
+        return rc
+    store_path = args.store or args.out / "lab.db"
+    exp_id = _experiment_id(argparse.Namespace(**{**vars(args), "resume": True}), "calibrate",
+                            scenario, "calibrate", store_path)
+    base = on_hardware(load_profile(scenario.hardware.twin_profile), scenario.hardware.model_dump())
+    model = load_model_shape(str(scenario.serve["model"]))
+    out = args.profile_out or args.out / exp_id / f"{scenario.hardware.gpu}-{model.name}.yaml"
+    profile, rows = calibrate.fit(store_path, exp_id, base.model_copy(
+        update={"name": out.stem, "model": model.name}), model, out)
+    for row in rows:
+        print(f"  {row['point']:6s} {row['metric']:18s} measured {row['measured']:9.2f} "
+              f"twin {row['predicted']:9.2f} {row['error']:+7.1%}")
+    print(f"profile: {out} (median errors {profile.provenance.errors})")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild an experiment's report from the store alone."""
     from vllm_lab import report
@@ -177,6 +205,144 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise StoreError(f"{store_path}: no experiments yet; run make baseline or make sweep first")
         experiment = str(exps.iloc[0]["id"])
     print(f"report: {report.build(store_path, experiment, args.out)}")
+    return 0
+
+
+# -- steps 3 and 4: combinations, the search, stress ---------------------------------------------
+
+def cmd_combo(args: argparse.Namespace) -> int:
+    """A grid of 2-3 flags: every combination, failures as data, resumable and spreadable."""
+    from vllm_lab import search
+    scenario = _resolve_checked(args)
+    grid = search.parse_grid(args.grid, args.params, scenario)
+    points = search.combo_points(scenario, grid, args.repeats or scenario.run.repeats)
+    for p in points:
+        _lint_or_note(p)
+    return _take(args, "combo", scenario, points, {"params": list(grid), "grid": grid},
+                 "-".join(grid))
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Optuna over a declared space; each trial is a run in the store; CONFIRM re-measures the best live."""
+    from vllm_lab import report, search
+    scenario = _resolve_checked(args)
+    store_path = args.store or args.out / "lab.db"
+    space = search.load_space(args.space, scenario)
+    exp_id = _experiment_id(args, "tune", scenario, None, store_path)
+    settings = search.TuneSettings(exp_id, space, args.objective, args.trials,
+                                   search.storage_url(args.study_storage, store_path), args.seed,
+                                   args.startup_trials)
+    hosts = serving.serve_hosts(args.inventory) if args.spread else [None]
+    print(f"tune: study {exp_id}, {args.trials} trial(s) per host on {len(hosts)} host(s), backend "
+          f"{args.backend}, objective {search.objective_label(args.objective)}, space {', '.join(space.space)}")
+
+    def progress(number, values, run):
+        s = run["summary"]
+        figures = (f"goodput {s.get('goodput') or 0:.2f} req/s, {s.get('output_throughput') or 0:.0f} tok/s"
+                   if run["state"] == "complete" else f"{run['status']}: {(run['error'] or '').splitlines()[0][:100] if run['error'] else ''}")
+        print(f"  trial {number} {values}: {run['state']}: {figures}", flush=True)
+
+    try:
+        counts = search.run_trials(scenario, settings, _backend(args), store_path, args.out / ".work",
+                                   hosts, progress)
+    except KeyboardInterrupt:
+        print(f"lab: interrupted; finished trials are kept. Continue with: make tune EXPERIMENT={exp_id}",
+              file=sys.stderr)
+        return 130
+    print(f"trials this session: {counts}")
+    print(f"report: {report.build(store_path, exp_id, args.out)}")
+    if args.confirm:
+        study = search.load_study(exp_id, settings.storage)
+        configs = search.best_configs(study, args.confirm, args.objective)
+        if not configs:
+            print("confirm: no trial met the SLO; nothing to confirm")
+            return 0
+        args.backend, args.experiment, args.resume = args.confirm_backend, f"{exp_id}-confirm", False
+        return _take(args, "tune", scenario, search.confirm_points(scenario, configs),
+                     {"params": list(space.space), "confirms": exp_id})
+    return 0
+
+
+def cmd_stress(args: argparse.Namespace) -> int:
+    """Ramp/step: a staircase of open-loop levels and its knee; spike/soak: one run as a time series."""
+    from vllm_lab import stress
+    scenario = stress.stress_scenario(_resolve_checked(args), args.shape)
+    if args.shape in ("spike", "soak"):
+        if args.shape == "spike" and args.backend == "predict":
+            raise scenarios.ScenarioError("SHAPE=spike needs a live backend (BACKEND=twin or vllm): "
+                                          "the predictor runs constant loads only")
+        return _take(args, "stress", scenario, stress.single_points(scenario), {"shape": args.shape},
+                     args.shape)
+    levels = stress.staircase_levels(scenario, plans.parse_values("load.shape.level", args.levels)
+                                     if args.levels else None)
+    meta = {"shape": args.shape, "params": ["load.shape.level"]}
+    repeats = args.repeats or scenario.run.repeats
+    store_path = args.store or args.out / "lab.db"
+    exp_id = _experiment_id(args, "stress", scenario, args.shape, store_path)
+    args.experiment = exp_id
+    rc = _take(args, "stress", scenario, stress.staircase_points(scenario, levels, repeats), meta, args.shape)
+    # A ramp zooms into the knee: each round adds levels inside its bracket (same experiment).
+    for _ in range(args.refine if args.shape == "ramp" and rc == 0 else 0):
+        from vllm_lab.store import Store
+        store = Store(store_path)
+        extra = stress.refine_levels(stress.levels_table(store, exp_id, store.runs(exp_id)))
+        store.close()
+        if not extra:
+            break
+        levels = sorted(set(levels) | set(extra))
+        print(f"ramp: refining the knee with levels {extra}")
+        rc = _take(args, "stress", scenario, stress.staircase_points(scenario, levels, repeats), meta)
+    return rc
+
+
+# -- step 5: monitoring, the regression watch, findings and the quarterly report ---------------
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    """Set up Prometheus (+ node exporter, + Grafana where installable) for the inventory."""
+    from vllm_lab import monitor
+    result = monitor.deploy(args.inventory, extra_vars=dict(v.split("=", 1) for v in args.var))
+    print(monitor.describe(result))
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Probe a live deployment on a schedule; exit 1 when a probe is a regression."""
+    from vllm_lab import watch
+    store_path = args.store or args.out / "lab.db"
+    regressed = watch.run_schedule(
+        store_path, url=args.url, inventory=args.inventory, every_s=args.every, count=args.count,
+        baseline=args.baseline, repeats=args.repeats, probe_overrides=args.overrides,
+        hardware=args.hardware, workdir=args.out / ".work", echo=print)
+    return 1 if regressed else 0
+
+
+def cmd_findings(args: argparse.Namespace) -> int:
+    """Print the troubleshooting findings of an experiment's runs (default: the newest)."""
+    from vllm_lab import findings
+    from vllm_lab.store import Store
+    store = Store(args.store or args.out / "lab.db")
+    exps = store.experiments()
+    if exps.empty:
+        store.close()
+        raise StoreError(f"{store.path}: no experiments yet; run make baseline or make sweep first")
+    experiment = args.experiment or str(exps.iloc[0]["id"])
+    store.experiment(experiment)  # names the known ones when it does not exist
+    runs = store.runs(experiment)
+    store.close()
+    total = 0
+    for row in runs.to_dict("records"):
+        for f in findings.findings(row):
+            total += 1
+            print(f"{row['point'] or 'baseline'} repeat {row['repeat']}: {findings.describe(f)}")
+    print(f"{experiment}: {total} finding(s) over {len(runs)} run(s)")
+    return 0
+
+
+def cmd_quarterly(args: argparse.Namespace) -> int:
+    """Build the quarterly report of every experiment of PERIOD."""
+    from vllm_lab import quarterly
+    store_path = args.store or args.out / "lab.db"
+    print(f"report: {quarterly.build(store_path, args.period, args.out, pdf=not args.no_pdf)}")
     return 0
 
 
@@ -205,11 +371,75 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--values", default=None, help="comma-separated values (default: a ladder)")
     p.set_defaults(func=cmd_sweep)
 
+    p = sub.add_parser("calibrate", help="measure the calibration plan and fit a twin profile")
+    _run_args(p)
+    p.add_argument("--profile-out", type=Path, default=None, help="where to write the profile YAML")
+    p.set_defaults(func=cmd_calibrate)
+
     p = sub.add_parser("report", help="rebuild an experiment's report from the store")
     p.add_argument("--experiment", default=None, help="experiment id (default: the newest)")
     p.add_argument("--out", type=Path, default=Path("reports"))
     p.add_argument("--store", type=Path, default=None)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("combo", help="a grid of 2-3 flags (step 3)")
+    _run_args(p)
+    p.add_argument("--params", default=None, help="flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens")
+    p.add_argument("--grid", default=None, help='values per flag: "max-num-seqs=8,16 max-num-batched-tokens=2048,8192"')
+    p.set_defaults(func=cmd_combo)
+
+    p = sub.add_parser("tune", help="Bayesian search (Optuna) over a declared space of flags (step 3)")
+    _run_args(p)
+    p.add_argument("--trials", type=int, default=20, help="trials this worker runs (per host with --spread)")
+    p.add_argument("--objective", default="goodput", choices=("goodput", "throughput", "pareto"))
+    p.add_argument("--space", default=None, help="space name (scenarios/spaces/) or YAML file; default per hardware")
+    p.add_argument("--study-storage", default=None, help="Optuna storage URL (default: the lab database)")
+    p.add_argument("--seed", type=int, default=None, help="sampler seed")
+    p.add_argument("--startup-trials", type=int, default=4, help="random trials before TPE models the space")
+    p.add_argument("--confirm", type=int, default=0, help="re-measure the best N configurations live")
+    p.add_argument("--confirm-backend", choices=("twin", "vllm"), default="twin")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("stress", help="ramp/step staircase with its knee, spike or soak (step 4)")
+    _run_args(p)
+    p.add_argument("--shape", required=True, choices=("ramp", "step", "spike", "soak"))
+    p.add_argument("--levels", default=None, help="offered loads (req/s) for ramp/step; default: "
+                   "fractions of the predicted capacity")
+    p.add_argument("--refine", type=int, default=2, help="ramp: rounds of levels added inside the knee's bracket")
+    p.set_defaults(func=cmd_stress)
+
+    p = sub.add_parser("monitor", help="Prometheus, exporters, alert rules and Grafana (monitor.yml)")
+    p.add_argument("--inventory", type=Path, default=Path("inventory/local.yml"))
+    p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra variable for monitor.yml, e.g. prometheus_port=9091")
+    p.set_defaults(func=cmd_monitor)
+
+    p = sub.add_parser("watch", help="probe a live deployment and flag regressions vs its baseline")
+    p.add_argument("--url", default=None, help="the deployment (default: every instance of INVENTORY)")
+    p.add_argument("--inventory", type=Path, default=Path("inventory/local.yml"))
+    p.add_argument("--hardware", default=None, help="hardware preset the probe scenario records")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="change the probe, e.g. load.shape.level=8")
+    p.add_argument("--every", type=float, default=0, help="seconds between probes (0: one round)")
+    p.add_argument("--count", type=int, default=1, help="rounds of probes")
+    p.add_argument("--baseline", action="store_true", help="record a new baseline first")
+    p.add_argument("--repeats", type=int, default=3, help="probes that make a baseline")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--store", type=Path, default=None)
+    p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("findings", help="troubleshooting findings of an experiment's runs")
+    p.add_argument("--experiment", default=None, help="experiment id (default: the newest)")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--store", type=Path, default=None)
+    p.set_defaults(func=cmd_findings)
+
+    p = sub.add_parser("quarterly", help="the quarterly report of every experiment of a period")
+    p.add_argument("--period", required=True, help="a quarter, e.g. 2026Q4 (UTC)")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--store", type=Path, default=None)
+    p.add_argument("--no-pdf", action="store_true", help="skip the PDF (needs Chromium)")
+    p.set_defaults(func=cmd_quarterly)
     return parser
 
 
@@ -218,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (scenarios.ScenarioError, StoreError) as e:
+    except (scenarios.ScenarioError, StoreError, MonitorError, WatchError) as e:
         print(f"lab: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

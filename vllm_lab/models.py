@@ -59,7 +59,7 @@ class ModelShape:
         }
 
     @classmethod
-    def from_config(cls, name: str, cfg: dict) -> "ModelShape":
+    def from_config(cls, name: str, cfg: dict) -> ModelShape:
         """Read a shape from a Hugging Face config dict."""
         heads = cfg["num_attention_heads"]
         return cls(

@@ -85,7 +85,7 @@ def parse_values(param: str, text: str) -> list[Any]:
             allowed = flag.describe_range() if flag else "a number"
             raise ScenarioError(f"VALUES: {raw!r} is not a value of {param} ({allowed})") from None
     if not out:
-        raise ScenarioError(f"VALUES is empty; give comma-separated values, e.g. VALUES=8,16,32")
+        raise ScenarioError("VALUES is empty; give comma-separated values, e.g. VALUES=8,16,32")
     return out
 
 

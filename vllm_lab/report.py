@@ -17,11 +17,11 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # no display on lab machines
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-from vllm_lab.store import Store  # noqa: E402
+from vllm_lab.store import Store
 
 CV_WARN = 0.10  # a spread above this is too large to trust a difference of the same size
 METRICS = ["output_throughput", "request_throughput", "goodput", "slo_attainment",
@@ -232,6 +232,8 @@ def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
     exp = store.experiment(experiment_id)
     runs = store.runs(experiment_id)
     store.close()
+    if exp["step"] in STEP_REPORTS and not runs.empty:
+        return _step_report(exp["step"])(store_path, exp, out_root)
     folder = out_root / experiment_id
     folder.mkdir(parents=True, exist_ok=True)
     if runs.empty:
@@ -249,6 +251,18 @@ def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
     index = folder / "index.html"
     index.write_text(_html(exp, ctx, headline, shown, notes, figures))
     return index
+
+
+# Steps 3 and 4 have their own pictures; their modules reuse this one's helpers.
+STEP_REPORTS = {"combo": ("report_search", "build_combo"), "tune": ("report_search", "build_tune"),
+                "stress": ("report_stress", "build_stress")}
+
+
+def _step_report(step: str):
+    """The report builder of a step with its own module (imported late: it imports this one)."""
+    import importlib
+    module, func = STEP_REPORTS[step]
+    return getattr(importlib.import_module(f"vllm_lab.{module}"), func)
 
 
 def _baseline_notes(table: pd.DataFrame) -> list[str]:

@@ -101,7 +101,7 @@ class Scenario(Strict):
             raise ValueError("serve.model is required (a model name or folder)")
         return serve
 
-    def with_serve(self, **flags: Any) -> "Scenario":
+    def with_serve(self, **flags: Any) -> Scenario:
         """A copy with some serve flags replaced (kebab-case names)."""
         return self.model_copy(update={"serve": {**self.serve, **flags}})
 

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import gevent
 import numpy as np
-from gevent.queue import Queue
+from gevent.queue import Empty, Queue
 from locust import FastHttpUser, LoadTestShape, constant, events, task
+from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
+from locust.user.users import LOCUST_STATE_STOPPING
 
 from vllm_lab.traffic.arrivals import lag_summary, schedule
 from vllm_lab.traffic.shapes import level_at, saturated, stop_reason, waiting_requests
@@ -258,7 +260,7 @@ class LLMUser(FastHttpUser):
             gevent.sleep(0.01)
             return
         if LOAD.mode == "open":
-            index, scheduled, sched_lag = st.queue.get()
+            index, scheduled, sched_lag = self._next_arrival(st)
         else:
             scheduled = time.perf_counter() + LOAD.think_time_s
             if LOAD.think_time_s:
@@ -279,6 +281,19 @@ class LLMUser(FastHttpUser):
                 if LOAD.think_time_s:
                     gevent.sleep(LOAD.think_time_s)
                 scheduled, sched_lag = time.perf_counter(), 0.0
+
+    def _next_arrival(self, st):
+        """Wait for the dispatcher's next arrival, but leave at once when the run stops.
+
+        The graceful stop lets in-flight requests finish (--stop-timeout); a slot that is only
+        waiting for work must not hold the run open until that timeout.
+        """
+        while True:
+            try:
+                return st.queue.get(timeout=0.2)
+            except Empty:
+                if self._state == LOCUST_STATE_STOPPING:
+                    raise StopUser() from None
 
     def _request(self, st, spec, turn, history, scheduled, sched_lag):
         path, body = st.gen.body(spec, _CFG["model"], turn, history)

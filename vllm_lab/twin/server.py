@@ -32,8 +32,8 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from vllm_lab import flags as flag_catalog
-from vllm_lab.twin.frontend import Frontend
 from vllm_lab.twin.engine import Engine, EngineRequest, EngineStartError
+from vllm_lab.twin.frontend import Frontend
 from vllm_lab.twin.metrics import CONTENT_TYPE, TwinMetrics
 from vllm_lab.twin.tokenizer import TwinTokenizer, draw_eos_after, load_tokenizer, pseudo_word
 

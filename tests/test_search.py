@@ -1,0 +1,144 @@
+"""Combination grid and Optuna search on the predictor: spaces, failures as trials, workers, reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_lab import plans, report, search
+from vllm_lab.backends import PredictBackend
+from vllm_lab.scenarios import ScenarioError, resolve
+from vllm_lab.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+SETS = ["load.mode=open", "load.shape.level=20", "load.stop.duration_s=5"]
+
+
+@pytest.fixture
+def scenario():
+    return resolve("default", None, SETS)
+
+
+def test_parse_grid_and_bad_input(scenario):
+    grid = search.parse_grid("max-num-seqs=8,16 max-num-batched-tokens=2048", None, scenario)
+    assert grid == {"max-num-seqs": [8, 16], "max-num-batched-tokens": [2048]}
+    grid = search.parse_grid("max-num-seqs=8,16", "max-num-seqs,max-num-batched-tokens", scenario)
+    assert grid["max-num-seqs"] == [8, 16] and len(grid["max-num-batched-tokens"]) > 1
+    with pytest.raises(ScenarioError, match="2 or 3 parameters"):
+        search.parse_grid(None, "max-num-seqs", scenario)
+    with pytest.raises(ScenarioError, match="GRID item"):
+        search.parse_grid("max-num-seqs", None, scenario)
+
+
+def test_space_file_is_strict(tmp_path, scenario):
+    good = search.load_space(str(ROOT / "scenarios/spaces/batching.yaml"), scenario)
+    assert set(good.space) == {"max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("space:\n  max-num-seqs: {low: 8, hgih: 64}\n")
+    with pytest.raises(ScenarioError, match="bad.yaml: key space.max-num-seqs.hgih"):
+        search.load_space(str(bad), scenario)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("space:\n  max-num-seqz: {low: 8, high: 64}\n")
+    with pytest.raises(ScenarioError, match="not a vLLM flag"):
+        search.load_space(str(unknown), scenario)
+    default = search.load_space(None, scenario)
+    assert default.space["max-num-seqs"].log and default.space["max-num-seqs"].low == 8
+
+
+def test_combo_report_has_heatmaps_pareto_and_best(tmp_path, scenario):
+    grid = {"max-num-seqs": [8, 64], "max-num-batched-tokens": [4, 2048]}  # 4 < seqs: refused
+    plan = plans.Plan("combo-t", "combo", search.combo_points(scenario, grid), {"params": list(grid)})
+    counts = plans.execute(plan, PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
+    assert counts.get("failed-start", 0) >= 1 and counts.get("ok", 0) >= 1  # failures are data
+    index = report.build(tmp_path / "lab.db", "combo-t", tmp_path)
+    folder = index.parent
+    assert (folder / "heatmaps.png").exists() and (folder / "pareto.png").exists()
+    best = resolve(str(folder / "best.yaml"))  # a ready scenario file
+    assert best.serve["max-num-seqs"] in (8, 64)
+    # Resume: nothing left to take.
+    assert plans.execute(plan, PredictBackend(), tmp_path / "lab.db", tmp_path / "w") == {}
+
+
+def test_tune_records_trials_runs_and_failures(tmp_path, scenario):
+    space = search.SearchSpace(space={"max-num-seqs": search.ParamRange(choices=[16, 64, 256]),
+                                      "max-num-batched-tokens": search.ParamRange(choices=[8, 4096])})
+    settings = search.TuneSettings("tune-t", space, "goodput", 8,
+                                   search.storage_url(None, tmp_path / "lab.db"), seed=3)
+    counts = search.run_trials(scenario, settings, PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
+    assert sum(counts.values()) == 8
+    study = search.load_study("tune-t", settings.storage)
+    trials = study.get_trials()
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    # 8 tokens < max-num-seqs: vLLM refuses to start; the trial is pruned with its cause.
+    assert all(t.user_attrs["cause"] == "failed-start" and t.user_attrs["error"] for t in pruned)
+    assert all(t.params["max-num-batched-tokens"] == 8 for t in pruned)
+    runs = Store(tmp_path / "lab.db").runs("tune-t")
+    assert set(runs["step"]) == {"tune"}
+    assert {t.user_attrs["run_key"] for t in trials} == set(runs["run_key"])  # every trial is a run
+    # The lab's tables and Optuna's share the file.
+    import sqlite3
+    tables = {r[0] for r in sqlite3.connect(tmp_path / "lab.db").execute(
+        "SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"runs", "experiments", "studies", "trials"} <= tables
+    meta = search.tune_meta(settings)
+    Store(tmp_path / "lab.db").create_experiment("tune-t", "tune", "default", meta)
+    index = report.build(tmp_path / "lab.db", "tune-t", tmp_path)
+    assert (index.parent / "history.png").exists() and (index.parent / "best.yaml").exists()
+    assert resolve(str(index.parent / "best.yaml")).serve["max-num-batched-tokens"] == 4096
+
+
+def test_throughput_objective_uses_the_slo_as_constraint(tmp_path, scenario):
+    s = resolve("default", None, SETS + ["slo.tpot.threshold_ms=1"])  # nothing can meet it
+    space = search.SearchSpace(space={"max-num-seqs": search.ParamRange(low=8, high=64, log=True)})
+    settings = search.TuneSettings("tune-c", space, "throughput", 3,
+                                   search.storage_url(None, tmp_path / "lab.db"), seed=0)
+    search.run_trials(s, settings, PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
+    study = search.load_study("tune-c", settings.storage)
+    assert all(t.user_attrs["slo_violation"] > 0 for t in study.trials)
+    assert search.best_configs(study, 1, "throughput") == []  # infeasible: no best
+
+
+def test_pareto_uses_nsga2(tmp_path, scenario):
+    import optuna
+    space = search.SearchSpace(space={"max-num-seqs": search.ParamRange(low=8, high=256, log=True)})
+    settings = search.TuneSettings("tune-p", space, "pareto", 4,
+                                   search.storage_url(None, tmp_path / "lab.db"), seed=0)
+    study = search.open_study("tune-p", settings.storage, "pareto")
+    assert isinstance(study.sampler, optuna.samplers.NSGAIISampler) and len(study.directions) == 2
+    search.run_trials(scenario, settings, PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
+    assert all(len(t.values) == 2 for t in search.load_study("tune-p", settings.storage).trials)
+
+
+WORKER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from vllm_lab import search
+    from vllm_lab.backends import PredictBackend
+    from vllm_lab.scenarios import resolve
+    db = Path(sys.argv[1])
+    s = resolve("default", None, ["load.mode=open", "load.shape.level=10", "load.stop.duration_s=4"])
+    space = search.SearchSpace(space={"max-num-seqs": search.ParamRange(low=8, high=512, log=True),
+                                      "max-num-batched-tokens": search.ParamRange(low=1024, high=16384, log=True)})
+    settings = search.TuneSettings("tune-w", space, "goodput", 6, search.storage_url(None, db))
+    search.run_trials(s, settings, PredictBackend(), db, db.parent / "w")
+""")
+
+
+@pytest.mark.integration
+def test_two_workers_share_one_study(tmp_path):
+    """Two processes on one study and one store: no trial lost, none duplicated, none left running."""
+    db = tmp_path / "lab.db"
+    Store(db).close()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(db)], cwd=ROOT) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    study = search.load_study("tune-w", search.storage_url(None, db))
+    trials = study.get_trials()
+    assert sorted(t.number for t in trials) == list(range(12))
+    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in trials)
+    runs = Store(db).runs("tune-w")
+    assert runs["run_key"].is_unique
+    assert {t.user_attrs["run_key"] for t in trials} == set(runs["run_key"])

@@ -1,0 +1,118 @@
+"""Stress: the knee of a staircase, spike recovery, soak drift; one short staircase on the live twin."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from vllm_lab import plans, report, stress
+from vllm_lab.backends import PredictBackend
+from vllm_lab.scenarios import ScenarioError, resolve
+from vllm_lab.store import Store
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def table(rows):
+    return pd.DataFrame([{"ok": True, "capacity_estimate": math.nan, **r} for r in rows])
+
+
+def test_find_knee_and_refine():
+    t = table([{"level": 2, "unbounded": False, "meets_slo": True},
+               {"level": 4, "unbounded": False, "meets_slo": True},
+               {"level": 6, "unbounded": False, "meets_slo": False},
+               {"level": 8, "unbounded": True, "meets_slo": False, "capacity_estimate": 7.0}])
+    knee = stress.find_knee(t)
+    assert knee["knee_unbounded"] == 7.0 and knee["bracket"] == (6.0, 8.0)
+    assert knee["knee_slo"] == 4.0 and knee["knee"] == 4.0 and knee["max_sustainable"] == 4.0
+    assert stress.refine_levels(t) == [6.5, 7.0, 7.5]
+    never = table([{"level": 2, "unbounded": False, "meets_slo": True}])
+    assert stress.refine_levels(never) == [3.0, 4.0]  # not overloaded yet: go higher
+
+
+def test_bad_shape_is_one_sentence():
+    with pytest.raises(ScenarioError, match="SHAPE='wave': allowed values are ramp, step, spike, soak"):
+        stress.stress_scenario(resolve("default"), "wave")
+
+
+def test_predictor_staircase_finds_the_capacity(tmp_path):
+    """On the predictor the knee lies within 10% of the saturated capacity (queue at the server)."""
+    s = stress.stress_scenario(resolve("default", None, ["load.stop.duration_s=30",
+                                                         "serve.max-num-seqs=64"]), "ramp")
+    capacity = stress.predicted_capacity(s)
+    levels = [round(capacity * f, 3) for f in (0.5, 0.8, 1.2, 1.5)]
+    plan = plans.Plan("st", "stress", stress.staircase_points(s, levels),
+                      {"shape": "ramp", "params": ["load.shape.level"]})
+    plans.execute(plan, PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
+    store = Store(tmp_path / "lab.db")
+    t = stress.levels_table(store, "st", store.runs("st"))
+    knee = stress.find_knee(t)
+    assert not t[t["level"] <= 0.8 * capacity]["unbounded"].any()
+    assert t[t["level"] >= 1.2 * capacity]["unbounded"].all()
+    assert abs(knee["knee_unbounded"] / capacity - 1) < 0.10
+    index = report.build(tmp_path / "lab.db", "st", tmp_path)
+    assert (index.parent / "stress.png").exists() and "Knee at" in index.read_text()
+
+
+def synthetic_run(spike: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run of 60 s: base TTFT 50 ms, 200 ms during a spike at 20-30 s that drains by 36 s."""
+    t = np.arange(0, 60, 0.1)
+    ttft = np.full_like(t, 0.05)
+    if spike:
+        ttft[(t >= 20) & (t < 36)] = 0.2
+    samples = pd.DataFrame({"start_ts": 1000 + t, "ttft_s": ttft, "tpot_s": 0.01 + t * 1e-4,
+                            "e2e_s": ttft + 0.5, "status": "ok"})
+    ts = 1000 + np.arange(0, 60, 1.0)
+    waiting = np.where((ts - 1000 >= 20) & (ts - 1000 < 36), 30.0, 0.0) if spike else np.zeros_like(ts)
+    metrics = pd.DataFrame({"ts": ts, "name": "vllm:num_requests_waiting", "labels": "", "value": waiting})
+    kv = metrics.assign(name="vllm:kv_cache_usage_perc", value=0.2 + (ts - 1000) / 600)
+    return samples, pd.concat([metrics, kv])
+
+
+def test_spike_recovery_and_soak_drift():
+    s = resolve("default", None, ["load.shape.kind=spike", "load.shape.spike_at_s=20",
+                                  "load.shape.spike_s=10"])
+    samples, metrics = synthetic_run(spike=True)
+    found = stress.spike_behaviour(stress.windows(samples, metrics), s)
+    assert found["peak_queue"] == 30 and 5 <= found["recovery_s"] <= 8
+    samples, metrics = synthetic_run(spike=False)
+    drift = stress.soak_drift(stress.windows(samples, metrics))
+    assert drift["tpot_p50_drift"] > 0.2 and drift["kv_usage_drift"] > 0.2
+    assert abs(drift["ttft_p50_drift"]) < 0.01
+
+
+@pytest.mark.integration
+def test_live_twin_staircase(tmp_path):
+    """A two-level staircase on the twin (cpu-demo): below capacity bounded, far above it not."""
+    inv = yaml.safe_load((REPO / "inventory/local.yml").read_text())
+    host = inv["all"]["children"]["vllm_servers"]["hosts"]["localhost"]
+    host["lab_host_root"] = str(tmp_path / "host")
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    host["vllm_instances"] = [{"name": "main", "port": port, "gpus": "", "flags": {}}]
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump(inv))
+    shutil.copytree(REPO / "inventory/group_vars", tmp_path / "group_vars")
+    sets = ["workload.source=alpaca-like", "serve.max-num-seqs=8", "load.stop.duration_s=12",
+            "run.warmup_requests=2"]
+    cmd = [sys.executable, str(REPO / "scripts/lab.py"), "stress", "--shape", "ramp", "--levels", "1.5,8",
+           "--refine", "0", "--hardware", "cpu-demo", "--inventory", str(tmp_path / "inv.yml"),
+           "--out", str(tmp_path / "reports"), "--experiment", "live-st",
+           *[x for s in sets for x in ("--set", s)]]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    store = Store(tmp_path / "reports/lab.db")
+    t = stress.levels_table(store, "live-st", store.runs("live-st")).set_index("level")
+    assert set(t["status"]) == {"ok"}
+    assert not t.loc[1.5, "unbounded"] and t.loc[8.0, "unbounded"]
+    assert t.loc[8.0, "queue_growth"] > 0  # the twin's own vllm:num_requests_waiting grows
+    assert (tmp_path / "reports/live-st/stress.png").exists()

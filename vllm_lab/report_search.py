@@ -1,0 +1,278 @@
+"""Reports of step 3 from the store (and, for a search, its Optuna study): combo and tune.
+
+A combination gets heat maps of throughput and goodput over two flags (one panel per value of a
+third) and the Pareto front of throughput against the SLO's latency, the best point under the SLO
+marked. A search gets its history, the parameters' importances and its best configuration as a
+ready scenario file.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from vllm_lab import report, search
+from vllm_lab.store import Store
+
+
+def _slo_columns(ctx: report.Context) -> list[tuple[str, float, str]]:
+    """(summary column, threshold in s, label) for each SLO latency at its percentile."""
+    out = []
+    for metric, target in (ctx.slo or {}).items():
+        if target and round(target["percentile"]) in (50, 90, 99):
+            pct = round(target["percentile"])
+            out.append((f"{metric}_p{pct}", target["threshold_ms"] / 1000,
+                        f"{metric.upper()} p{pct} (SLO ≤ {target['threshold_ms']:g} ms)"))
+    return out or [("e2e_p99", math.inf, "E2E p99")]
+
+
+def heatmaps(table: pd.DataFrame, params: list[str], ctx: report.Context, folder: Path) -> Path:
+    """Throughput and goodput over the first two params; one row of panels per third-param value."""
+    x, y = params[0], params[1]
+    thirds = sorted(table[params[2]].unique(), key=str) if len(params) > 2 else [None]
+    best = report.best_point(table)
+    fig, axes = plt.subplots(len(thirds), 2, figsize=(12, 4.6 * len(thirds)), squeeze=False)
+    for r, third in enumerate(thirds):
+        sub = table if third is None else table[table[params[2]] == third]
+        xs, ys = sorted(sub[x].unique(), key=str), sorted(sub[y].unique(), key=str)
+        for c, (metric, label) in enumerate((("output_throughput", "output tokens/s"),
+                                             ("goodput", "goodput (req/s meeting SLO)"))):
+            ax = axes[r][c]
+            grid = np.full((len(ys), len(xs)), np.nan)
+            for _, row in sub.iterrows():
+                grid[ys.index(row[y]), xs.index(row[x])] = row[metric]
+            im = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
+            fig.colorbar(im, ax=ax, label=label)
+            for _, row in sub.iterrows():
+                i, j = ys.index(row[y]), xs.index(row[x])
+                text = f"{row[metric]:.3g}" if row["ok_runs"] else row["status"][:10]
+                color = "red" if not row["ok_runs"] else ("white" if not row["meets_slo"] else "black")
+                ax.text(j, i, text, ha="center", va="center", fontsize=7, color=color,
+                        fontweight="bold" if row["meets_slo"] else "normal")
+                if best is not None and row.name == best.name:
+                    ax.add_patch(plt.Rectangle((j - .5, i - .5), 1, 1, fill=False, ec="red", lw=2.5))
+            ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+            ax.set_yticks(range(len(ys)), [str(v) for v in ys])
+            ax.set_xlabel(x)
+            ax.set_ylabel(y)
+            where = "" if third is None else f" at {params[2]}={third}"
+            ax.set_title(f"{label}{where}", fontsize=10)
+    fig.suptitle("Heat maps (bold: meets the SLO; red frame: best under the SLO)", fontsize=11)
+    fig.text(0.01, -0.02, ctx.caption, fontsize=7, va="top")
+    return report._png(fig, folder / "heatmaps.png")
+
+
+def pareto_front(points: pd.DataFrame, latency: str) -> pd.DataFrame:
+    """The points no other point beats on both higher throughput and lower ``latency``."""
+    p = points.dropna(subset=[latency, "output_throughput"]).sort_values(
+        [latency, "output_throughput"], ascending=[True, False])
+    front, best = [], -math.inf
+    for idx, row in p.iterrows():
+        if row["output_throughput"] > best:
+            front.append(idx)
+            best = row["output_throughput"]
+    return p.loc[front]
+
+
+def pareto_figure(table: pd.DataFrame, params: list[str], ctx: report.Context, folder: Path,
+                  name: str = "pareto.png") -> Path:
+    """Throughput against each SLO latency; the front drawn, the best point under the SLO starred."""
+    cols = _slo_columns(ctx)
+    best = report.best_point(table)
+    fig, axes = plt.subplots(1, len(cols), figsize=(6.5 * len(cols), 4.8), squeeze=False)
+    for ax, (col, threshold, label) in zip(axes[0], cols):
+        ok = table[table["ok_runs"] > 0]
+        colors = np.where(ok["meets_slo"], "tab:green", "tab:gray")
+        ax.scatter(ok[col] * 1000, ok["output_throughput"], c=colors, s=30, alpha=0.8)
+        front = pareto_front(ok, col)
+        ax.plot(front[col] * 1000, front["output_throughput"], "-", color="tab:blue", lw=1.5,
+                label="Pareto front")
+        for _, row in front.iterrows():
+            ax.annotate(", ".join(f"{row[p]}" for p in params), (row[col] * 1000, row["output_throughput"]),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if math.isfinite(threshold):
+            ax.axvline(threshold * 1000, color="red", ls="--", label="SLO threshold")
+        if best is not None:
+            ax.scatter([best[col] * 1000], [best["output_throughput"]], marker="*", s=300,
+                       color="gold", edgecolor="black", zorder=5,
+                       label="best under SLO: " + ", ".join(f"{p}={best[p]}" for p in params))
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("output tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Throughput vs the SLO's latency (green: meets the SLO)", fontsize=11)
+    fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
+    return report._png(fig, folder / name)
+
+
+def _page(exp, ctx, headline, shown, notes, figures, folder: Path, extra_html: str = "",
+          extra_md: str = "") -> Path:
+    """report.md and index.html in the sweep report's layout, with extra sections appended."""
+    md = report._markdown(exp, ctx, headline, shown, notes, figures) + extra_md
+    (folder / "report.md").write_text(md)
+    page = report._html(exp, ctx, headline, shown, notes, figures)
+    index = folder / "index.html"
+    index.write_text(page.replace("</body>", extra_html + "</body>", 1))
+    return index
+
+
+def _best_file(runs: pd.DataFrame, params: list[str], best: pd.Series | None, folder: Path,
+               note: str) -> Path | None:
+    """Write best.yaml: the scenario as it ran with the best values, ready to run again."""
+    if best is None:
+        return None
+    values = {p: _plain(best[p]) for p in params}
+    scenario = json.loads(runs.iloc[0]["scenario_json"])
+    path = folder / "best.yaml"
+    path.write_text(search.scenario_file(scenario, values, note))
+    return path
+
+
+def _plain(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _yaml_section(path: Path | None) -> tuple[str, str]:
+    if path is None:
+        return "", ""
+    text = path.read_text()
+    return (f"<h2>Best configuration: {path.name}</h2><pre>{html.escape(text)}</pre>",
+            f"\n## Best configuration: {path.name}\n\n```yaml\n{text}```\n")
+
+
+def build_combo(store_path: Path, exp: dict, out_root: Path) -> Path:
+    """The combination's report: table, heat maps, Pareto front, best point and best.yaml."""
+    store = Store(store_path)
+    runs = store.runs(exp["id"])
+    store.close()
+    folder = out_root / exp["id"]
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = report._context(runs)
+    params = list(exp["meta"]["params"])
+    table = report.point_table(runs, params)
+    table.to_csv(folder / "summary.csv", index=False)
+    figures = [heatmaps(table, params, ctx, folder), pareto_figure(table, params, ctx, folder)]
+    best = report.best_point(table)
+    headline = report._headline(exp, table, best, params)
+    best_path = _best_file(runs, params, best, folder, f"best of {exp['id']} under the SLO: {headline}")
+    h, m = _yaml_section(best_path)
+    return _page(exp, ctx, headline, report._display_table(table, params), report._warnings(table),
+                 figures, folder, h, m)
+
+
+# -- the search -----------------------------------------------------------------------------------
+
+def trials_frame(study) -> pd.DataFrame:
+    """One row per trial: number, state, values, params and the cause of a failure."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        row = {"trial": t.number, "state": t.state.name, **t.params,
+               "value": t.values[0] if t.values else math.nan,
+               "value2": t.values[1] if t.values and len(t.values) > 1 else math.nan,
+               "cause": t.user_attrs.get("cause", ""), "error": t.user_attrs.get("error", ""),
+               "run_key": t.user_attrs.get("run_key", ""),
+               "slo_violation": t.user_attrs.get("slo_violation", math.nan)}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def history_figure(trials: pd.DataFrame, objective: str, ctx: report.Context, folder: Path) -> Path:
+    """Objective per trial, the best so far, and pruned/failed trials marked with their cause."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    done = trials[trials["state"] == "COMPLETE"]
+    feasible = done["slo_violation"].fillna(1) <= 0
+    ax.scatter(done["trial"], done["value"], c=np.where(feasible, "tab:green", "tab:gray"), s=25,
+               label="trial (green: meets the SLO)")
+    if objective != "pareto" and len(done):
+        valid = done["value"].where(feasible | (objective == "goodput"))
+        ax.step(done["trial"], valid.cummax().ffill(), where="post", color="tab:blue", label="best so far")
+    for _, row in trials[trials["state"].isin(["PRUNED", "FAIL"])].iterrows():
+        ax.axvline(row["trial"], color="red", alpha=0.3)
+        ax.annotate(row["cause"] or row["state"].lower(), (row["trial"], 0.02),
+                    xycoords=("data", "axes fraction"), rotation=90, fontsize=7, color="red")
+    ax.set_xlabel("trial")
+    ax.set_ylabel(search.objective_label(objective if objective != "pareto" else "throughput"))
+    ax.set_title(f"Search history ({len(trials)} trials)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
+    return report._png(fig, folder / "history.png")
+
+
+def importance_figure(study, ctx: report.Context, folder: Path) -> tuple[Path | None, dict]:
+    """optuna.importance (its default, PED-ANOVA) of each parameter for the (first) objective."""
+    import optuna
+    # PED-ANOVA ranks what it takes to reach *low* target values: flip a maximized objective.
+    sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
+    try:
+        imp = optuna.importance.get_param_importances(study, target=lambda t: sign * t.values[0])
+    except (RuntimeError, ValueError, ZeroDivisionError):
+        return None, {}  # too few complete trials, or a parameter that never varied
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(imp)))
+    names = list(imp)[::-1]
+    ax.barh(names, [imp[n] for n in names], color="tab:blue")
+    ax.set_xlabel("importance (optuna.importance, PED-ANOVA, normalized)")
+    ax.set_title("Parameter importances", fontsize=10)
+    fig.text(0.01, -0.1, ctx.caption, fontsize=7, va="top")
+    return report._png(fig, folder / "importances.png"), imp
+
+
+def build_tune(store_path: Path, exp: dict, out_root: Path) -> Path:
+    """The search's report: trials, history, importances, Pareto, best configuration as best.yaml."""
+    store = Store(store_path)
+    runs = store.runs(exp["id"])
+    store.close()
+    meta = exp["meta"]
+    if meta.get("confirms"):
+        return build_combo(store_path, exp, out_root)  # a confirmation is a small combination
+    folder = out_root / exp["id"]
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = report._context(runs)
+    params = list(meta["params"])
+    study = search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store_path))
+    trials = trials_frame(study)
+    trials.to_csv(folder / "trials.csv", index=False)
+    table = report.point_table(runs, params)
+    table.to_csv(folder / "summary.csv", index=False)
+    figures = [history_figure(trials, meta["objective"], ctx, folder)]
+    imp_path, imp = importance_figure(study, ctx, folder)
+    figures += [imp_path] if imp_path else []
+    figures.append(pareto_figure(table, params, ctx, folder))
+    configs = search.best_configs(study, 1, meta["objective"])
+    best = None
+    if configs:
+        match = table[np.logical_and.reduce([table[p] == v for p, v in configs[0].items()])]
+        best = match.iloc[0] if len(match) else None
+    states = trials["state"].value_counts().to_dict()
+    headline = (f"{len(trials)} trials ({', '.join(f'{v} {k.lower()}' for k, v in states.items())}), "
+                f"objective {search.objective_label(meta['objective'])}. ")
+    headline += report._headline(exp, table, best, params) if best is not None else \
+        "No trial met the SLO."
+    best_path = _best_file(runs, params, best, folder, f"best of study {meta['study']}: {headline}")
+    notes = [f"importance of {k}: {v:.2f}" for k, v in imp.items()]
+    notes += [f"trial {r.trial}: {r.state.lower()} ({r.cause}): {r.error}" for r in
+              trials[trials["state"].isin(["PRUNED", "FAIL"])].itertuples()]
+    notes.append(f"study {meta['study']} in {meta['storage'] or 'the lab database'}; more workers join "
+                 f"with make tune EXPERIMENT={exp['id']}")
+    h, m = _yaml_section(best_path)
+    h += _confirm_html(store_path, exp["id"])
+    return _page(exp, ctx, headline, report._display_table(table, params), notes, figures, folder, h, m)
+
+
+def _confirm_html(store_path: Path, exp_id: str) -> str:
+    """A pointer to the live confirmation of a pre-screen, when there is one."""
+    store = Store(store_path)
+    exps = store.experiments()
+    store.close()
+    confirm = exps[exps["id"] == f"{exp_id}-confirm"]
+    if confirm.empty:
+        return ""
+    return (f"<h2>Confirmed on a live backend</h2><p>See <a href=\"../{html.escape(exp_id)}-confirm/"
+            f"index.html\">{html.escape(exp_id)}-confirm</a>.</p>")
