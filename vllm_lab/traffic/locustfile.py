@@ -338,8 +338,12 @@ class LLMUser(FastHttpUser):
                 if not choices:
                     continue
                 c = choices[0]
-                text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                if text:
+                # A chunk carries a token when it has text, even "": a token can decode to nothing
+                # yet (dummy weights, a partial UTF-8 sequence). Chat's first chunk only names
+                # the role, and an empty chunk that only says why the stream ends, carry none.
+                delta = c.get("delta") or {}
+                text = c.get("text") if "text" in c else delta.get("content")
+                if text is not None and "role" not in delta and (text or not c.get("finish_reason")):
                     if ttft is None:
                         ttft = now - start
                     else:
