@@ -34,6 +34,8 @@ EVERY     ?=                          # make watch: seconds between probe rounds
 COUNT     ?=                          # make watch: rounds of probes (with EVERY)
 BASELINE  ?=                          # make watch: BASELINE=1 records a new baseline first
 PROFILE_OUT ?=                        # make calibrate: where the fitted twin profile goes
+FIT_ONLY  ?=                          # make calibrate FIT_ONLY=1 EXPERIMENT=...: refit from the store, measure nothing
+REFERENCE ?=                          # make calibrate: vllm bench serve result files of the same machine, fitted too
 LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
 
 VENV := .venv
@@ -87,7 +89,8 @@ sweep: venv ## Step 2: one flag over a ladder, e.g. make sweep PARAM=max-num-seq
 	@$(LAB) sweep $(RUN_ARGS) --param $(strip $(PARAM)) $(if $(strip $(VALUES)),--values $(strip $(VALUES)))
 
 calibrate: venv ## Measure the calibration plan on BACKEND and fit a twin profile (PROFILE_OUT=path)
-	@$(LAB) calibrate $(RUN_ARGS) $(if $(strip $(PROFILE_OUT)),--profile-out $(strip $(PROFILE_OUT)))
+	@$(LAB) calibrate $(RUN_ARGS) $(if $(strip $(PROFILE_OUT)),--profile-out $(strip $(PROFILE_OUT))) \
+	  $(if $(strip $(FIT_ONLY)),--fit-only) $(if $(strip $(REFERENCE)),--reference $(REFERENCE))
 
 report: venv ## Rebuild an experiment's report from the store (EXPERIMENT=...); PERIOD=2026Q4: the quarterly report
 ifeq ($(strip $(PERIOD)),)

@@ -14,7 +14,7 @@ from pathlib import Path
 from vllm_lab.plans import Point, apply_value
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
-from vllm_lab.twin.fit import BenchPoint, compare, fit_profile
+from vllm_lab.twin.fit import BenchPoint, compare, fit_profile, load_point
 from vllm_lab.twin.profile import Profile
 
 # name, prompt tokens, output tokens, concurrent users, requests; the shapes of the reference set.
@@ -59,11 +59,17 @@ def bench_points(store: Store, experiment_id: str) -> list[BenchPoint]:
     return out
 
 
-def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path) -> tuple[Profile, list[dict]]:
-    """Fit ``base``'s coefficients to a calibration experiment, write the profile, return the errors."""
+def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,
+        reference: list[Path] = ()) -> tuple[Profile, list[dict]]:
+    """Fit ``base``'s coefficients to a calibration experiment, write the profile, return the errors.
+
+    ``reference``: `vllm bench serve` result files from the same machine, fitted together with the
+    lab's runs: two instruments on one server keep the twin honest to both.
+    """
     store = Store(store_path)
     points = bench_points(store, experiment_id)
     store.close()
+    points += [load_point(Path(f)) for f in reference]
     if len(points) < 3:
         raise ValueError(f"experiment {experiment_id} has {len(points)} ok calibration runs; "
                          f"the fit needs at least 3")

@@ -172,23 +172,36 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from vllm_lab.twin.profile import load_profile, on_hardware
 
     scenario = _resolve_checked(args)
-    points = calibrate.calibration_points(scenario)
-    rc = _take(args, "calibrate", scenario, points, {"params": ["point"]}, "calibrate")
-    if rc:
-        return rc
     store_path = args.store or args.out / "lab.db"
+    if not args.fit_only:
+        points = calibrate.calibration_points(scenario)
+        rc = _take(args, "calibrate", scenario, points, {"params": ["point"]}, "calibrate")
+        if rc:
+            return rc
     exp_id = _experiment_id(argparse.Namespace(**{**vars(args), "resume": True}), "calibrate",
                             scenario, "calibrate", store_path)
+    scenario = scenarios.Scenario.model_validate_json(
+        _first_run_scenario(store_path, exp_id)) if args.fit_only else scenario
     base = on_hardware(load_profile(scenario.hardware.twin_profile), scenario.hardware.model_dump())
     model = load_model_shape(str(scenario.serve["model"]))
     out = args.profile_out or args.out / exp_id / f"{scenario.hardware.gpu}-{model.name}.yaml"
     profile, rows = calibrate.fit(store_path, exp_id, base.model_copy(
-        update={"name": out.stem, "model": model.name}), model, out)
+        update={"name": out.stem, "model": model.name}), model, out, args.reference)
     for row in rows:
         print(f"  {row['point']:6s} {row['metric']:18s} measured {row['measured']:9.2f} "
               f"twin {row['predicted']:9.2f} {row['error']:+7.1%}")
     print(f"profile: {out} (median errors {profile.provenance.errors})")
     return 0
+
+
+def _first_run_scenario(store_path: Path, exp_id: str) -> str:
+    from vllm_lab.store import Store
+    store = Store(store_path)
+    runs = store.runs(exp_id)
+    store.close()
+    if runs.empty:
+        raise StoreError(f"{store_path}: experiment {exp_id} has no runs to fit")
+    return str(runs.iloc[0]["scenario_json"])
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -374,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure the calibration plan and fit a twin profile")
     _run_args(p)
     p.add_argument("--profile-out", type=Path, default=None, help="where to write the profile YAML")
+    p.add_argument("--fit-only", action="store_true", help="fit from EXPERIMENT's runs, measure nothing")
+    p.add_argument("--reference", type=Path, nargs="*", default=[],
+                   help="vllm bench serve result files from the same machine, fitted too")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("report", help="rebuild an experiment's report from the store")

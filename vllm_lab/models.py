@@ -91,6 +91,8 @@ _ALIASES = {
     "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b", "meta-llama/llama-3.1-70b-instruct": "llama-3-70b",
     "meta-llama/llama-2-7b-hf": "llama-2-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
     "huggingfacetb/smollm-135m": "smollm-135m",
+    # The gpu-kit's offline folders (../shared/gpu-kit), for reading results away from the device.
+    "model-llama8b": "llama-3-8b", "model-smol": "smollm-135m",
 }
 
 
@@ -100,7 +102,7 @@ def load_model_shape(model: str) -> ModelShape:
     if (path / "config.json").is_file():
         return ModelShape.from_config(path.name, json.loads((path / "config.json").read_text()))
     key = model.lower()
-    key = _ALIASES.get(key, key)
+    key = _ALIASES.get(key, _ALIASES.get(path.name.lower(), key))
     if key in KNOWN_SHAPES:
         return KNOWN_SHAPES[key]
     known = ", ".join(sorted(KNOWN_SHAPES))

@@ -96,6 +96,30 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
     return table
 
 
+TWIN_METRICS = ("output_throughput", "ttft_p50", "tpot_p50")
+
+
+def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
+    """Beside each real point, what the twin's predictor says for the same scenario, and the error."""
+    from vllm_lab.backends import PredictBackend
+    from vllm_lab.scenarios import Scenario
+
+    predicted = []
+    for _, row in table.iterrows():
+        wanted = {k: row[k] for k in params}
+        match = runs[runs["point"].map(lambda p, w=wanted: all(p.get(k) == v for k, v in w.items()))]
+        scenario = Scenario.model_validate_json(match.iloc[0]["scenario_json"])
+        try:
+            m = PredictBackend().measure(scenario, None, Path("."))
+            predicted.append({f"twin_{k}": m.summary.get(k, np.nan) for k in TWIN_METRICS})
+        except (ValueError, OSError) as e:  # an unknown model shape: no prediction, said so
+            predicted.append({f"twin_{k}": np.nan for k in TWIN_METRICS} | {"twin_error": str(e)})
+    out = pd.concat([table.reset_index(drop=True), pd.DataFrame(predicted)], axis=1)
+    for k in TWIN_METRICS:
+        out[f"twin_{k}_error"] = (out[f"twin_{k}"] - out[k]) / out[k]
+    return out
+
+
 def best_point(table: pd.DataFrame) -> pd.Series | None:
     """The point with the highest goodput among those meeting the SLO (throughput breaks ties)."""
     ok = table[table["meets_slo"]]
@@ -204,13 +228,17 @@ def _display_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame:
     """The columns a reader wants, latencies in ms."""
     cols = params + ["status", "runs", "output_throughput", "goodput", "slo_attainment",
                      "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
-                     "queue_len_mean", "kv_usage_max", "preemptions", "output_throughput_cv", "meets_slo"]
+                     "queue_len_mean", "kv_usage_max", "preemptions", "output_throughput_cv", "meets_slo",
+                     *[f"twin_{k}{e}" for k in TWIN_METRICS for e in ("", "_error")]]
     shown = table[[c for c in cols if c in table]].copy()
+    def is_latency(c: str) -> bool:
+        return c.removeprefix("twin_").split("_")[0] in ("ttft", "tpot", "e2e", "itl") \
+            and not c.endswith(("cv", "error"))
+
     for c in shown.columns:
-        if c.split("_")[0] in ("ttft", "tpot", "e2e", "itl") and not c.endswith("cv"):
+        if is_latency(c):
             shown[c] = shown[c] * 1000
-    return shown.rename(columns={c: c + " (ms)" for c in shown.columns
-                                 if c.split("_")[0] in ("ttft", "tpot", "e2e") and not c.endswith("cv")})
+    return shown.rename(columns={c: c + " (ms)" for c in shown.columns if is_latency(c)})
 
 
 def _warnings(table: pd.DataFrame) -> list[str]:
@@ -241,6 +269,8 @@ def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
     ctx = _context(runs)
     params = list(exp["meta"].get("params") or ([exp["meta"]["param"]] if exp["meta"].get("param") else []))
     table = point_table(runs, params)
+    if ctx.backend == "vllm":
+        table = with_twin_predictions(table, runs, params)
     table.to_csv(folder / "summary.csv", index=False)
     figures = sweep_figures(table, params[0], ctx, folder) if len(params) == 1 and len(table) > 1 else []
     best = best_point(table) if params else None

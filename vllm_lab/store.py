@@ -252,6 +252,33 @@ class Store:
                      for ts, name, labels, v in server_metrics[["ts", "name", "labels", "value"]]
                      .itertuples(index=False)])
 
+    def export(self, experiment_ids: list[str], dest: Path | str,
+               metric_names: tuple[str, ...] | None = None) -> Store:
+        """Copy some experiments (runs, the named server series, sample files) into a new store.
+
+        For sharing a result without the whole database: a committed example, a bug report.
+        """
+        out = Store(dest)
+        marks = ", ".join("?" for _ in experiment_ids)
+        with out._write() as conn:
+            conn.execute("ATTACH DATABASE ? AS src", (str(self.path),))
+            conn.execute(f"INSERT OR REPLACE INTO experiments SELECT * FROM src.experiments "
+                         f"WHERE id IN ({marks})", experiment_ids)
+            conn.execute(f"INSERT OR REPLACE INTO runs SELECT * FROM src.runs "
+                         f"WHERE experiment_id IN ({marks})", experiment_ids)
+            names = ""
+            if metric_names:
+                names = f" AND name IN ({', '.join('?' for _ in metric_names)})"
+            conn.execute(f"INSERT INTO server_metrics SELECT * FROM src.server_metrics "
+                         f"WHERE experiment_id IN ({marks}){names}",
+                         [*experiment_ids, *(metric_names or ())])
+        out._conn.execute("DETACH DATABASE src")
+        for exp in experiment_ids:
+            for f in (self.samples_dir / exp).glob("*.parquet"):
+                (out.samples_dir / exp).mkdir(parents=True, exist_ok=True)
+                (out.samples_dir / exp / f.name).write_bytes(f.read_bytes())
+        return out
+
     # -- reading ---------------------------------------------------------------------------
     def experiments(self) -> pd.DataFrame:
         """Every experiment, newest first."""
