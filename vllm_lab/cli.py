@@ -169,7 +169,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Run the calibration plan on the backend, then fit a twin profile to it."""
     from vllm_lab import calibrate
     from vllm_lab.models import load_model_shape
-    from vllm_lab.twin.profile import load_profile, on_hardware
+    from vllm_lab.twin.profile import load_profile
 
     scenario = _resolve_checked(args)
     store_path = args.store or args.out / "lab.db"
@@ -182,7 +182,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                             scenario, "calibrate", store_path)
     scenario = scenarios.Scenario.model_validate_json(
         _first_run_scenario(store_path, exp_id)) if args.fit_only else scenario
-    base = on_hardware(load_profile(scenario.hardware.twin_profile), scenario.hardware.model_dump())
+    # The profile keeps its own hardware block (the GPU it was measured on, up to 8 per host).
+    base = load_profile(scenario.hardware.twin_profile)
     model = load_model_shape(str(scenario.serve["model"]))
     out = args.profile_out or args.out / exp_id / f"{scenario.hardware.gpu}-{model.name}.yaml"
     profile, rows = calibrate.fit(store_path, exp_id, base.model_copy(
