@@ -1,0 +1,62 @@
+"""Air-gapped hosts: provision.yml installs the pinned vLLM from an offline wheelhouse, index off.
+
+The wheelhouse holds a stand-in wheel named vllm 0.26.0 (real vLLM needs a GPU and ~400 MB); what
+is tested is the path an air-gapped host takes: copy the folder over, pip --no-index from it alone,
+the pinned version in the venv, and nothing to do on a second run.
+"""
+
+import base64
+import hashlib
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vllm_lab import serving
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.integration
+
+
+def stand_in_wheel(folder: Path, version: str = "0.26.0") -> Path:
+    """A minimal, valid wheel of a package called vllm (RECORD hashes included)."""
+    files = {"vllm/__init__.py": f'__version__ = "{version}"\n',
+             f"vllm-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n",
+             f"vllm-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n"}
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(text.encode())}")
+    record.append(f"vllm-{version}.dist-info/RECORD,,")
+    path = folder / f"vllm-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"vllm-{version}.dist-info/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def test_provision_installs_pinned_vllm_from_the_wheelhouse(tmp_path):
+    house = tmp_path / "wheelhouse"
+    house.mkdir()
+    stand_in_wheel(house)
+    inv = yaml.safe_load((REPO / "inventory/local.yml").read_text())
+    host = inv["all"]["children"]["vllm_servers"]["hosts"]["localhost"]
+    host.update(lab_host_root=str(tmp_path / "host"), lab_host_vllm_install=True,
+                lab_host_wheelhouse=str(house), lab_host_lab_install=False,
+                # Nothing outside the wheelhouse: an unreachable index must not be needed.
+                lab_host_pip_index_url="http://127.0.0.1:9/simple")
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump(inv))
+    shutil.copytree(REPO / "inventory/group_vars", tmp_path / "group_vars")
+    first = serving.provision(tmp_path / "inv.yml", limit="localhost")
+    assert first.changed > 0
+    python = tmp_path / "host/venv/bin/python"
+    version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version == "0.26.0"
+    assert any((tmp_path / "host").rglob("vllm-0.26.0-py3-none-any.whl"))  # copied to the host
+    assert serving.provision(tmp_path / "inv.yml", limit="localhost").changed == 0
