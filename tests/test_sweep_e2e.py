@@ -24,7 +24,7 @@ from vllm_lab.summary import summarize
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.integration
 
-SETS = ["load.shape.level=6", "load.stop.duration_s=6", "workload.source=alpaca-like",
+SETS = ["load.shape.level=6", "load.stop.duration_s=4", "workload.source=alpaca-like",
         "run.warmup_requests=2"]
 
 
