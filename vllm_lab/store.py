@@ -148,8 +148,8 @@ class Store:
     def _connect(self) -> sqlite3.Connection:
         try:
             conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA busy_timeout=30000")
+            self._enable_wal(conn)
             conn.execute("PRAGMA foreign_keys=ON")
         except sqlite3.OperationalError as e:
             raise StoreError(f"{self.path}: cannot be opened ({e}); the store needs write access "
@@ -157,6 +157,20 @@ class Store:
         except sqlite3.DatabaseError as e:
             raise StoreError(f"{self.path}: not a lab database ({e})") from None
         return conn
+
+    @staticmethod
+    def _enable_wal(conn: sqlite3.Connection, wait_s: float = 30.0) -> None:
+        """Switch to WAL; two processes creating the store at once can see 'locked' here
+        without SQLite's busy handler being asked, so retry for a while."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _migrate(self) -> None:
         version = self._schema_version()
