@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
+from conftest import private_inventory
 
 from vllm_lab import plans, report, stress
 from vllm_lab.backends import PredictBackend
@@ -92,20 +91,11 @@ def test_spike_recovery_and_soak_drift():
 @pytest.mark.integration
 def test_live_twin_staircase(tmp_path):
     """A two-level staircase on the twin (cpu-demo): below capacity bounded, far above it not."""
-    inv = yaml.safe_load((REPO / "inventory/local.yml").read_text())
-    host = inv["all"]["children"]["vllm_servers"]["hosts"]["localhost"]
-    host["lab_host_root"] = str(tmp_path / "host")
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    host["vllm_instances"] = [{"name": "main", "port": port, "gpus": "", "flags": {}}]
-    (tmp_path / "inv.yml").write_text(yaml.safe_dump(inv))
-    shutil.copytree(REPO / "inventory/group_vars", tmp_path / "group_vars")
+    inventory = private_inventory(tmp_path)
     sets = ["workload.source=alpaca-like", "serve.max-num-seqs=8", "load.stop.duration_s=12",
             "run.warmup_requests=2"]
     cmd = [sys.executable, str(REPO / "scripts/lab.py"), "stress", "--shape", "ramp", "--levels", "1.5,8",
-           "--refine", "0", "--hardware", "cpu-demo", "--inventory", str(tmp_path / "inv.yml"),
+           "--refine", "0", "--hardware", "cpu-demo", "--inventory", str(inventory),
            "--out", str(tmp_path / "reports"), "--experiment", "live-st",
            *[x for s in sets for x in ("--set", s)]]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=REPO)

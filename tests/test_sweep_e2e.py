@@ -6,7 +6,6 @@ port and host folder), the cpu-demo GPU so two shared cores keep real time, and 
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
+from conftest import private_inventory
 
 from vllm_lab import scenarios
 from vllm_lab.store import Store
@@ -28,23 +27,11 @@ SETS = ["load.shape.level=6", "load.stop.duration_s=4", "workload.source=alpaca-
         "run.warmup_requests=2"]
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A private local inventory and reports folder."""
     tmp = tmp_path_factory.mktemp("e2e")
-    inv = yaml.safe_load((REPO / "inventory/local.yml").read_text())
-    host = inv["all"]["children"]["vllm_servers"]["hosts"]["localhost"]
-    host["lab_host_root"] = str(tmp / "host")
-    host["vllm_instances"] = [{"name": "main", "port": free_port(), "gpus": "", "flags": {}}]
-    (tmp / "inv.yml").write_text(yaml.safe_dump(inv))
-    shutil.copytree(REPO / "inventory/group_vars", tmp / "group_vars")  # read beside the inventory
+    private_inventory(tmp)
     return tmp
 
 

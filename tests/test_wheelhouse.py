@@ -7,17 +7,15 @@ the pinned version in the venv.
 
 import base64
 import hashlib
-import shutil
 import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
-import yaml
+from conftest import private_inventory
 
 from vllm_lab import serving
 
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.integration
 
 
@@ -44,15 +42,12 @@ def test_provision_installs_pinned_vllm_from_the_wheelhouse(tmp_path):
     house = tmp_path / "wheelhouse"
     house.mkdir()
     stand_in_wheel(house)
-    inv = yaml.safe_load((REPO / "inventory/local.yml").read_text())
-    host = inv["all"]["children"]["vllm_servers"]["hosts"]["localhost"]
-    host.update(lab_host_root=str(tmp_path / "host"), lab_host_vllm_install=True,
-                lab_host_wheelhouse=str(house), lab_host_lab_install=False,
-                # Nothing outside the wheelhouse: an unreachable index must not be needed.
-                lab_host_pip_index_url="http://127.0.0.1:9/simple")
-    (tmp_path / "inv.yml").write_text(yaml.safe_dump(inv))
-    shutil.copytree(REPO / "inventory/group_vars", tmp_path / "group_vars")
-    first = serving.provision(tmp_path / "inv.yml", limit="localhost")
+    inventory = private_inventory(
+        tmp_path, lab_host_vllm_install=True, lab_host_wheelhouse=str(house),
+        lab_host_lab_install=False,
+        # Nothing outside the wheelhouse: an unreachable index must not be needed.
+        lab_host_pip_index_url="http://127.0.0.1:9/simple")
+    first = serving.provision(inventory, limit="localhost")
     assert first.changed > 0
     python = tmp_path / "host/venv/bin/python"
     version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
