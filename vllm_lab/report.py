@@ -54,8 +54,10 @@ class Context:
                 f"workload: {self.workload} · load: {self.load}")
 
 
-def _context(runs: pd.DataFrame) -> Context:
+def _context(runs: pd.DataFrame, swept: list[str] = ()) -> Context:
     first = json.loads(runs.iloc[0]["scenario_json"])
+    # The swept flags vary by point: the header names them instead of the first point's value.
+    first["serve"] = {k: ("swept" if k in swept else v) for k, v in first["serve"].items()}
     w, ld = first["workload"], first["load"]
     shape = ld["shape"]
     unit = "users" if ld["mode"] == "closed" else "req/s"
@@ -187,7 +189,7 @@ def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -
     fig.text(0.01, -0.06, ctx.caption, fontsize=7, va="top")
     out.append(_png(fig, folder / "throughput.png"))
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"wspace": 0.35})
     for ax, metric in zip(axes, ("ttft", "tpot", "e2e")):
         for p, style in (("p50", "o-"), ("p90", "^--"), ("p99", "s:")):
             ax.plot(x, table[f"{metric}_{p}"] * 1000, style, label=p)
@@ -202,7 +204,7 @@ def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -
     fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
     out.append(_png(fig, folder / "latency.png"))
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"wspace": 0.35})
     for ax, cols, label in ((axes[0], ("queue_len_mean", "queue_len_max"), "requests waiting"),
                             (axes[1], ("kv_usage_mean", "kv_usage_max"), "KV cache usage (0-1)"),
                             (axes[2], ("preemptions",), "preemptions per run")):
@@ -266,8 +268,8 @@ def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     if runs.empty:
         raise ValueError(f"experiment {experiment_id} has no runs yet")
-    ctx = _context(runs)
     params = list(exp["meta"].get("params") or ([exp["meta"]["param"]] if exp["meta"].get("param") else []))
+    ctx = _context(runs, swept=params)
     table = point_table(runs, params)
     if ctx.backend == "vllm":
         table = with_twin_predictions(table, runs, params)
