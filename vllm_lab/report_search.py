@@ -154,8 +154,8 @@ def build_combo(store_path: Path, exp: dict, out_root: Path) -> Path:
     store.close()
     folder = out_root / exp["id"]
     folder.mkdir(parents=True, exist_ok=True)
-    ctx = report._context(runs)
     params = list(exp["meta"]["params"])
+    ctx = report._context(runs, swept=params)
     table = report.point_table(runs, params)
     table.to_csv(folder / "summary.csv", index=False)
     figures = [heatmaps(table, params, ctx, folder), pareto_figure(table, params, ctx, folder)]
@@ -234,8 +234,8 @@ def build_tune(store_path: Path, exp: dict, out_root: Path) -> Path:
         return build_combo(store_path, exp, out_root)  # a confirmation is a small combination
     folder = out_root / exp["id"]
     folder.mkdir(parents=True, exist_ok=True)
-    ctx = report._context(runs)
     params = list(meta["params"])
+    ctx = report._context(runs, swept=params)
     study = search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store_path))
     trials = trials_frame(study)
     trials.to_csv(folder / "trials.csv", index=False)
