@@ -132,3 +132,14 @@ def test_not_a_database(tmp_path):
     with pytest.raises(StoreError, match="not a lab database"):
         Store(path)
     assert path.read_text() == "this is not sqlite"
+
+
+def test_newest_experiment_by_prefix(tmp_path):
+    store = Store(tmp_path / "lab.db")
+    assert store.newest_experiment() is None
+    store.create_experiment("sweep-a-1", "sweep", "default")
+    time.sleep(0.01)
+    store.create_experiment("sweep-b-1", "sweep", "default")
+    assert store.newest_experiment() == "sweep-b-1"
+    assert store.newest_experiment("sweep-a-") == "sweep-a-1"
+    assert store.newest_experiment("SWEEP-A-") is None and store.newest_experiment("x") is None

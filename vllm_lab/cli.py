@@ -90,15 +90,11 @@ def _experiment_id(args, step: str, scenario, param: str | None, store_path: Pat
     if args.experiment:
         return args.experiment
     if args.resume:
-        from vllm_lab.store import Store
-        store = Store(store_path)
-        exps = store.experiments()
-        store.close()
         prefix = plans.experiment_name(step, scenario, param)[: -len("-YYYYmmdd-HHMMSS")]
-        alike = exps[exps["id"].str.startswith(prefix + "-")]
-        if alike.empty:
+        newest = _newest_experiment(store_path, prefix + "-")
+        if newest is None:
             raise StoreError(f"{store_path}: nothing to resume for {prefix}; run without RESUME=1")
-        return str(alike.iloc[0]["id"])
+        return newest
     return plans.experiment_name(step, scenario, param)
 
 
@@ -205,19 +201,22 @@ def _first_run_scenario(store_path: Path, exp_id: str) -> str:
     return str(runs.iloc[0]["scenario_json"])
 
 
+def _newest_experiment(store_path: Path, prefix: str = "") -> str | None:
+    from vllm_lab.store import Store
+    store = Store(store_path)
+    try:
+        return store.newest_experiment(prefix)
+    finally:
+        store.close()
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild an experiment's report from the store alone."""
     from vllm_lab import report
     store_path = args.store or args.out / "lab.db"
-    experiment = args.experiment
-    if not experiment:
-        from vllm_lab.store import Store
-        store = Store(store_path)
-        exps = store.experiments()
-        store.close()
-        if exps.empty:
-            raise StoreError(f"{store_path}: no experiments yet; run make baseline or make sweep first")
-        experiment = str(exps.iloc[0]["id"])
+    experiment = args.experiment or _newest_experiment(store_path)
+    if experiment is None:
+        raise StoreError(f"{store_path}: no experiments yet; run make baseline or make sweep first")
     print(f"report: {report.build(store_path, experiment, args.out)}")
     return 0
 
@@ -335,11 +334,10 @@ def cmd_findings(args: argparse.Namespace) -> int:
     from vllm_lab import findings
     from vllm_lab.store import Store
     store = Store(args.store or args.out / "lab.db")
-    exps = store.experiments()
-    if exps.empty:
+    experiment = args.experiment or store.newest_experiment()
+    if experiment is None:
         store.close()
         raise StoreError(f"{store.path}: no experiments yet; run make baseline or make sweep first")
-    experiment = args.experiment or str(exps.iloc[0]["id"])
     store.experiment(experiment)  # names the known ones when it does not exist
     runs = store.runs(experiment)
     store.close()

@@ -298,6 +298,12 @@ class Store:
         """Every experiment, newest first."""
         return pd.read_sql_query("SELECT * FROM experiments ORDER BY created DESC", self._conn)
 
+    def newest_experiment(self, prefix: str = "") -> str | None:
+        """The id of the newest experiment (whose id starts with ``prefix``), or None."""
+        row = self._conn.execute("SELECT id FROM experiments WHERE substr(id, 1, length(?1)) = ?1 "
+                                 "ORDER BY created DESC LIMIT 1", (prefix,)).fetchone()
+        return row[0] if row else None
+
     def experiment(self, experiment_id: str) -> dict[str, Any]:
         """One experiment's row, or StoreError naming the known ones."""
         row = self._conn.execute("SELECT id, step, scenario_name, created, meta_json FROM experiments "
