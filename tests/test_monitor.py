@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from vllm_lab import monitor
 
@@ -44,12 +44,6 @@ EXPECTED_ALERTS = [
     ("VllmTpotP99OverSlo", ON_A, "TPOT p99 297.5ms on a:8000", "Over the SLO of 0.05 s for 5m."),
 ]
 
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TwinProcess:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -67,17 +67,12 @@ def _model_folder(tmp: Path) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Twin:
     """A twin server subprocess in its own process group."""
 
     def __init__(self, model: Path, profile: str, *extra: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
         self.log = open(model.parent / f"twin-{self.port}.log", "w+")  # noqa: SIM115

@@ -393,14 +393,20 @@ def _save(fig, path: Path, caption: str) -> Path:
     return path
 
 
+def _barh_axes(rows: int):
+    """A horizontal-bar figure sized for ``rows`` labelled rows, with room for a legend at right."""
+    height = 0.5 * rows + 1.8
+    fig, ax = plt.subplots(figsize=(10, height))
+    fig.subplots_adjust(left=0.3, bottom=0.75 / height + 0.08, right=0.82, top=0.9)
+    return fig, ax, np.arange(rows)
+
+
 def figure_baseline(cmp: pd.DataFrame, folder: Path, caption: str) -> Path | None:
     """Baseline output throughput now vs the previous period, per scenario and GPU."""
     if cmp.empty:
         return None
     cmp = cmp.sort_values("label")
-    y = np.arange(len(cmp))
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(cmp) + 1.8))
-    fig.subplots_adjust(left=0.3, bottom=0.75 / (0.5 * len(cmp) + 1.8) + 0.08, right=0.82, top=0.9)
+    fig, ax, y = _barh_axes(len(cmp))
     ax.barh(y + 0.2, cmp["output_throughput_before"], 0.4, xerr=cmp["output_throughput_before_std"],
             color="#bbb", label="previous period")
     ax.barh(y - 0.2, cmp["output_throughput_now"], 0.4, xerr=cmp["output_throughput_now_std"],
@@ -424,9 +430,7 @@ def figure_best(best: pd.DataFrame, folder: Path, caption: str) -> Path | None:
     if best.empty:
         return None
     best = best.sort_values("label")
-    y = np.arange(len(best))
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(best) + 1.8))
-    fig.subplots_adjust(left=0.3, bottom=0.75 / (0.5 * len(best) + 1.8) + 0.08, right=0.82, top=0.9)
+    fig, ax, y = _barh_axes(len(best))
     ax.barh(y + 0.2, best["base_goodput"], 0.4, color="#bbb", label="baseline")
     ax.barh(y - 0.2, best["goodput"], 0.4, color="tab:green", label="best under the SLO")
     for yi, (_, r) in zip(y, best.iterrows()):
