@@ -217,9 +217,11 @@ def _storage(url: str):
     for attempt in range(5):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-        except sqlalchemy.exc.OperationalError as e:
-            # Two workers starting at once both create Optuna's tables; the loser finds them made.
-            if "already exists" not in str(e) or attempt == 4:
+        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as e:
+            # Two workers starting at once both create Optuna's tables and stamp their version;
+            # the loser finds them made (a table that exists, or the stamp already there).
+            lost_race = "already exists" in str(e) or "alembic_version" in str(e)
+            if not lost_race or attempt == 4:
                 raise
             time.sleep(0.5)
     raise AssertionError("unreachable")
