@@ -26,6 +26,7 @@ SEED      ?=                          # make tune: sampler seed
 CONFIRM   ?=                          # make tune: re-measure the best N configurations on CONFIRM_BACKEND
 CONFIRM_BACKEND ?=                    # make tune CONFIRM=N: twin (default) | vllm
 SHAPE     ?=                          # make stress: ramp | step (staircases of runs) | spike | soak (one run)
+CLAIMS    ?=                          # make claims: claim numbers, e.g. 1,3,5-8 (default: all nine)
 LEVELS    ?=                          # make stress: offered loads in req/s, e.g. 2,4,8 (default: fractions of the predicted capacity)
 PYTHON    ?= python3                  # the Python that creates .venv
 PERIOD    ?=                          # quarter for `make report`, e.g. 2026Q4: the quarterly report
@@ -114,6 +115,11 @@ tune: venv ## Step 3: Optuna search [TRIALS= OBJECTIVE= SPACE= STUDY_STORAGE= CO
 stress: venv ## Step 4: make stress SHAPE=ramp|step|spike|soak [LEVELS=2,4,8]: knee, max sustainable load, spike, drift
 	@if [ -z "$(strip $(SHAPE))" ]; then echo "make: SHAPE is required, e.g. make stress SHAPE=ramp (ramp, step, spike or soak)" >&2; exit 2; fi
 	@$(LAB) stress $(RUN_ARGS) --shape $(strip $(SHAPE)) $(if $(strip $(LEVELS)),--levels $(strip $(LEVELS)))
+
+##@ The guide's claims
+.PHONY: claims
+claims: venv ## Measure the tuning guide's claims, a verdict each [CLAIMS=1,3 REPEATS= SPREAD=1]
+	@$(LAB) claims $(RUN_ARGS) $(if $(strip $(CLAIMS)),--claims $(strip $(CLAIMS)))
 
 ##@ Long-term monitoring
 .PHONY: monitor watch findings

@@ -131,3 +131,23 @@ def test_start_failures_are_classified(base, tmp_path, monkeypatch, cause, statu
     monkeypatch.setattr(serving, "start", failing_start)
     m = LiveBackend("twin", tmp_path / "inv.yml").measure(base, None, tmp_path)
     assert m.status == status and m.error.startswith(cause) and "log tail line" in m.error
+
+
+def test_a_run_counts_only_its_own_gpus_telemetry():
+    import json as _json
+
+    import pandas as pd
+
+    from vllm_lab.backends import own_gpus
+    from vllm_lab.summary import _server_view
+
+    def row(gpu, util, source="nvidia-smi"):
+        return {"ts": 1.0, "name": "DCGM_FI_DEV_GPU_UTIL", "value": util,
+                "labels": _json.dumps({"gpu": gpu, "source": source})}
+
+    metrics = pd.DataFrame([row("0", 90.0), row("1", 10.0)])
+    # Two servers on one host, one GPU each: GPU 1's neighbour does not count.
+    assert _server_view(own_gpus(metrics, "0"))["gpu_util_mean"] == 90.0
+    # One server over both GPUs (tensor parallel): utilization is their mean, not their sum.
+    assert _server_view(own_gpus(metrics, "0,1"))["gpu_util_mean"] == 50.0
+    assert _server_view(own_gpus(metrics, ""))["gpu_util_mean"] == 50.0

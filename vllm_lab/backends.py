@@ -99,6 +99,7 @@ class LiveBackend:
         self.api_key = api_key
         self.processes = processes
         self._running: dict[str | None, tuple[str, serving.Instance]] = {}
+        self._starting: set[str | None] = set()
 
     # -- server lifecycle ----------------------------------------------------------------------
     def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
@@ -108,6 +109,8 @@ class LiveBackend:
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]
         self.close(host)
+        # Marked before the start returns: an interrupt during a start must still stop the server.
+        self._starting.add(host)
         instances = serving.start(
             scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
             twin_profile=scenario.hardware.twin_profile if self.name == "twin" else None,
@@ -120,6 +123,7 @@ class LiveBackend:
             timeout=scenario.run.start_timeout_s + 120)
         instance = instances[0]
         self._running[host] = (key, instance)
+        self._starting.discard(host)
         self._warm_up(scenario, instance)
         return instance
 
@@ -132,7 +136,9 @@ class LiveBackend:
 
     def close(self, host: str | None) -> None:
         """Stop the host's server if this backend started one."""
-        if self._running.pop(host, None) is not None:
+        started = self._running.pop(host, None) is not None
+        if started or host in self._starting:
+            self._starting.discard(host)
             serving.stop(self.inventory, limit=host)
 
     # -- one run -------------------------------------------------------------------------------
@@ -145,6 +151,8 @@ class LiveBackend:
             instance = self._ensure_server(scenario, host)
         except serving.ServeError as e:
             self._running.pop(host, None)
+            # Still marked as starting: the next start or close() stops whatever is left (a start
+            # interrupted by Ctrl-C, a server still loading when the wait gave up).
             return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
                                ended=time.time(), host=e.host or host or "",
                                error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}")
@@ -156,7 +164,8 @@ class LiveBackend:
                           processes=self.processes)
         ended = time.time()
         alive = _get(instance.url + "/health") == 200
-        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
+        metrics = own_gpus(result.server_metrics, instance.gpus)
+        summary = summarize(result.samples, scenario.slo, server_metrics=metrics)
         summary["schedule_lag_p99_s"] = result.schedule_lag_p99_s
         status, error = "ok", ""
         if not alive:
@@ -168,7 +177,21 @@ class LiveBackend:
                      f"{result.schedule_lag_p99_s * 1000:.1f} ms): these figures describe the client")
         return Measurement(status=status, started=started, ended=ended, host=instance.host,
                            error=error, summary=summary, samples=result.samples,
-                           server_metrics=result.server_metrics)
+                           server_metrics=metrics)
+
+
+def own_gpus(metrics: pd.DataFrame | None, gpus: str) -> pd.DataFrame | None:
+    """The series without nvidia-smi's rows for GPUs the instance does not use (several servers
+    share a host, one GPU each: a run must not count its neighbour's utilization)."""
+    if metrics is None or metrics.empty or not gpus.strip():
+        return metrics
+    mine = {g.strip() for g in gpus.split(",") if g.strip()}
+
+    def keep(labels: str) -> bool:
+        parsed = json.loads(labels) if labels else {}
+        return parsed.get("source") != "nvidia-smi" or str(parsed.get("gpu")) in mine
+
+    return metrics[metrics["labels"].map(keep)].reset_index(drop=True)
 
 
 class PredictBackend:

@@ -308,6 +308,21 @@ def cmd_stress(args: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_claims(args: argparse.Namespace) -> int:
+    """The guide's claims, each measured by its experiment, with a verdict table."""
+    from vllm_lab import claims
+    base = _resolve_checked(args)
+    try:
+        selected = claims.parse_selection(args.claims)
+    except ValueError as e:
+        raise scenarios.ScenarioError(str(e)) from None
+    points = claims.points(base, selected, args.repeats or 1)
+    meta = {"base": base.to_record()}
+    if not points:
+        print(f"claims {selected}: nothing to measure here (claim 7 is not testable on vLLM {base.vllm_version})")
+    return _take(args, "claims", base, points, meta) if points else 0
+
+
 # -- step 5: monitoring, the regression watch, findings and the quarterly report ---------------
 
 def cmd_monitor(args: argparse.Namespace) -> int:
@@ -422,6 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "fractions of the predicted capacity")
     p.add_argument("--refine", type=int, default=2, help="ramp: rounds of levels added inside the knee's bracket")
     p.set_defaults(func=cmd_stress)
+
+    p = sub.add_parser("claims", help="measure the tuning guide's claims and give each a verdict")
+    _run_args(p)
+    p.add_argument("--claims", default=None, help="claim numbers, e.g. 1,3,5-8 (default: all nine)")
+    p.set_defaults(func=cmd_claims)
 
     p = sub.add_parser("monitor", help="Prometheus, exporters, alert rules and Grafana (monitor.yml)")
     p.add_argument("--inventory", type=Path, default=Path("inventory/local.yml"))

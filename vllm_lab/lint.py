@@ -55,6 +55,15 @@ def lint(scenario: Scenario, layers: list[tuple[str, dict[str, Any]]] | None = N
     return findings
 
 
+def hardware_refusal(scenario: Scenario) -> Finding | None:
+    """A finding no start on this hardware can get past (more GPUs than it has, weights that do
+    not fit): a plan records such a point as refused instead of spending a start on it."""
+    for f in _check_parallel(scenario, lambda key: "preflight") + _check_memory(scenario, lambda key: "preflight"):
+        if f.key == "tensor-parallel-size" or "do not fit" in f.message:
+            return f
+    return None
+
+
 def _check_name_and_value(key, value, names, changes, version, where) -> list[Finding]:
     if key in changes:
         change = changes[key]

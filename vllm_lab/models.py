@@ -92,7 +92,7 @@ _ALIASES = {
     "meta-llama/llama-2-7b-hf": "llama-2-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
     "huggingfacetb/smollm-135m": "smollm-135m",
     # The gpu-kit's offline folders (../shared/gpu-kit), for reading results away from the device.
-    "model-llama8b": "llama-3-8b", "model-smol": "smollm-135m",
+    "model-llama8b": "llama-3-8b", "model-smol": "smollm-135m", "model-llama70b": "llama-3-70b",
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_lab import flags as flagcat
 from vllm_lab.backends import Backend, Measurement
+from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
 from vllm_lab.store import RunRecord, Store, run_identity
@@ -175,6 +176,21 @@ def group_by_server(points: Sequence[Point]) -> list[list[Point]]:
     return list(groups.values())
 
 
+# A server start costs about as much as this many runs (real vLLM: ~75 s against ~20 s runs).
+START_COST_RUNS = 4
+
+
+def deal(groups: Sequence[list[Point]], hosts: Sequence[str | None]) -> dict[str | None, list[list[Point]]]:
+    """Serve groups to hosts, each to the least loaded so far (a start plus its runs), in plan order."""
+    shares: dict[str | None, list[list[Point]]] = {h: [] for h in hosts}
+    load = dict.fromkeys(hosts, 0)
+    for group in groups:
+        host = min(hosts, key=lambda h: load[h])  # ties go to the first host
+        shares[host].append(group)
+        load[host] += START_COST_RUNS + len(group)
+    return shares
+
+
 @dataclass
 class Plan:
     """An experiment to take: its id, its step, its points and where its work files go."""
@@ -202,10 +218,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     if len(todo) < len(plan.points):
         log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,
                  len(plan.points) - len(todo), len(plan.points))
-    groups = group_by_server(todo)
-    shares: dict[str | None, list[list[Point]]] = {h: [] for h in hosts}
-    for i, group in enumerate(groups):
-        shares[hosts[i % len(hosts)]].append(group)
+    shares = deal(group_by_server(todo), hosts)
     counts: dict[str, int] = {}
     lock = threading.Lock()
     stop = threading.Event()
@@ -217,7 +230,11 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
                 for point in group:
                     if stop.is_set():
                         return
-                    m = backend.measure(point.scenario, host, workdir / plan.experiment_id / point.key)
+                    refusal = hardware_refusal(point.scenario)
+                    m = (Measurement(status="failed-start", started=time.time(), ended=time.time(),
+                                     host=host or "", error=f"refused before launch: {refusal.message}")
+                         if refusal else
+                         backend.measure(point.scenario, host, workdir / plan.experiment_id / point.key))
                     if stop.is_set():
                         return  # interrupted mid-run: its figures are not a measurement
                     host_store.record_run(_record(plan, point, backend, m), m.samples, m.server_metrics)

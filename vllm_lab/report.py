@@ -287,7 +287,7 @@ def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
 
 # Steps 3 and 4 have their own pictures; their modules reuse this one's helpers.
 STEP_REPORTS = {"combo": ("report_search", "build_combo"), "tune": ("report_search", "build_tune"),
-                "stress": ("report_stress", "build_stress")}
+                "stress": ("report_stress", "build_stress"), "claims": ("report_claims", "build_claims")}
 
 
 def _step_report(step: str):

@@ -78,6 +78,7 @@ class Instance:
     port: int
     log_path: str
     name: str = "main"
+    gpus: str = ""  # CUDA_VISIBLE_DEVICES of the instance ("" = every GPU of the host)
 
 
 class Instances(list):
@@ -211,7 +212,8 @@ def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, b
         for inst in outcome["instances"]:
             if inst["status"] == "healthy":
                 healthy.append(Instance(host=host, url=inst["url"], port=int(inst["port"]),
-                                        log_path=inst["log_path"], name=inst["name"]))
+                                        log_path=inst["log_path"], name=inst["name"],
+                                        gpus=inst.get("gpus", "")))
             else:
                 failures.append({**inst, "log_tail": scrub(inst.get("log_tail", ""), secrets)})
     for host, why in run.unreachable.items():

@@ -8,6 +8,7 @@ under every SLO at the percentile the scenario names.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -52,13 +53,14 @@ def _server_view(metrics: pd.DataFrame | None) -> dict[str, float]:
     if metrics is None or metrics.empty:
         return {}
 
-    def series(name: str) -> pd.Series:
-        return metrics.loc[metrics["name"] == name].groupby("ts")["value"].sum()
+    def series(name: str, how: str = "sum") -> pd.Series:
+        return metrics.loc[metrics["name"] == name].groupby("ts")["value"].agg(how)
 
     out: dict[str, float] = {}
     waiting, kv = series("vllm:num_requests_waiting"), series("vllm:kv_cache_usage_perc")
     preempt = series("vllm:num_preemptions_total")
-    util, used = series("DCGM_FI_DEV_GPU_UTIL"), series("DCGM_FI_DEV_FB_USED")
+    # Utilization is a share per GPU: averaged over a server's GPUs; memory adds up.
+    util, used = series("DCGM_FI_DEV_GPU_UTIL", "mean"), series("DCGM_FI_DEV_FB_USED")
     if len(waiting):
         out.update(queue_len_mean=float(waiting.mean()), queue_len_max=float(waiting.max()))
     if len(kv):
@@ -69,7 +71,22 @@ def _server_view(metrics: pd.DataFrame | None) -> dict[str, float]:
         out["gpu_util_mean"] = float(util.mean())
     if len(used):
         out["gpu_mem_used_max_gib"] = float(used.max()) / 1024  # DCGM reports MiB
+    tokens = _kv_cache_tokens(metrics)
+    if tokens:
+        out["kv_cache_tokens"] = tokens
     return out
+
+
+def _kv_cache_tokens(metrics: pd.DataFrame) -> float | None:
+    """The KV cache's size in tokens, from vllm:cache_config_info's labels (blocks x block size)."""
+    info = metrics.loc[metrics["name"] == "vllm:cache_config_info", "labels"]
+    for text in info:
+        labels = json.loads(text) if isinstance(text, str) else dict(text)
+        try:
+            return float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+        except (KeyError, TypeError, ValueError):
+            continue  # vLLM leaves num_gpu_blocks "None" until the cache is sized
+    return None
 
 
 def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,

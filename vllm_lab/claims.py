@@ -1,0 +1,552 @@
+"""The tuning guide's claims, each measured by an experiment built from the lab's own plans.
+
+A claim names *arms*: serve flags changed from vLLM's defaults, on a traffic. The plan is the union
+of the selected claims' arms as ``Point``s; arms that coincide (vLLM's defaults on the same traffic)
+are measured once and shared between claims. A verdict compares an arm's median against its
+reference arm, with the reference's run-to-run spread as the noise floor: an effect inside the
+noise is no effect.
+
+Verdicts: "holds", "holds partly", "does not hold", "not testable here" (with why).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_lab import flags as flagcat
+from vllm_lab import lint as lint_mod
+from vllm_lab.plans import Point
+from vllm_lab.scenarios import Scenario, deep_merge, read_yaml, scenario_path
+
+HOLDS, PARTLY, NO, UNTESTABLE = "holds", "holds partly", "does not hold", "not testable here"
+NOISE_FLOOR = 0.03  # below 3% a difference is not claimed even when the repeats agree closely
+OK_STATUSES = ("ok", "client-overloaded")
+TEMPLATES = ("realtime-chat", "offline-batch", "high-concurrency-api")
+
+
+# -- the traffics the claims are measured on -------------------------------------------------------
+
+def traffic_scenario(base: Scenario, traffic: str) -> Scenario:
+    """``base`` with the traffic of one claim experiment (serve flags untouched).
+
+    base: the scenario's own traffic; saturating: 256 closed-loop users; light: 16 users, a batch
+    below every max-num-seqs tried; long-generation: 128 prompt / 1024 output tokens, 64 users;
+    template:<name>: the workload, load and SLO of scenarios/<name>.yaml. The base scenario's
+    duration holds for all, so DURATION sets the whole plan's length.
+    """
+    record = base.to_record()
+    level = {"saturating": 256, "light": 16, "long-generation": 64}
+    if traffic in level:
+        record["load"] = {**record["load"], "mode": "closed",
+                          "shape": {**record["load"]["shape"], "kind": "constant", "level": level[traffic]}}
+    if traffic == "long-generation":
+        record["workload"] = {**record["workload"], "source": "synthetic",
+                              "input": {"dist": "fixed", "mean": 128},
+                              "output": {"dist": "fixed", "mean": 1024}}
+    if traffic.startswith("template:"):
+        template = read_yaml(scenario_path(traffic.split(":", 1)[1]))
+        duration = record["load"]["stop"]["duration_s"]
+        record["workload"] = template["workload"]
+        record["load"] = deep_merge(template["load"], {"stop": {"duration_s": duration}})
+        record["slo"] = template.get("slo", {})
+    return Scenario.model_validate(record)
+
+
+def template_flags(name: str) -> dict[str, Any]:
+    """A shipped template's serve flags, its model left out (the plan serves the base's model)."""
+    return {k: v for k, v in read_yaml(scenario_path(name))["serve"].items() if k != "model"}
+
+
+# -- claims, arms and the evidence ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of a claim's experiment: flags over vLLM's defaults, on a traffic."""
+
+    name: str
+    traffic: str
+    serve: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The arm's identity in the store (the run's point): traffic and changed flags."""
+        flags = ", ".join(f"{k}={v}" for k, v in sorted(self.serve.items())) or "defaults"
+        return f"{self.traffic} · {flags}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkable statement of a claim, its verdict and the numbers behind it."""
+
+    statement: str
+    verdict: str
+    evidence: str
+    claimed: float | None = None   # the claimed relative change, where the claim gives one
+    measured: float | None = None  # the measured relative change
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A statement of the guide, the experiment that tests it and how its verdict is reached."""
+
+    number: int
+    statement: str
+    method: str
+    arms: tuple[Arm, ...]
+    judge: Callable[[Evidence], list[Part]]
+
+
+class Evidence:
+    """Each arm's runs (summaries and statuses), read by the judges."""
+
+    def __init__(self, runs_by_label: Mapping[str, Sequence[dict]], arms: Sequence[Arm]):
+        self._runs = {a.name: list(runs_by_label.get(a.label, [])) for a in arms}
+
+    def measured(self, arm: str) -> bool:
+        """The arm has at least one run."""
+        return bool(self._runs.get(arm))
+
+    def ok(self, arm: str) -> bool:
+        """The arm has at least one run that produced figures."""
+        return any(r["status"] in OK_STATUSES for r in self._runs.get(arm, []))
+
+    def status(self, arm: str) -> str:
+        """The arm's statuses, and the first error line of a failed run."""
+        runs = self._runs.get(arm, [])
+        if not runs:
+            return "not measured"
+        bad = [r for r in runs if r["status"] not in OK_STATUSES]
+        if not bad:
+            return "ok"
+        return f"{bad[0]['status']}: {(bad[0].get('error') or '').splitlines()[0][:160] if bad[0].get('error') else ''}"
+
+    def values(self, arm: str, metric: str) -> list[float]:
+        """The metric over the arm's runs that produced figures."""
+        out = []
+        for r in self._runs.get(arm, []):
+            v = (r.get("summary") or {}).get(metric)
+            if r["status"] in OK_STATUSES and isinstance(v, (int, float)) and not math.isnan(v):
+                out.append(float(v))
+        return out
+
+    def median(self, arm: str, metric: str) -> float | None:
+        """The arm's median of the metric (None where it has none)."""
+        v = self.values(arm, metric)
+        return statistics.median(v) if v else None
+
+    def spread(self, arm: str, metric: str) -> float | None:
+        """Run-to-run spread (coefficient of variation) of the arm's metric; None under 2 runs."""
+        v = self.values(arm, metric)
+        if len(v) < 2 or not statistics.mean(v):
+            return None
+        return statistics.stdev(v) / abs(statistics.mean(v))
+
+    def change(self, arm: str, ref: str, metric: str) -> tuple[float | None, float]:
+        """(relative change of arm against ref, noise floor) for the metric."""
+        a, b = self.median(arm, metric), self.median(ref, metric)
+        spreads = [s for s in (self.spread(ref, metric), self.spread(arm, metric)) if s is not None]
+        floor = max([NOISE_FLOOR] + [2 * s for s in spreads])
+        if a is None or b is None or b == 0:
+            return None, floor
+        return (a - b) / b, floor
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1000:.1f} ms"
+
+
+def _pct(rel: float | None, floor: float | None = None) -> str:
+    if rel is None:
+        return "n/a"
+    return f"{rel:+.0%}" + (f" (noise ±{floor:.0%})" if floor is not None else "")
+
+
+def _compare(ev: Evidence, arm: str, ref: str, metric: str, fmt=_ms) -> str:
+    rel, floor = ev.change(arm, ref, metric)
+    return f"{fmt(ev.median(ref, metric))} → {fmt(ev.median(arm, metric))} ({_pct(rel, floor)})"
+
+
+def _tok(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f} tok/s"
+
+
+def _missing(ev: Evidence, *arms: str) -> str | None:
+    """Why the arms give no figures (not measured, or failed), or None when they all have some."""
+    for a in arms:
+        if not ev.ok(a):
+            return f"arm {a}: {ev.status(a)}"
+    return None
+
+
+def overall(parts: Sequence[Part]) -> str:
+    """A claim's verdict from its parts: untestable parts do not count against it."""
+    tested = [p.verdict for p in parts if p.verdict != UNTESTABLE]
+    if not tested:
+        return UNTESTABLE
+    if all(v == HOLDS for v in tested):
+        return HOLDS
+    if all(v == NO for v in tested):
+        return NO
+    return PARTLY
+
+
+# -- the nine claims ---------------------------------------------------------------------------------
+
+def _judge_memory(ev: Evidence) -> list[Part]:
+    parts = []
+    arms = ["util-0.7", "defaults", "util-0.85", "util-0.98"]
+    ran = [a for a in arms if ev.ok(a)]
+    stable = {a: (ev.median(a, "errors") or 0) + (ev.median(a, "preemptions") or 0) for a in ran}
+    failed = [a for a in arms if ev.measured(a) and not ev.ok(a)]
+    kv = ", ".join(f"{a}: {ev.median(a, 'kv_cache_tokens') or 0:,.0f} KV tokens, "
+                   f"{ev.median(a, 'preemptions') or 0:.0f} preemptions, "
+                   f"{ev.median(a, 'errors') or 0:.0f} errors" for a in ran)
+    if "util-0.7" not in ran:
+        parts.append(Part("0.7 is the most stable", UNTESTABLE, f"util-0.7: {ev.status('util-0.7')}"))
+    else:
+        worse = [a for a in ran if stable[a] > stable["util-0.7"]] + failed
+        verdict = HOLDS if worse and stable["util-0.7"] == 0 else NO
+        why = ("the others were less stable: " + ", ".join(worse)) if worse else \
+            "every setting ran equally clean, so 0.7 buys no stability, only a smaller KV cache"
+        parts.append(Part("0.7 is the most stable", verdict, f"{why}; {kv}"))
+    if _missing(ev, "util-0.85", "util-0.7"):
+        parts.append(Part("0.85-0.9 is the best balance", UNTESTABLE, _missing(ev, "util-0.85", "util-0.7")))
+    else:
+        best = max(ran, key=lambda a: ev.median(a, "output_throughput") or 0)
+        rel_best, floor = ev.change("util-0.85", best, "output_throughput")
+        rel_low, _ = ev.change("util-0.85", "util-0.7", "output_throughput")
+        thr = ", ".join(f"{a} {_tok(ev.median(a, 'output_throughput'))}" for a in ran)
+        spread = [ev.median(a, "output_throughput") or 0 for a in ran]
+        if max(spread) <= min(spread) * (1 + floor):
+            verdict = NO  # no setting differs: there is no balance to strike at this load
+        elif rel_low is not None and rel_low > floor and rel_best is not None and rel_best > -floor:
+            verdict = HOLDS
+        elif rel_best is not None and rel_best > -floor:
+            verdict = PARTLY  # as good as the best, but not better than the safe 0.7 either
+        else:
+            verdict = NO
+        parts.append(Part("0.85-0.9 is the best balance", verdict,
+                          f"output throughput {thr}; 0.85 vs 0.7 {_pct(rel_low)}, vs best "
+                          f"({best}) {_pct(rel_best, floor)}"))
+    if not ev.measured("util-0.98"):
+        parts.append(Part("above 0.95 out-of-memory becomes likely", UNTESTABLE, "util-0.98 not measured"))
+    else:
+        oom = "oom" in ev.status("util-0.98")
+        parts.append(Part("above 0.95 out-of-memory becomes likely", HOLDS if oom else NO,
+                          f"0.98: {ev.status('util-0.98')}"
+                          + ("" if oom else f", {_tok(ev.median('util-0.98', 'output_throughput'))}")))
+    return parts
+
+
+def _judge_budget(ev: Evidence) -> list[Part]:
+    parts = []
+    util = {a: ev.median(a, "gpu_util_mean") for a in ("small", "defaults", "4096", "large")}
+    if _missing(ev, "small") or util["small"] is None:
+        parts.append(Part("too small a budget leaves the GPU under 50% utilized", UNTESTABLE,
+                          _missing(ev, "small") or "no GPU utilization was scraped"))
+    else:
+        parts.append(Part("too small a budget leaves the GPU under 50% utilized",
+                          HOLDS if util["small"] < 50 else NO,
+                          f"GPU utilization {util['small']:.0f}% at the smallest budget vLLM accepts "
+                          f"(defaults {util['defaults'] or 0:.0f}%); output {_compare(ev, 'small', 'defaults', 'output_throughput', _tok)}"))
+    if _missing(ev, "large", "defaults"):
+        parts.append(Part("a large budget lifts utilization above 90% and raises per-request latency",
+                          UNTESTABLE, _missing(ev, "large", "defaults")))
+    else:
+        rel, floor = ev.change("large", "defaults", "e2e_p50")
+        high = util["large"] is not None and util["large"] > 90
+        slower = rel is not None and rel > floor
+        parts.append(Part("a large budget lifts utilization above 90% and raises per-request latency",
+                          HOLDS if high and slower else PARTLY if high or slower else NO,
+                          f"GPU utilization {util['large'] or 0:.0f}%; E2E p50 "
+                          f"{_compare(ev, 'large', 'defaults', 'e2e_p50')}; TTFT p50 "
+                          f"{_compare(ev, 'large', 'defaults', 'ttft_p50')}", measured=rel))
+    if _missing(ev, "4096", "defaults"):
+        parts.append(Part("4096 shortens per-request processing", UNTESTABLE, _missing(ev, "4096", "defaults")))
+    else:
+        rel, floor = ev.change("4096", "defaults", "e2e_p50")
+        parts.append(Part("4096 shortens per-request processing",
+                          HOLDS if rel is not None and rel < -floor else NO,
+                          f"E2E p50 {_compare(ev, '4096', 'defaults', 'e2e_p50')}; TTFT p50 "
+                          f"{_compare(ev, '4096', 'defaults', 'ttft_p50')}", measured=rel))
+    return parts
+
+
+def _judge_eager(ev: Evidence) -> list[Part]:
+    statement = "--enforce-eager cuts time to first token by about 30%"
+    if _missing(ev, "eager", "defaults"):
+        return [Part(statement, UNTESTABLE, _missing(ev, "eager", "defaults"), claimed=-0.3)]
+    rel, floor = ev.change("eager", "defaults", "ttft_p50")
+    verdict = HOLDS if rel <= -0.2 else PARTLY if rel < -floor else NO
+    return [Part(statement, verdict,
+                 f"TTFT p50 {_compare(ev, 'eager', 'defaults', 'ttft_p50')}; TPOT p50 "
+                 f"{_compare(ev, 'eager', 'defaults', 'tpot_p50')}; output "
+                 f"{_compare(ev, 'eager', 'defaults', 'output_throughput', _tok)}",
+                 claimed=-0.3, measured=rel)]
+
+
+def _judge_seqs(ev: Evidence) -> list[Part]:
+    statement = "max-num-seqs below 64 markedly lowers scheduling overhead"
+    if _missing(ev, "seqs-32", "defaults"):
+        return [Part(statement, UNTESTABLE, _missing(ev, "seqs-32", "defaults"))]
+    # 16 users keep the batch under both caps: any change in step time is the cap's own overhead.
+    rel, floor = ev.change("seqs-32", "defaults", "tpot_p50")
+    cost = ""
+    if ev.ok("seqs-32-base") and ev.ok("defaults-base"):
+        cost = (f"; at the scenario's own load the cap changes output "
+                f"{_compare(ev, 'seqs-32-base', 'defaults-base', 'output_throughput', _tok)} and TTFT p50 "
+                f"{_compare(ev, 'seqs-32-base', 'defaults-base', 'ttft_p50')}")
+    verdict = HOLDS if rel <= -0.1 else PARTLY if rel < -floor else NO
+    return [Part(statement, verdict, f"per-token step time (TPOT p50) at 16 users, same batch under "
+                 f"both caps: {_compare(ev, 'seqs-32', 'defaults', 'tpot_p50')}{cost}",
+                 claimed=-0.1, measured=rel)]
+
+
+def _judge_blocks(ev: Evidence, small_refused: str | None) -> list[Part]:
+    parts = []
+    if _missing(ev, "block-32-base", "defaults-base"):
+        parts.append(Part("block 16 suits chat (less fragmentation)", UNTESTABLE,
+                          _missing(ev, "block-32-base", "defaults-base")))
+    else:
+        rel, floor = ev.change("defaults-base", "block-32-base", "output_throughput")
+        tpot, _ = ev.change("defaults-base", "block-32-base", "tpot_p50")
+        kv16, kv32 = ev.median("defaults-base", "kv_usage_mean"), ev.median("block-32-base", "kv_usage_mean")
+        verdict = HOLDS if rel > floor or tpot < -floor else PARTLY if rel > -floor else NO
+        parts.append(Part("block 16 suits chat (less fragmentation)", verdict,
+                          f"block 32 → 16 on chat: output {_pct(rel, floor)}, TPOT p50 {_pct(tpot)}; "
+                          f"KV usage mean {kv32 or 0:.1%} → {kv16 or 0:.1%}"
+                          + (f"; block 8: {small_refused}" if small_refused else "")))
+    if _missing(ev, "block-32-long", "defaults-long"):
+        parts.append(Part("block 32+ suits long generation (less scheduling overhead)", UNTESTABLE,
+                          _missing(ev, "block-32-long", "defaults-long")))
+    else:
+        rel, floor = ev.change("block-32-long", "defaults-long", "tpot_p50")
+        parts.append(Part("block 32+ suits long generation (less scheduling overhead)",
+                          HOLDS if rel < -floor else NO,
+                          f"1024-token outputs, block 16 → 32: TPOT p50 "
+                          f"{_compare(ev, 'block-32-long', 'defaults-long', 'tpot_p50')}; output "
+                          f"{_compare(ev, 'block-32-long', 'defaults-long', 'output_throughput', _tok)}",
+                          measured=rel))
+    return parts
+
+
+def _judge_dtype(ev: Evidence) -> list[Part]:
+    parts = []
+    if not ev.measured("float32"):
+        parts.append(Part("float32 doubles memory", UNTESTABLE, "float32 not measured"))
+    elif not ev.ok("float32"):
+        oom = "oom" in ev.status("float32")
+        parts.append(Part("float32 doubles memory", HOLDS if oom else UNTESTABLE,
+                          f"float32: {ev.status('float32')}"))
+    else:
+        t16, t32 = ev.median("defaults", "kv_cache_tokens"), ev.median("float32", "kv_cache_tokens")
+        thr = _compare(ev, "float32", "defaults", "output_throughput", _tok)
+        if not t16 or not t32:
+            parts.append(Part("float32 doubles memory", UNTESTABLE, f"no KV cache size was scraped; output {thr}"))
+        else:
+            # Same memory budget: per-token bytes doubled (and weights doubled) leave at most half the tokens.
+            ratio = t32 / t16
+            parts.append(Part("float32 doubles memory", HOLDS if ratio <= 0.55 else NO,
+                              f"KV cache in the same memory budget: {t16:,.0f} → {t32:,.0f} tokens "
+                              f"(×{ratio:.2f}); output {thr}", measured=ratio - 1))
+    parts.append(Part("float32's quality gain over float16 is negligible", UNTESTABLE,
+                      "quality needs real weights and an evaluation set; the lab serves dummy "
+                      "weights and measures speed and memory"))
+    if _missing(ev, "float16", "defaults"):
+        parts.append(Part("bfloat16 is more efficient than float16 on A100/H100-class GPUs", UNTESTABLE,
+                          _missing(ev, "float16", "defaults")))
+    else:
+        rel, floor = ev.change("defaults", "float16", "output_throughput")
+        parts.append(Part("bfloat16 is more efficient than float16 on A100/H100-class GPUs",
+                          HOLDS if rel > floor else NO,
+                          f"float16 → bfloat16: output {_pct(rel, floor)}, TPOT p50 "
+                          f"{_compare(ev, 'defaults', 'float16', 'tpot_p50')}", measured=rel))
+    return parts
+
+
+def _judge_templates(ev: Evidence) -> list[Part]:
+    parts = []
+    s = "the low-latency template cuts TTFT by 40% or more at about 15% throughput cost"
+    if _missing(ev, "realtime-chat", "defaults-realtime-chat"):
+        parts.append(Part(s, UNTESTABLE, _missing(ev, "realtime-chat", "defaults-realtime-chat"), claimed=-0.4))
+    else:
+        ttft, floor = ev.change("realtime-chat", "defaults-realtime-chat", "ttft_p50")
+        cost, _ = ev.change("realtime-chat", "defaults-realtime-chat", "output_throughput")
+        cut = ttft <= -0.35
+        priced = -0.25 <= cost <= -0.05
+        parts.append(Part(s, HOLDS if cut and priced else PARTLY if cut or ttft < -floor else NO,
+                          f"on its own traffic: TTFT p50 "
+                          f"{_compare(ev, 'realtime-chat', 'defaults-realtime-chat', 'ttft_p50')}; output "
+                          f"{_compare(ev, 'realtime-chat', 'defaults-realtime-chat', 'output_throughput', _tok)}",
+                          claimed=-0.4, measured=ttft))
+    s = "the offline-batch template raises throughput 3-5x"
+    if _missing(ev, "offline-batch", "defaults-offline-batch"):
+        parts.append(Part(s, UNTESTABLE, _missing(ev, "offline-batch", "defaults-offline-batch"), claimed=2.0))
+    else:
+        rel, floor = ev.change("offline-batch", "defaults-offline-batch", "output_throughput")
+        ratio = 1 + rel
+        parts.append(Part(s, HOLDS if ratio >= 2.7 else PARTLY if rel > floor else NO,
+                          f"on its own traffic (512 users): output "
+                          f"{_compare(ev, 'offline-batch', 'defaults-offline-batch', 'output_throughput', _tok)}"
+                          f" = ×{ratio:.2f} the defaults", claimed=2.0, measured=rel))
+    s = "the high-concurrency template holds GPU utilization near 85%"
+    util = ev.median("high-concurrency-api", "gpu_util_mean")
+    if _missing(ev, "high-concurrency-api") or util is None:
+        parts.append(Part(s, UNTESTABLE, _missing(ev, "high-concurrency-api") or "no GPU utilization scraped"))
+    else:
+        parts.append(Part(s, HOLDS if abs(util - 85) <= 7 else NO,
+                          f"GPU utilization {util:.0f}% on its own traffic (defaults: "
+                          f"{ev.median('defaults-high-concurrency-api', 'gpu_util_mean') or 0:.0f}%)"))
+    return parts
+
+
+def _judge_parallel(ev: Evidence, sizes: Sequence[int]) -> list[Part]:
+    s = "tensor parallelism over 8 GPUs gives about 6.5x the throughput of one"
+    measured = [n for n in sizes if ev.ok(f"tp-{n}")]
+    if 1 not in measured or len(measured) < 2:
+        why = ("the hardware has one GPU" if len(sizes) < 2 else
+               "; ".join(f"tp-{n}: {ev.status(f'tp-{n}')}" for n in sizes))
+        return [Part(s, UNTESTABLE, why, claimed=5.5)]
+    one = ev.median("tp-1", "output_throughput")
+    scale = ", ".join(f"TP {n}: ×{ev.median(f'tp-{n}', 'output_throughput') / one:.2f} "
+                      f"({ev.median(f'tp-{n}', 'output_throughput') / one / n:.0%} efficiency)"
+                      for n in measured if n > 1)
+    if 8 not in measured:
+        return [Part(s, UNTESTABLE, f"measured up to {max(measured)} GPUs (the most lent): {scale}",
+                     claimed=5.5)]
+    ratio = ev.median("tp-8", "output_throughput") / one
+    verdict = HOLDS if abs(ratio - 6.5) <= 0.15 * 6.5 else PARTLY if ratio > 4 else NO
+    return [Part(s, verdict, f"at 256 users, {scale}", claimed=5.5, measured=ratio - 1)]
+
+
+def catalog(base: Scenario) -> list[Claim]:
+    """The nine claims, their arms fitted to the base scenario's hardware and vLLM version."""
+    hw = base.hardware
+    defaults = flagcat.engine_defaults(hw.memory_gib, hw.name)
+    sat, chat = "saturating", "base"
+    blocks8 = [f.message for f in lint_mod.lint(base.with_serve(**{"block-size": 8})) if f.key == "block-size"]
+    swap = flagcat.changes_for(base.vllm_version).get("swap-space")
+    sizes = [n for n in (1, 2, 4, 8) if n <= hw.gpu_count]
+    templates = [Arm(t, f"template:{t}", template_flags(t)) for t in TEMPLATES]
+    templates += [Arm(f"defaults-{t}", f"template:{t}") for t in TEMPLATES]
+    return [
+        Claim(1, "gpu-memory-utilization 0.7 is the most stable, 0.85-0.9 the best balance, above 0.95 "
+              "out-of-memory becomes likely",
+              "256 closed-loop users at 0.7, 0.85, vLLM's 0.92 and 0.98: failed starts, errors, "
+              "preemptions, KV cache size and throughput",
+              (Arm("defaults", sat), Arm("util-0.7", sat, {"gpu-memory-utilization": 0.7}),
+               Arm("util-0.85", sat, {"gpu-memory-utilization": 0.85}),
+               Arm("util-0.98", sat, {"gpu-memory-utilization": 0.98})), _judge_memory),
+        Claim(2, "A too-small max-num-batched-tokens leaves the GPU under 50% utilized; a large one "
+              "lifts utilization above 90% and raises per-request latency; 4096 shortens per-request "
+              "processing",
+              f"256 closed-loop users at {defaults['max-num-seqs']} (the smallest vLLM accepts with "
+              f"its max-num-seqs), 4096, vLLM's {defaults['max-num-batched-tokens']} and 32768: GPU "
+              "utilization, E2E and TTFT",
+              (Arm("defaults", sat), Arm("small", sat, {"max-num-batched-tokens": defaults["max-num-seqs"]}),
+               Arm("4096", sat, {"max-num-batched-tokens": 4096}),
+               Arm("large", sat, {"max-num-batched-tokens": 32768})), _judge_budget),
+        Claim(3, "--enforce-eager cuts time to first token by about 30%",
+              "the scenario's traffic with and without --enforce-eager: TTFT, TPOT, throughput",
+              (Arm("defaults", chat), Arm("eager", chat, {"enforce-eager": True})), _judge_eager),
+        Claim(4, "max-num-seqs below 64 markedly lowers scheduling overhead",
+              f"max-num-seqs 32 against vLLM's {defaults['max-num-seqs']} at 16 users (the batch is "
+              "the same under both caps, so a change in step time is the cap's overhead), and at the "
+              "scenario's load for its cost",
+              (Arm("defaults", "light"), Arm("seqs-32", "light", {"max-num-seqs": 32}),
+               Arm("defaults-base", chat), Arm("seqs-32-base", chat, {"max-num-seqs": 32})), _judge_seqs),
+        Claim(5, "Block sizes 8-16 suit chat (less fragmentation), 32+ long generation (less "
+              "scheduling overhead)",
+              "block 16 (vLLM's default) and 32 on the scenario's chat traffic and on 1024-token "
+              "generations; block 8 where the attention backend allows it",
+              (Arm("defaults-base", chat), Arm("block-32-base", chat, {"block-size": 32}),
+               Arm("defaults-long", "long-generation"),
+               Arm("block-32-long", "long-generation", {"block-size": 32})),
+              lambda ev: _judge_blocks(ev, blocks8[0] if blocks8 else None)),
+        Claim(6, "float32 doubles memory for a negligible quality gain over float16; bfloat16 is more "
+              "efficient than float16 on A100/H100-class GPUs",
+              "the scenario's traffic in the model's bfloat16, float16 and float32: KV cache size in "
+              "the same memory budget, throughput, TPOT",
+              (Arm("defaults", chat), Arm("float16", chat, {"dtype": "float16"}),
+               Arm("float32", chat, {"dtype": "float32"})), _judge_dtype),
+        Claim(7, "Swap space of 4-8 GB absorbs bursts; swap : GPU memory of 1 : 4",
+              "a spike against swap-space 4 and 8", (),
+              lambda ev: [Part("swap space absorbs bursts", UNTESTABLE,
+                               f"swap-space was {swap.kind} in vLLM {swap.since}: {swap.advice}" if swap
+                               else "the lab has no swap experiment for this vLLM version")]),
+        Claim(8, "The low-latency template cuts TTFT by 40% or more at about 15% throughput cost; the "
+              "offline-batch template raises throughput 3-5x; the high-concurrency template holds GPU "
+              "utilization near 85%",
+              "each template's flags (scenarios/<template>.yaml, corrected for vLLM 0.26) against vLLM's "
+              "defaults, on the template's own traffic",
+              tuple(templates), _judge_templates),
+        Claim(9, "Tensor parallelism over 8 GPUs gives about 6.5x the throughput of one",
+              "256 closed-loop users at tensor-parallel-size " + ", ".join(map(str, sizes or [1])) +
+              " (as many GPUs as the hardware has)",
+              tuple(Arm(f"tp-{n}", sat, {"tensor-parallel-size": n} if n > 1 else {}) for n in sizes),
+              lambda ev: _judge_parallel(ev, sizes)),
+    ]
+
+
+def parse_selection(text: str | None) -> list[int]:
+    """CLAIMS="1,3,5-8" as claim numbers (all nine when empty)."""
+    if not text:
+        return list(range(1, 10))
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, _, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"CLAIMS: {part!r} is not a claim number or range (1-9), e.g. CLAIMS=1,3,5-8") from None
+    bad = [n for n in out if not 1 <= n <= 9]
+    if bad:
+        raise ValueError(f"CLAIMS: {bad[0]} is not a claim; the guide's claims are numbered 1-9")
+    return sorted(set(out))
+
+
+def points(base: Scenario, selected: Sequence[int], repeats: int = 1) -> list[Point]:
+    """The runs the selected claims need, each arm once; vLLM's defaults repeated at least twice.
+
+    The reference arms are the noise floor of every verdict, so they always get a second run.
+    """
+    seen: dict[str, Point] = {}
+    for claim in catalog(base):
+        if claim.number not in selected:
+            continue
+        for arm in claim.arms:
+            scenario = traffic_scenario(base, arm.traffic).with_serve(**arm.serve)
+            for r in range(max(repeats, 2) if not arm.serve else repeats):
+                p = Point(scenario, {"arm": arm.label}, r)
+                seen.setdefault(p.key, p)
+    # vLLM's defaults first (one start serves every claim's reference), then the claims in order:
+    # a plan cut short (a GPU lease ends) has measured the first claims whole.
+    return sorted(seen.values(), key=lambda p: p.serve_key != _serve_key(base))
+
+
+def _serve_key(s: Scenario) -> str:
+    return Point(s, {}).serve_key
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One claim's outcome."""
+
+    claim: Claim
+    verdict: str
+    parts: list[Part]
+
+
+def judge(base: Scenario, runs_by_label: Mapping[str, Sequence[dict]],
+          selected: Sequence[int] = range(1, 10)) -> list[Verdict]:
+    """Each selected claim's verdict from the runs (label → run dicts with status, summary, error)."""
+    out = []
+    for claim in catalog(base):
+        if claim.number in selected:
+            parts = claim.judge(Evidence(runs_by_label, claim.arms))
+            out.append(Verdict(claim, overall(parts), parts))
+    return out
