@@ -226,3 +226,29 @@ class NetnsFleet:
                 _kill_tree(host.sshd)
             _ip("link", "del", host.veth_host, check=False)
             _ip("netns", "del", host.netns, check=False)
+
+
+# --- additions for load generators on the fleet (tests/test_traffic_distributed.py) ------------
+
+def host_side_address(host: FleetHost) -> str:
+    """This machine's address on the host's link (10.77.<k>.1)."""
+    return host.address.rsplit(".", 1)[0] + ".1"
+
+
+def route_to_this_machine(fleet: NetnsFleet) -> None:
+    """Give every namespace a route to 10.77.0.0/16 over its own link, so a server bound here to any
+    host's link address is reachable from all hosts. Nothing is forwarded between namespaces: the
+    destination is this machine's own address."""
+    for host in fleet.hosts:
+        _ip("route", "add", "10.77.0.0/16", "via", host_side_address(host), ns=host.netns)
+
+
+def make_loadgen(fleet: NetnsFleet, names: list[str] | None = None) -> Path:
+    """Move hosts (all by default) from the inventory's vllm_servers group to loadgen; return it."""
+    inv = yaml.safe_load(fleet.inventory.read_text())
+    groups = inv["all"]["children"]
+    servers = groups["vllm_servers"]["hosts"]
+    for name in [n for n in list(servers) if names is None or n in names]:
+        groups["loadgen"]["hosts"][name] = servers.pop(name)
+    fleet.inventory.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return fleet.inventory

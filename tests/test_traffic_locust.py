@@ -1,15 +1,20 @@
 """Locust against the scripted server: exact timing, error classes, arrivals, overload, workers."""
 
+import glob
 import json
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
+from vllm_lab.traffic.arrivals import InFlightMeter, client_overloaded
 from vllm_lab.traffic.scripted_server import running
 
-pytestmark = pytest.mark.integration
+# Every test here but the InFlightMeter unit tests starts Locust and a server.
+integration = pytest.mark.integration
 
 SHORT = Workload(source="synthetic", input=Lengths(mean=20), output=Lengths(mean=10))
 
@@ -23,6 +28,7 @@ def _truth(path):
     return {r["request_id"]: r for r in rows}
 
 
+@integration
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_timing_matches_the_script_within_2ms(tmp_path, api):
     truth_log = tmp_path / "truth.jsonl"
@@ -56,6 +62,7 @@ def test_timing_matches_the_script_within_2ms(tmp_path, api):
     assert {"vllm:num_requests_running", "DCGM_FI_DEV_GPU_UTIL"} <= names
 
 
+@integration
 def test_each_error_is_classified(tmp_path):
     flags = ("--ttft-ms", "50", "--itl-ms", "10", "--cycle", "ok,broken,http500,stall,empty",
              "--stall-s", "3")
@@ -70,6 +77,7 @@ def test_each_error_is_classified(tmp_path):
     assert "POST" in (tmp_path / "locust_stats.csv").read_text()  # Locust's own CSV got E2E
 
 
+@integration
 def test_open_loop_poisson_and_overload_flag(tmp_path):
     rate = 40.0
     load = Load(mode="open", shape={"level": rate}, stop={"duration_s": 8})
@@ -86,6 +94,7 @@ def test_open_loop_poisson_and_overload_flag(tmp_path):
     assert over.client_overloaded and over.schedule_lag_p99_s > 0.010
 
 
+@integration
 def test_master_and_two_workers_merge_raw_samples(tmp_path):
     load = Load(mode="open", shape={"level": 30}, stop={"duration_s": 5})
     with running("--ttft-ms", "50", "--itl-ms", "5", "--no-precise") as url:
@@ -99,6 +108,7 @@ def test_master_and_two_workers_merge_raw_samples(tmp_path):
     assert r.samples.ttft_s.median() == pytest.approx(0.050, abs=0.005)
 
 
+@integration
 def test_processes_and_stop_conditions(tmp_path):
     with running("--ttft-ms", "10", "--itl-ms", "2", "--no-precise") as url:
         r = run_load(url, "ok", SHORT, Load(shape={"level": 4}, stop={"duration_s": 30,
@@ -111,6 +121,7 @@ def test_processes_and_stop_conditions(tmp_path):
         assert e.stop_reason == "error_rate" and (e.samples.error == "http_error").all()
 
 
+@integration
 def test_saturation_stop(tmp_path):
     # Capacity ~13 req/s (2 slots x 150 ms); 40 req/s offered: TTFT and the queue grow unbounded.
     load = Load(mode="open", shape={"level": 40}, stop={"duration_s": 40, "saturation": True,
@@ -119,3 +130,105 @@ def test_saturation_stop(tmp_path):
         r = run_load(url, "ok", SHORT, load, tmp_path, scrape_metrics=False)
     assert r.stop_reason == "saturation"
     assert r.samples.start_ts.max() - r.samples.start_ts.min() < 30
+
+
+class _Clocks:
+    """A fake wall clock and CPU clock that a test advances by hand."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def spend(self, wall: float, cpu: float) -> None:
+        self.wall += wall
+        self.cpu += cpu
+
+
+def test_cpu_between_requests_is_not_client_overload():
+    # One closed-loop user: 1 s of CPU building and tokenizing a long prompt, then a 20 ms request
+    # that costs the client 1 ms of CPU. Over the whole run the core is 98% busy, yet no chunk of
+    # any request could be read late: the in-flight fraction is what decides.
+    c = _Clocks()
+    m = InFlightMeter(cpu=lambda: c.cpu, clock=lambda: c.wall)
+    for _ in range(5):
+        c.spend(1.0, 1.0)
+        m.begin()
+        c.spend(0.020, 0.001)
+        m.end()
+    assert c.cpu / c.wall > 0.95  # what the old whole-run fraction said
+    assert m.cpu_fraction() == pytest.approx(0.05)
+    assert m.busy_time() == pytest.approx(0.100)
+    assert not client_overloaded(0.0, 0.0, m.cpu_fraction(), 0.010)
+
+
+def test_cpu_while_requests_are_in_flight_is_overload():
+    # Several users: requests overlap, and the client burns the core while chunks arrive.
+    c = _Clocks()
+    m = InFlightMeter(cpu=lambda: c.cpu, clock=lambda: c.wall)
+    c.spend(5.0, 5.0)  # setup before anything is in flight: not counted
+    m.begin()
+    c.spend(0.5, 0.49)
+    m.begin()  # a second request while the first is in flight: one busy interval, not two
+    c.spend(0.5, 0.5)
+    m.end()
+    assert m.cpu_fraction() == pytest.approx(0.99)  # the open interval counts as it goes
+    c.spend(0.5, 0.5)
+    m.end()
+    assert m.busy_time() == pytest.approx(1.5) and m.in_flight == 0
+    assert m.cpu_fraction() == pytest.approx(1.49 / 1.5)
+    assert client_overloaded(0.0, 0.0, m.cpu_fraction(), 0.010)
+
+
+def test_loop_lag_counts_only_in_flight_time():
+    c = _Clocks()
+    m = InFlightMeter(cpu=lambda: c.cpu, clock=lambda: c.wall)
+    # A heartbeat asks for 5 ms and wakes 35 ms later because a prompt was being built: idle.
+    t0, b0 = c.wall, m.busy_time()
+    c.spend(0.030, 0.030)
+    m.begin()  # the request goes out; the heartbeat wakes as soon as the user waits on it
+    c.spend(0.0002, 0.0)
+    assert m.loop_lag(t0, c.wall, b0, 0.005) == 0.0
+    # In flight the whole time: a 35 ms oversleep is the lag every chunk timing suffers.
+    t0, b0 = c.wall, m.busy_time()
+    c.spend(0.040, 0.040)
+    assert m.loop_lag(t0, c.wall, b0, 0.005) == pytest.approx(0.035)
+    m.end()
+    t0, b0 = c.wall, m.busy_time()
+    c.spend(0.050, 0.050)
+    assert m.loop_lag(t0, c.wall, b0, 0.005) is None  # nothing in flight: no sample at all
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer.json, so prompts are built exactly (and cost real CPU)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:60]
+    tok.train_from_iterator((Path(f).read_text(errors="ignore") for f in files), trainers.BpeTrainer(
+        vocab_size=4000, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path_factory.mktemp("tok")
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+@integration
+def test_one_user_with_long_prompts_is_not_overloaded(tmp_path, small_tokenizer):
+    # The GPU machine's false alarm: one user, 8192-token prompts built with a tokenizer, short
+    # replies. Building each prompt takes tens of ms of CPU between requests, a large share of
+    # the run, but nothing is in flight meanwhile.
+    long = Workload(source="synthetic", input=Lengths(mean=8192), output=Lengths(mean=2),
+                    tokenizer=small_tokenizer)
+    with running("--ttft-ms", "20", "--itl-ms", "5", "--no-precise") as url:
+        r = run_load(url, "ok", long, _closed(1, 4), tmp_path, scrape_metrics=False)
+    w = r.workers[0]
+    assert len(r.samples) >= 10 and (r.samples.status == "ok").all()
+    assert (r.samples.target_prompt_tokens == 8192).all()
+    assert not r.client_overloaded, w
+    assert r.loop_lag_p99_s < 0.010 and r.cpu_fraction_max < 0.95
+    # The whole-run figure still shows where the client's CPU went.
+    assert w["cpu_fraction_total"] > w["cpu_fraction"]
+    assert 0 < w["in_flight_s"] < w["wall_s"]
+    print(json.dumps({k: w[k] for k in ("cpu_fraction", "cpu_fraction_total", "in_flight_s",
+                                        "wall_s", "loop_lag")}))

@@ -7,6 +7,8 @@ client's schedule lag, the signal that the load generator (not the server) fell 
 
 from __future__ import annotations
 
+import resource
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -59,10 +61,79 @@ def lag_summary(lags: list[float] | np.ndarray) -> dict[str, float]:
     }
 
 
+def process_cpu_s() -> float:
+    """CPU seconds (user + system) this process has used so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class InFlightMeter:
+    """Wall and CPU time of a load-generator process, counted only while a request is in flight.
+
+    The client-side overload signals (a starved event loop, a full core) matter because a busy
+    client reads chunks late and so reports TTFT and ITL that are not the server's. Only time with
+    a request in flight can be mismeasured that way. CPU spent while nothing is in flight (one
+    closed-loop user building and tokenizing its next 8192-token prompt, setup before the first
+    request) delays the next send, which the closed loop takes as part of the user's cycle and the
+    open loop's schedule lag measures; it cannot distort a single measured timestamp, so it is
+    not counted as overload. Clocks are injectable for tests.
+    """
+
+    def __init__(self, cpu: Callable[[], float] = process_cpu_s,
+                 clock: Callable[[], float] = time.perf_counter):
+        self._cpu, self._clock = cpu, clock
+        self.in_flight = 0
+        self.busy_wall_s = 0.0
+        self.busy_cpu_s = 0.0
+        self._wall0 = self._cpu0 = 0.0
+
+    def begin(self) -> None:
+        """A request goes out (call after its body is built, right before sending)."""
+        if self.in_flight == 0:
+            self._wall0, self._cpu0 = self._clock(), self._cpu()
+        self.in_flight += 1
+
+    def end(self) -> None:
+        """A request is done (its stream read to the end, or failed)."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.busy_wall_s += self._clock() - self._wall0
+            self.busy_cpu_s += self._cpu() - self._cpu0
+
+    def busy_time(self, now: float | None = None) -> float:
+        """Wall seconds with at least one request in flight, up to `now` (a clock reading)."""
+        if self.in_flight == 0:
+            return self.busy_wall_s
+        return self.busy_wall_s + (self._clock() if now is None else now) - self._wall0
+
+    def cpu_fraction(self) -> float:
+        """CPU seconds per wall second over the in-flight time (0 when nothing was ever in flight)."""
+        wall, cpu = self.busy_wall_s, self.busy_cpu_s
+        if self.in_flight:
+            wall += self._clock() - self._wall0
+            cpu += self._cpu() - self._cpu0
+        return cpu / wall if wall > 0 else 0.0
+
+    def loop_lag(self, t0: float, t1: float, busy0: float, slept_s: float) -> float | None:
+        """The event loop's lag over a heartbeat that asked to sleep `slept_s` from t0 to t1.
+
+        busy0 is busy_time(t0). Only the in-flight part of the interval counts: None when nothing
+        was in flight at all (no sample: idle time neither raises nor dilutes the lag).
+        """
+        busy = self.busy_time(t1) - busy0
+        if busy <= 0:
+            return None
+        return max(0.0, min(busy, t1 - t0) - slept_s)
+
+
 def client_overloaded(
     schedule_lag_p99_s: float, loop_lag_p99_s: float, cpu_fraction: float, max_lag_s: float
 ) -> bool:
-    """Whether the generator could not keep up: late sends, a starved event loop or a full core."""
+    """Whether the generator could not keep up: late sends, a starved event loop or a full core.
+
+    The loop lag and the CPU fraction are those of the in-flight time (`InFlightMeter`): CPU the
+    client spends between requests, e.g. building long prompts, is not overload.
+    """
     return (
         schedule_lag_p99_s > max_lag_s
         or loop_lag_p99_s > max_lag_s

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import socket
+import sys
 import time
 import urllib.request
 from collections import deque
@@ -27,7 +27,7 @@ from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 from locust.user.users import LOCUST_STATE_STOPPING
 
-from vllm_lab.traffic.arrivals import lag_summary, schedule
+from vllm_lab.traffic.arrivals import InFlightMeter, lag_summary, process_cpu_s, schedule
 from vllm_lab.traffic.shapes import level_at, saturated, stop_reason, waiting_requests
 from vllm_lab.traffic.spec import Load, Workload
 from vllm_lab.traffic.workloads import WorkloadGenerator
@@ -110,8 +110,13 @@ class _Process:
     def __init__(self, runner):
         self.index = getattr(runner, "worker_index", 0) if isinstance(runner, WorkerRunner) else 0
         self.count = int(_CFG.get("num_workers", 1))
-        self.name = f"{socket.gethostname()}-{os.getpid()}"
+        # A remote worker is named after its inventory host, so its samples say where they came from.
+        self.host = _CFG.get("worker_host") or socket.gethostname()
+        self.name = f"{self.host}-{os.getpid()}"
         self.gen = WorkloadGenerator(WORKLOAD, _CFG["seed"])
+        # Shared prefixes and file records are built here, before the anchors below: the first
+        # request must not pay for them (in an open loop it would hold up the dispatcher).
+        self.gen.prepare()
         (OUT / "samples").mkdir(parents=True, exist_ok=True)
         # Open for the whole run, closed in close().
         self.file = open(OUT / "samples" / f"{self.name}.jsonl", "a", buffering=1 << 16)  # noqa: SIM115
@@ -123,15 +128,12 @@ class _Process:
         # Wall-clock anchor: timestamps comparable across workers, differences as exact as
         # perf_counter.
         self.wall0, self.pc0 = time.time(), time.perf_counter()
-        self.cpu0 = self._cpu()
+        self.cpu0 = process_cpu_s()
+        # Loop lag and CPU fraction count only while a request is in flight (see InFlightMeter).
+        self.meter = InFlightMeter()
         self.greenlets = [gevent.spawn(self._heartbeat)]
         if LOAD.mode == "open":
             self.greenlets.append(gevent.spawn(self._dispatch))
-
-    @staticmethod
-    def _cpu() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
 
     def wall(self, pc: float) -> float:
         """Convert a perf_counter reading to Unix time."""
@@ -148,9 +150,12 @@ class _Process:
         last_flush = time.perf_counter()
         while True:
             t = time.perf_counter()
+            busy0 = self.meter.busy_time(t)
             gevent.sleep(0.005)
             now = time.perf_counter()
-            self.loop_lags.append(max(0.0, now - t - 0.005))
+            lag = self.meter.loop_lag(t, now, busy0, 0.005)
+            if lag is not None:
+                self.loop_lags.append(lag)
             if now - last_flush > 1.0:
                 self.file.flush()
                 last_flush = now
@@ -186,10 +191,16 @@ class _Process:
         self.file.close()
         summary = {
             "worker": self.name,
+            "host": self.host,
+            "python": sys.executable,
             "index": self.index,
             "loop_lag": lag_summary(self.loop_lags),
             "sched_lag": lag_summary(self.sched_lags),
-            "cpu_fraction": (self._cpu() - self.cpu0) / wall if wall > 0 else 0.0,
+            # The overload signal: CPU per wall second while requests were in flight.
+            "cpu_fraction": self.meter.cpu_fraction(),
+            # For diagnosis only: over the whole run, prompt building between requests included.
+            "cpu_fraction_total": (process_cpu_s() - self.cpu0) / wall if wall > 0 else 0.0,
+            "in_flight_s": self.meter.busy_time(),
             "wall_s": wall,
             # The anchor maps this worker's *_ts columns back to its perf_counter clock.
             "wall0": self.wall0,
@@ -310,6 +321,7 @@ class LLMUser(FastHttpUser):
             "http_status": 0, "error": "", "error_detail": "", "itl_s": [], "chunks": 0,
         }
         payload = json.dumps(body)
+        st.meter.begin()
         start = time.perf_counter()
         ttft, itl, last, reply, usage, done, error = None, [], start, [], {}, False, ""
         detail = ""
@@ -361,7 +373,9 @@ class LLMUser(FastHttpUser):
             else:
                 error = _error_class(e)
             detail = f"{type(e).__name__}: {e}"[:300]
-        end = time.perf_counter()
+        finally:
+            end = time.perf_counter()
+            st.meter.end()
         if not error and not done:
             error, detail = "broken_stream", "stream ended without [DONE]"
         n_out = usage.get("completion_tokens") if usage else None

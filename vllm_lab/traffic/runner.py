@@ -4,6 +4,13 @@ One host: `locust --processes N` (or one process). Several hosts: a master here 
 --worker` on each load-generator host (local ones as subprocesses, remote ones over ssh, their
 sample files copied back with scp). Every Locust process runs in its own process group and is
 stopped by that group's id.
+
+Remote workers run the lab that provision.yml (role lab_host) installed on the inventory's
+load-generator hosts: `loadgen_workers(inventory)` reads each host's address, SSH settings and
+interpreter (`<lab_host_venv>/bin/python`, or `lab_host_python` where `lab_host_lab_install` is
+false) through Ansible, so the inventory's templating and group_vars apply. A remote worker gets
+its own copy of the run's config in `<lab_host_root>/traffic/<run>/`, writes its samples there,
+and they are copied back here and removed there once it has exited.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -19,7 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pandas as pd
@@ -32,6 +41,8 @@ from vllm_lab.traffic.workloads import PromptBuilder
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 _LOCAL = {"127.0.0.1", "localhost", "::1"}
+# The lab_host role's defaults (playbooks/roles/lab_host/defaults/main.yml), for hosts that set none.
+LAB_HOST_ROOT_DEFAULT = "/opt/vllm-lab"
 
 
 @dataclass
@@ -75,29 +86,180 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
-def _worker_cmd(host: str, master: str, port: int, cfg: Path, processes: int) -> list[str]:
-    args = ["-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", master,
-            "--master-port", str(port)]
+@dataclass(frozen=True)
+class WorkerHost:
+    """A load-generator host: where Locust workers run, how to reach it, which Python runs them."""
+
+    name: str                       # the inventory's name; remote workers label their samples with it
+    address: str                    # what ssh connects to (ansible_host)
+    python: str = "python3"         # interpreter with the lab (and Locust) on that host
+    user: str = ""
+    port: int | None = None
+    key: str = ""                   # private key file
+    ssh_args: tuple[str, ...] = ()  # the inventory's ansible_ssh_*args, split
+    root: str = LAB_HOST_ROOT_DEFAULT  # lab_host_root: the run's folder goes under <root>/traffic
+    local: bool = False             # this machine: a subprocess with this interpreter, no ssh
+
+    @classmethod
+    def of(cls, host: str | WorkerHost) -> WorkerHost:
+        """A WorkerHost as is, or one for a bare address (python3 on its PATH, as before)."""
+        if isinstance(host, WorkerHost):
+            return host
+        return cls(name=host, address=host, local=host in _LOCAL)
+
+    def _opts(self, port_flag: str) -> list[str]:
+        opts = ["-o", "BatchMode=yes", *self.ssh_args]
+        if self.port:
+            opts += [port_flag, str(self.port)]
+        if self.key:
+            opts += ["-i", self.key]
+        return opts
+
+    @property
+    def target(self) -> str:
+        """user@address, as ssh and scp take it."""
+        return f"{self.user}@{self.address}" if self.user else self.address
+
+    def ssh(self, remote_cmd: str) -> list[str]:
+        """The ssh command line that runs remote_cmd (a shell string) on this host."""
+        return ["ssh", *self._opts("-p"), self.target, remote_cmd]
+
+    def scp_from(self, remote_glob: str, local_dir: Path) -> list[str]:
+        """The scp command line that copies remote_glob from this host into local_dir."""
+        return ["scp", "-q", *self._opts("-P"), f"{self.target}:{remote_glob}", str(local_dir)]
+
+
+# One Jinja expression per host, rendered by Ansible itself (group_vars, templates, defaults).
+_HOST_VARS = (
+    "{{ {'address': ansible_host | default(inventory_hostname),"
+    " 'connection': ansible_connection | default('ssh'),"
+    " 'user': ansible_user | default(''),"
+    " 'port': ansible_port | default(''),"
+    " 'key': ansible_ssh_private_key_file | default(ansible_private_key_file | default('')),"
+    " 'ssh_args': [ansible_ssh_args | default(''), ansible_ssh_common_args | default(''),"
+    " ansible_ssh_extra_args | default('')] | join(' '),"
+    " 'lab_install': lab_host_lab_install | default(true) | bool,"
+    f" 'root': lab_host_root | default('{LAB_HOST_ROOT_DEFAULT}'),"
+    f" 'venv': lab_host_venv | default((lab_host_root | default('{LAB_HOST_ROOT_DEFAULT}')) ~ '/venv'),"
+    " 'python': lab_host_python | default('python3')} }}"
+)
+
+
+def loadgen_workers(inventory: Path, group: str = "loadgen") -> list[WorkerHost]:
+    """The inventory's load-generator hosts (in ansible-inventory's order) as WorkerHosts.
+
+    Where provision.yml installed the lab (lab_host_lab_install, the default) a worker runs
+    `<lab_host_venv>/bin/python`; elsewhere the host's `lab_host_python`, which must hold the lab.
+    A host with ansible_connection=local, or at 127.0.0.1/localhost, is this machine.
+    """
+    from vllm_lab import serving  # no import cycle: serving imports nothing of traffic
+
+    names = serving.serve_hosts(Path(inventory), group=group)
+    exe = str(Path(serving._ansible_playbook()).with_name("ansible"))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(serving.REPO_ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_FORCE_COLOR="0", ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
+               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal", ANSIBLE_CALLBACK_RESULT_FORMAT="json",
+               ANSIBLE_DEPRECATION_WARNINGS="0")
+    # debug runs on the control node: nothing connects to the hosts.
+    out = subprocess.run([exe, "-i", str(inventory), group, "-m", "ansible.builtin.debug",
+                          "-a", json.dumps({"msg": _HOST_VARS})], capture_output=True, text=True,
+                         env=env, cwd=serving.REPO_ROOT, check=False, timeout=120)
+    found: dict[str, dict] = {}
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"^(\S+) \| SUCCESS => ", out.stdout, re.MULTILINE):
+        found[m.group(1)] = decoder.raw_decode(out.stdout, m.end())[0]["msg"]
+    missing = [n for n in names if n not in found]
+    if out.returncode or missing:
+        raise RuntimeError(f"{inventory}: could not read the variables of {', '.join(missing) or group}:"
+                           f" {(out.stdout + out.stderr).strip()[-800:]}")
+    workers = []
+    for name in names:
+        v = found[name]
+        local = v["connection"] == "local" or v["address"] in _LOCAL
+        workers.append(WorkerHost(
+            name=name, address=v["address"], local=local,
+            python=f"{v['venv']}/bin/python" if v["lab_install"] else v["python"],
+            user=v["user"], port=int(v["port"]) if str(v["port"]).strip() else None, key=v["key"],
+            ssh_args=tuple(shlex.split(v["ssh_args"])), root=v["root"]))
+    return workers
+
+
+# Where the lab's locustfile lies in the remote host's installed package.
+_FIND_LOCUSTFILE = ("import os, vllm_lab; "
+                    "print(os.path.join(os.path.dirname(vllm_lab.__file__), 'traffic', 'locustfile.py'))")
+
+
+def _worker_cmd(host: str | WorkerHost, master: str, port: int, cfg: Path | str,
+                processes: int) -> list[str]:
+    """The command that starts a host's Locust worker(s); cfg is the config's path on that host."""
+    h = WorkerHost.of(host)
+    args = ["--worker", "--master-host", master, "--master-port", str(port)]
     if processes > 1:
         args += ["--processes", str(processes)]
-    if host in _LOCAL:
-        return [sys.executable, *args]
-    # Remote hosts need the lab installed at the same path and the config copied first.
-    remote = f"VLLM_LAB_TRAFFIC_CONFIG={shlex.quote(str(cfg))} python3 " + shlex.join(args)
-    return ["ssh", "-o", "BatchMode=yes", host, remote]
+    if h.local:
+        return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *args]
+    # The installed lab's own locustfile, found by the host's interpreter; exec keeps one process
+    # that ends when the master sends quit.
+    py = shlex.quote(h.python)
+    remote = (f"LF=$({py} -c {shlex.quote(_FIND_LOCUSTFILE)}) && "
+              f"cd {shlex.quote(str(PurePosixPath(str(cfg)).parent))} && "
+              f"VLLM_LAB_TRAFFIC_CONFIG={shlex.quote(str(cfg))} PYTHONUNBUFFERED=1 "
+              f"exec {py} -m locust -f \"$LF\" {shlex.join(args)}")
+    return h.ssh(remote)
 
 
-def _copy_to_remote(hosts: list[str], cfg: Path, out_dir: Path) -> None:
-    for h in sorted(set(hosts) - _LOCAL):
-        subprocess.run(["ssh", "-o", "BatchMode=yes", h, f"mkdir -p {shlex.quote(str(out_dir))}"],
-                       check=True, timeout=60)
-        subprocess.run(["scp", "-q", str(cfg), f"{h}:{cfg}"], check=True, timeout=60)
+def _remote_dir(h: WorkerHost, run_tag: str) -> str:
+    return str(PurePosixPath(h.root) / "traffic" / run_tag)
 
 
-def _fetch_remote_samples(hosts: list[str], out_dir: Path) -> None:
-    for h in sorted(set(hosts) - _LOCAL):
-        subprocess.run(["scp", "-q", f"{h}:{out_dir}/samples/*", str(out_dir / "samples")],
-                       check=False, timeout=300)
+def _master_address(h: WorkerHost) -> str:
+    """This machine's address as seen from the worker's host: the source of the route there."""
+    if h.local:
+        return "127.0.0.1"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(h.address, 22, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # UDP: picks the route, sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
+
+
+def _distinct_remote(workers: list[WorkerHost]) -> list[WorkerHost]:
+    seen: dict[tuple, WorkerHost] = {}
+    for w in workers:
+        if not w.local:
+            seen.setdefault((w.target, w.port, w.root), w)
+    return list(seen.values())
+
+
+def _copy_to_remote(workers: list[WorkerHost], config: dict, run_tag: str) -> None:
+    """Write each remote host's copy of the run's config (its own out_dir, its name) over ssh."""
+    for h in _distinct_remote(workers):
+        rdir = _remote_dir(h, run_tag)
+        body = json.dumps({**config, "out_dir": rdir, "worker_host": h.name})
+        try:
+            subprocess.run(h.ssh(f"umask 077 && mkdir -p {shlex.quote(rdir)}/samples && "
+                                 f"cat > {shlex.quote(rdir)}/traffic_config.json"),
+                           input=body, text=True, check=True, timeout=60, capture_output=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            why = (e.stderr or "").strip()[-500:] if isinstance(e.stderr, str) else str(e)
+            raise TrafficError(f"load generator {h.name} ({h.target}) did not take the run's "
+                               f"config: {why}") from e
+
+
+def _fetch_remote_samples(workers: list[WorkerHost], out_dir: Path, run_tag: str) -> None:
+    """Copy each remote host's sample and summary files here, then remove its run folder there."""
+    for h in _distinct_remote(workers):
+        rdir = _remote_dir(h, run_tag)
+        got = subprocess.run(h.scp_from(f"{rdir}/samples/*", out_dir / "samples"),
+                             check=False, timeout=300, capture_output=True, text=True)
+        if got.returncode == 0:
+            subprocess.run(h.ssh(f"rm -rf {shlex.quote(rdir)}"), check=False, timeout=60,
+                           capture_output=True)
+        else:
+            print(f"traffic: no samples from {h.name} ({rdir}): {got.stderr.strip()[-300:]}",
+                  file=sys.stderr)
 
 
 def _summaries(samples_dir: Path) -> list[dict]:
@@ -114,24 +276,34 @@ def run_load(
     api_key: str | None = None,
     processes: int = 1,
     scrape_metrics: bool = True,
-    workers_hosts: list[str] | None = None,
+    workers_hosts: list[str | WorkerHost] | None = None,
     scrape_interval_s: float = 2.0,
 ) -> LoadResult:
-    """Run Locust headless against base_url until the load's stop condition; return the samples."""
+    """Run Locust headless against base_url until the load's stop condition; return the samples.
+
+    workers_hosts: one Locust worker (of `processes` processes) per entry, with a master here;
+    entries are WorkerHosts (see loadgen_workers) or bare addresses. base_url must be reachable
+    from every worker's host.
+    """
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_dir = out_dir / "samples"
     shutil.rmtree(samples_dir, ignore_errors=True)
     samples_dir.mkdir()
     (out_dir / "stop_reason.json").unlink(missing_ok=True)
-    hosts = list(workers_hosts or [])
+    hosts = [WorkerHost.of(h) for h in workers_hosts or []]
     num_workers = len(hosts) * processes if hosts else processes
     cfg = out_dir / "traffic_config.json"
-    cfg.write_text(json.dumps({
+    config = {
         "base_url": base_url, "model": model, "seed": seed, "api_key": api_key,
         "out_dir": str(out_dir), "num_workers": num_workers,
         "workload": workload.model_dump(mode="json"), "load": load.model_dump(mode="json"),
-    }))
+    }
+    # Written 0600 here and there: it may hold the API key.
+    fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(config, fh)
+    run_tag = f"{out_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
     env = {**os.environ, "VLLM_LAB_TRAFFIC_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base_url,
            "--csv", str(out_dir / "locust"), "--logfile", str(out_dir / "locust.log"),
@@ -139,11 +311,10 @@ def run_load(
     worker_procs: list[subprocess.Popen] = []
     if hosts:
         port = _free_port()
-        bind = "127.0.0.1" if set(hosts) <= _LOCAL else "0.0.0.0"
-        master = "127.0.0.1" if bind == "127.0.0.1" else socket.getfqdn()
+        bind = "127.0.0.1" if all(h.local for h in hosts) else "0.0.0.0"
         cmd += ["--master", "--expect-workers", str(num_workers), "--master-bind-host", bind,
                 "--master-bind-port", str(port), "--expect-workers-max-wait", "60"]
-        _copy_to_remote(hosts, cfg, out_dir)
+        _copy_to_remote(hosts, config, run_tag)
     elif processes > 1:
         cmd += ["--processes", str(processes)]
     scraper = Scraper(base_url, scrape_interval_s).start() if scrape_metrics else None
@@ -152,9 +323,10 @@ def run_load(
                             start_new_session=True)
     try:
         for h in hosts:
+            where = cfg if h.local else PurePosixPath(_remote_dir(h, run_tag), cfg.name)
             worker_procs.append(subprocess.Popen(
-                _worker_cmd(h, master, port, cfg, processes), env=env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True))
+                _worker_cmd(h, _master_address(h), port, where, processes), env=env, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
         # The shape stops the run; this limit only catches a hung Locust.
         limit = load.stop.duration_s + 90
         try:
@@ -163,11 +335,16 @@ def run_load(
             rc = -1
     finally:
         _stop_group(proc)
+        # The master tells its workers to quit; a worker writes its samples' summary on the way
+        # out, so it gets time to finish (a remote one ends its ssh session) before being stopped.
+        deadline = time.monotonic() + 15
         for w in worker_procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.wait(max(0.1, deadline - time.monotonic()))
             _stop_group(w)
         log.close()
     metrics = scraper.stop() if scraper else frame([])
-    _fetch_remote_samples(hosts, out_dir)
+    _fetch_remote_samples(hosts, out_dir, run_tag)
     return _result(out_dir, rc, metrics, load, workload)
 
 

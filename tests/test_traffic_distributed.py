@@ -1,0 +1,208 @@
+"""Distributed load over SSH: a Locust master here, workers on two hosts of the network-namespace
+fleet (tests/fleet_support.py) provisioned as load generators by provision.yml, against a twin
+served here. Every worker's raw samples come back, are merged, and the percentiles are the pooled
+samples' own."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from vllm_lab import serving
+from vllm_lab.traffic import Lengths, Load, Workload, run_load
+from vllm_lab.traffic import samples as samples_mod
+from vllm_lab.traffic.runner import LAB_HOST_ROOT_DEFAULT, WorkerHost, _worker_cmd, loadgen_workers
+
+try:  # tests/ as rootdir-relative folder (no __init__.py) or as a package
+    from conftest import free_port
+    from fleet_support import (
+        REPO,
+        TWIN_MODEL,
+        NetnsFleet,
+        fleet_unavailable_reason,
+        host_side_address,
+        lab_source_snapshot,
+        make_loadgen,
+        route_to_this_machine,
+        shared_site_vars,
+    )
+except ImportError:
+    from tests.conftest import free_port
+    from tests.fleet_support import (
+        REPO,
+        TWIN_MODEL,
+        NetnsFleet,
+        fleet_unavailable_reason,
+        host_side_address,
+        lab_source_snapshot,
+        make_loadgen,
+        route_to_this_machine,
+        shared_site_vars,
+    )
+
+pytestmark = pytest.mark.integration
+
+SHORT = Workload(source="synthetic", input=Lengths(mean=64), output=Lengths(mean=16))
+
+
+def test_loadgen_hosts_run_the_provisioned_venv(tmp_path):
+    # Variables as Ansible renders them: group_vars' templates, role defaults where none is set.
+    shutil.copytree(REPO / "inventory/group_vars", tmp_path / "group_vars")
+    inv = tmp_path / "inv.yml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {
+        "vllm_servers": {"hosts": {"gpu-1": {"ansible_host": "10.0.0.1"}}},
+        "loadgen": {"hosts": {
+            "load-1": {"ansible_host": "10.0.0.31", "ansible_user": "lab", "ansible_port": 2222,
+                       "ansible_ssh_private_key_file": "/k/id", "lab_host_root": "/srv/lab",
+                       "ansible_ssh_common_args": "-o StrictHostKeyChecking=no"},
+            "load-2": {"ansible_host": "10.0.0.32"},
+            "load-3": {"ansible_host": "10.0.0.33", "lab_host_lab_install": False,
+                       "lab_host_python": "/usr/local/bin/python3.11"},
+            "here": {"ansible_connection": "local"}}}}}}))
+    w = {h.name: h for h in loadgen_workers(inv)}
+    assert sorted(w) == ["here", "load-1", "load-2", "load-3"]
+    assert w["load-1"] == WorkerHost(
+        name="load-1", address="10.0.0.31", python="/srv/lab/venv/bin/python", user="lab",
+        port=2222, key="/k/id", ssh_args=("-o", "StrictHostKeyChecking=no"), root="/srv/lab")
+    defaults = yaml.safe_load((REPO / "playbooks/roles/lab_host/defaults/main.yml").read_text())
+    assert defaults["lab_host_root"] == LAB_HOST_ROOT_DEFAULT
+    assert w["load-2"].python == f"{LAB_HOST_ROOT_DEFAULT}/venv/bin/python"
+    assert w["load-3"].python == "/usr/local/bin/python3.11"  # the lab is not provisioned there
+    assert w["here"].local and not w["load-1"].local
+    cmd = _worker_cmd(w["load-1"], "10.0.0.9", 5557, "/srv/lab/traffic/r/traffic_config.json", 1)
+    assert cmd[:2] == ["ssh", "-o"] and "lab@10.0.0.31" in cmd and cmd[cmd.index("-p") + 1] == "2222"
+    assert "exec /srv/lab/venv/bin/python -m locust" in cmd[-1] and "python3 " not in cmd[-1]
+    # The GPU kit's inventory: the lab is not installed there, its one load generator is here.
+    (kit,) = loadgen_workers(REPO / "inventory/gpukit.yml")
+    assert kit.local and _worker_cmd(kit, "127.0.0.1", 1, "c", 1)[0] == sys.executable
+
+
+@pytest.fixture(scope="module")
+def loadgen_fleet(tmp_path_factory):
+    why = fleet_unavailable_reason()
+    if why:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("loadgen-fleet")
+    fleet = NetnsFleet(tmp, size=2)
+    try:
+        fleet.up({**shared_site_vars(),
+                  "lab_host_lab_source": str(lab_source_snapshot(tmp / "lab-src"))})
+        make_loadgen(fleet)
+        route_to_this_machine(fleet)
+        began = time.monotonic()
+        serving.provision(fleet.inventory, timeout=240)
+        fleet.provision_s = time.monotonic() - began
+        yield fleet
+    finally:
+        fleet.down()
+
+
+class _Twin:
+    """The twin (cpu-demo: slow steps, light on CPU) served here on one host's link address."""
+
+    def __init__(self, host: str, log: Path):
+        self.url = f"http://{host}:{free_port()}"
+        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_lab.twin.server", "serve", TWIN_MODEL, "--host", host,
+             "--port", self.url.rsplit(":", 1)[1], "--twin-profile", "cpu-demo",
+             "--twin-startup-seconds", "0.2"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("the twin did not answer /health:\n" + log.read_text())
+
+    def successes(self) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        counts = re.findall(r"^vllm:request_success_total\S* (\S+)$", text, re.MULTILINE)
+        return sum(float(m) for m in counts)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.mark.timeout(240)
+def test_workers_on_two_hosts_over_ssh_merge_raw_samples(loadgen_fleet, tmp_path):
+    fleet = loadgen_fleet
+    workers = loadgen_workers(fleet.inventory)
+    assert [w.name for w in workers] == ["fleet-1", "fleet-2"]
+    for w, host in zip(workers, fleet.hosts):
+        assert not w.local and w.address == host.address
+        assert w.python == str(host.root / "venv" / "bin" / "python")  # what provision.yml made
+
+    twin = _Twin(host_side_address(fleet.hosts[0]), tmp_path / "twin.log")
+    began = time.monotonic()
+    try:
+        load = Load(mode="closed", shape={"level": 4}, stop={"duration_s": 60, "max_requests": 40},
+                    request_timeout_s=30)
+        r = run_load(twin.url, TWIN_MODEL, SHORT, load, tmp_path / "run", workers_hosts=workers,
+                     scrape_interval_s=1.0)
+        served = twin.successes()
+    finally:
+        twin.stop()
+    took = time.monotonic() - began
+
+    # Every worker ran on its host, from the venv provision.yml made, and sent its share.
+    assert r.stop_reason == "max_requests", (tmp_path / "run" / "locust.stdout").read_text()[-3000:]
+    by_host = {s["host"]: s for s in r.workers}
+    assert sorted(by_host) == ["fleet-1", "fleet-2"]
+    for host in fleet.hosts:
+        assert by_host[host.name]["python"] == str(host.root / "venv" / "bin" / "python")
+    df = r.samples
+    df_host = df.worker.str.rsplit("-", n=1).str[0]
+    assert set(df_host) == {"fleet-1", "fleet-2"}
+    assert set(df.worker) == {s["worker"] for s in r.workers}
+
+    # Counts add up: the merged frame, each host's raw file, Locust's master and the server agree.
+    files = sorted((tmp_path / "run" / "samples").glob("*.jsonl"))
+    per_file = {f.stem: samples_mod.read_worker_file(f) for f in files}
+    assert sorted(per_file) == sorted(set(df.worker))
+    assert len(df) == sum(len(x) for x in per_file.values()) == 40
+    assert all(len(x) > 0 for x in per_file.values())
+    assert sorted(df["index"]) == list(range(40)) and df.request_id.is_unique
+    for s in r.workers:  # the sequence is strided by worker: worker k sends indices k, k+2, ...
+        assert set(df[df.worker == s["worker"]]["index"] % 2) == {s["index"]}
+    stats = pd.read_csv(tmp_path / "run" / "locust_stats.csv")
+    assert int(stats.loc[stats.Name == "Aggregated", "Request Count"].iloc[0]) == 40
+    assert (df.status == "ok").all() and served == 40
+
+    # Percentiles come from the pooled raw samples, not from per-worker figures.
+    pooled = np.concatenate([x.ttft_s.to_numpy(float) for x in per_file.values()])
+    summary = samples_mod.summarize(df)
+    assert summary["ttft_p99_s"] == pytest.approx(np.percentile(pooled, 99), rel=1e-12)
+    assert summary["ttft_p50_s"] == pytest.approx(np.percentile(pooled, 50), rel=1e-12)
+
+    # Each host's run folder is gone once its samples are here.
+    for host in fleet.hosts:
+        assert not list((host.root / "traffic").glob("*")), list((host.root / "traffic").iterdir())
+    assert not r.client_overloaded
+    print(json.dumps({"provision_s": round(fleet.provision_s, 1), "load_s": round(took, 1),
+                      "per_host": df_host.value_counts().to_dict(),
+                      "ttft_p50_s": round(summary["ttft_p50_s"], 4),
+                      "ttft_p99_s": round(summary["ttft_p99_s"], 4)}))
