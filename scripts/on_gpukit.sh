@@ -5,12 +5,12 @@
 #
 #   run: source .gpukit/bin/install.sh >/dev/null && bash scripts/on_gpukit.sh PHASE   (carry .gpukit/bin)
 #
-# PHASE: claims-a | claims-b (the guide's claims, two configurations at once, one per GPU),
+# PHASE: claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
 #        tp (tensor-parallel-size 1,2 on the Llama-3-8B shape), tp70b (the 70B shape, which needs 2).
 # BUDGET_S (default 520) bounds the phase: then the lab is interrupted as Ctrl-C would, so it
-# stops its servers and keeps every finished run; the next call of the phase resumes it.
+# stops its servers and keeps every finished run; calling the phase again resumes it.
 set -uo pipefail
-phase=${1:?usage: on_gpukit.sh claims-a|claims-b|tp|tp70b}
+phase=${1:?usage: on_gpukit.sh claims|tp|tp70b}
 budget=${BUDGET_S:-520}
 store=/tmp/lab
 out=${OUT:-/tmp/out}
@@ -21,11 +21,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 model=$GPUKIT_MODEL
 sets="serve.load-format=dummy workload.tokenizer=$GPUKIT_MODEL"
-common=(LAB_PYTHON=python3 BACKEND=vllm OUT="$store" DURATION="${DURATION:-12}")
+common=(LAB_PYTHON=python3 BACKEND=vllm OUT="$store" DURATION="${DURATION:-10}")
 
 case $phase in
-  claims-a) args=(claims CLAIMS=1,2,3 SPREAD=1 INVENTORY=inventory/gpukit-pair.yml EXPERIMENT=claims-h200) ;;
-  claims-b) args=(claims CLAIMS=4,5,6,8 SPREAD=1 INVENTORY=inventory/gpukit-pair.yml EXPERIMENT=claims-h200) ;;
+  # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
+  claims) args=(claims CLAIMS=1-6,8 SPREAD=1 INVENTORY=inventory/gpukit-pair.yml EXPERIMENT=claims-h200) ;;
   tp) args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/gpukit-x2.yml
             EXPERIMENT=tp-scaling-llama-3-8b)
       sets="$sets hardware.gpu_count=2 load.shape.level=256" ;;
@@ -43,7 +43,7 @@ EOF
       args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/gpukit-x2.yml
             EXPERIMENT=tp-scaling-llama-3-70b)
       sets="$sets hardware.gpu_count=2 load.shape.level=256" ;;
-  *) echo "on_gpukit.sh: unknown phase $phase (claims-a, claims-b, tp or tp70b)" >&2; exit 2 ;;
+  *) echo "on_gpukit.sh: unknown phase $phase (claims, tp or tp70b)" >&2; exit 2 ;;
 esac
 
 # Servers a killed call left behind (they run in their own sessions) would hold the GPUs.
