@@ -313,3 +313,43 @@ def test_config_file_and_cli_precedence(env, tmp_path):
     args = parse_serve_args(["serve", "--config", str(cfg), "--max-num-seqs", "4"])
     assert args.model == str(env[0])
     assert args.flags["max-num-seqs"] == 4 and args.flags["block-size"] == 32
+
+
+def test_release_hands_first_tokens_out_first_and_keeps_token_order():
+    """A step's first tokens are handed out (and written) before the rest of the step, and a
+    deferred rest is handed out before the next step: each request's tokens stay in order."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from vllm_lab.twin import server as srv
+
+    metric = NS(observe=lambda *a: None)
+    metrics = NS(ttft=metric, itl=metric, observe_finished=lambda *a, **k: None)
+    engine = NS(profile=NS(coefficients=NS(frontend_token_s=0.0)))
+
+    def out(rid, toks):
+        return NS(request_id=rid, new_token_ids=toks, finished=False, finish_reason=None,
+                  num_cached_tokens=0)
+
+    async def main():
+        loop = srv.EngineLoop(engine, metrics)
+        reqs = {rid: srv._Req(rid=rid, arrival=0.0, prompt_ids=[1], max_tokens=8, min_tokens=0,
+                              ignore_eos=True, eos_after=None) for rid in ("old", "new")}
+        reqs["old"].first_plan = reqs["old"].last_plan = 0.5  # already streaming
+        loop.reqs = dict(reqs)
+        woken = []
+
+        async def handler(r):
+            await r.event.wait()
+            woken.append(r.rid)
+
+        tasks = [asyncio.create_task(handler(r)) for r in reqs.values()]
+        await asyncio.sleep(0)
+        loop._release(NS(outputs=[out("old", [7]), out("new", [9])]), 1.0, 1.1)
+        assert reqs["new"].pending == [9] and reqs["old"].pending == []
+        loop._release(NS(outputs=[out("old", [8])]), 1.1, 1.2)
+        assert reqs["old"].pending == [7, 8] and reqs["old"].n_out == 2
+        await asyncio.gather(*tasks)
+        assert woken == ["new", "old"]
+
+    asyncio.run(main())

@@ -269,6 +269,7 @@ class EngineLoop:
         self.lags: deque[float] = deque(maxlen=GROUND_TRUTH_KEEP)
         self.truth: deque[dict] = deque(maxlen=GROUND_TRUTH_KEEP)
         self.steps = 0
+        self._deferred: tuple[list, float, float] | None = None  # a step's outputs not handed out yet
 
     def submit(self, req: _Req) -> None:
         """Queue a request; the engine sees it once its clock reaches the arrival time."""
@@ -368,15 +369,32 @@ class EngineLoop:
             self._release(result, start, due)
 
     def _release(self, result: Any, start: float, end: float) -> None:
-        m = self.metrics
+        # An earlier step's deferred part goes first: each request's tokens stay in order.
+        self._release_deferred()
         outputs = result.outputs
-        # Wake requests getting their first token before the others: TTFT is the figure most
-        # sensitive to the order in which handlers run after a step.
+        # Requests getting their first token are handed out first, and their handlers write
+        # before the rest of the step is handed out: TTFT is the figure most sensitive to the
+        # order in which the server works after a step. All of a step's tokens are due at once.
         firsts = [o for o in outputs if o.new_token_ids and (r := self.reqs.get(o.request_id))
                   and r.first_plan is None]
-        if firsts:
-            first_ids = {o.request_id for o in firsts}
-            outputs = firsts + [o for o in outputs if o.request_id not in first_ids]
+        if not firsts or len(firsts) == len(outputs):
+            self._hand_out(outputs, start, end)
+            return
+        first_ids = {o.request_id for o in firsts}
+        self._hand_out(firsts, start, end)
+        self._deferred = ([o for o in outputs if o.request_id not in first_ids], start, end)
+        # Queued after the woken handlers: they run (and write) before it.
+        asyncio.get_running_loop().call_soon(self._release_deferred)
+
+    def _release_deferred(self) -> None:
+        if self._deferred is not None:
+            outputs, start, end = self._deferred
+            self._deferred = None
+            self._hand_out(outputs, start, end)
+
+    def _hand_out(self, outputs: list, start: float, end: float) -> None:
+        """Give a step's outputs to their requests and wake their handlers."""
+        m = self.metrics
         for out in outputs:
             r = self.reqs.get(out.request_id)
             if r is None:
@@ -783,9 +801,9 @@ class TwinServer:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 tail = (f'data: {{"id":"{req.rid}","object":"{obj}","created":{created},'
                         f'"model":{model_json},"choices":[],"usage":{_usage(n_prompt, sent)}}}\n\n')
-            await resp.write((tail + "data: [DONE]\n\n").encode())
             self.loop.record_truth(req)
-            await resp.write_eof()
+            # The last event and the end of the chunked body in one write.
+            await resp.write_eof((tail + "data: [DONE]\n\n").encode())
         except (ConnectionResetError, asyncio.CancelledError):
             self.loop.abort(req)
             raise
