@@ -37,6 +37,19 @@ def test_find_knee_and_refine():
     assert stress.refine_levels(never) == [3.0, 4.0]  # not overloaded yet: go higher
 
 
+def test_knee_is_read_on_the_rate_the_runs_sent():
+    """A level is the arrival process's mean: the knee uses the rate each run really offered."""
+    samples = pd.DataFrame({"start_ts": 100 + np.arange(0, 60, 0.5)})  # 120 sends over 59.5 s
+    assert stress.offered_rate(samples, 3.0) == pytest.approx(119 / 59.5)
+    assert stress.offered_rate(samples.head(3), 3.0) == 3.0  # too few sends: the level
+    t = table([{"level": 4.0, "offered": 3.7, "unbounded": False, "meets_slo": True},
+               {"level": 5.0, "offered": 4.6, "unbounded": True, "meets_slo": False,
+                "capacity_estimate": 4.0}])
+    knee = stress.find_knee(t)
+    assert knee["knee_unbounded"] == 4.0 and knee["bracket"] == (4.0, 5.0)
+    assert knee["knee_slo"] == 3.7 and knee["max_sustainable"] == 3.7
+
+
 def test_bad_shape_is_one_sentence():
     with pytest.raises(ScenarioError, match="SHAPE='wave': allowed values are ramp, step, spike, soak"):
         stress.stress_scenario(resolve("default"), "wave")

@@ -21,7 +21,8 @@ from vllm_lab.store import Store
 def staircase_figure(table: pd.DataFrame, knee: dict, ctx: report.Context, folder: Path) -> Path:
     """Latency, throughput and errors against offered load, knee and max sustainable load marked."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    x = table["level"]
+    # The rate each run really sent (the knee is read on it); the level where a run has no samples.
+    x = table["offered"].fillna(table["level"]) if "offered" in table else table["level"]
     for metric, style in (("ttft", "-"), ("e2e", "--")):
         for p in ("p50", "p90", "p99"):
             axes[0].plot(x, table[f"{metric}_{p}"] * 1000, style, marker="o", ms=3, label=f"{metric} {p}")
@@ -42,7 +43,7 @@ def staircase_figure(table: pd.DataFrame, knee: dict, ctx: report.Context, folde
     ax3.set_ylabel("E2E growth within the run (s per s)")
     axes[2].set_ylabel("failed requests")
     for ax in axes:
-        ax.set_xlabel("offered load (req/s)")
+        ax.set_xlabel("offered load (req/s, as sent)")
         ax.grid(alpha=0.3)
         if knee.get("knee") is not None:
             ax.axvline(knee["knee"], color="red", lw=2, label=f"knee {knee['knee']:.3g} req/s")
@@ -99,9 +100,10 @@ def build_stress(store_path: Path, exp: dict, out_root: Path) -> Path:
             knee = stress.find_knee(table)
             figures = [staircase_figure(table, knee, ctx, folder)]
             headline = _staircase_headline(knee)
-            shown = table[["level", "status", "request_throughput", "goodput", "ttft_p50", "ttft_p99",
+            shown = table[["level", *(["offered"] if "offered" in table else []), "status", "request_throughput", "goodput", "ttft_p50", "ttft_p99",
                            "e2e_p99", "errors", "latency_growth", "unbounded", "meets_slo"]]
-            notes = [f"knee bracket: {knee['bracket'][0]:.3g}–{knee['bracket'][1]:.3g} req/s"] \
+            notes = [(f"knee bracket: levels {knee['bracket'][0]:.3g}–{knee['bracket'][1]:.3g} req/s; loads "
+                      "are the rates the runs really sent (a level is the arrival process's mean)")] \
                 if knee["bracket"] else []
         else:
             run = runs.iloc[-1]

@@ -54,14 +54,24 @@ def stress_scenario(scenario: Scenario, shape: str) -> Scenario:
 
 def predicted_capacity(scenario: Scenario) -> float:
     """Requests/s the predictor serves with a queue that never empties (closed loop, many users)."""
+    return saturation_capacity(scenario)
+
+
+def saturation_capacity(scenario: Scenario, backend: Any = None, workdir: Any = None) -> float:
+    """Requests/s a backend (the predictor by default) serves with a queue that never empties."""
     from vllm_lab.backends import PredictBackend
 
     seqs = int(scenario.serve.get("max-num-seqs") or 256)
     users = min(2 * seqs, 2048)
+    if backend is None:
+        # The predictor sends 8 requests a user: with 2 x 8 users the middle half is 64 completions,
+        # whose mean length (hence req/s) is off by up to 10% for a long-tailed workload. Users
+        # past max-num-seqs only wait, so more of them change nothing but the sample: >= 2048.
+        users = max(users, 256)
     s = plans.apply_value(plans.apply_value(scenario, "load.mode", "closed"), "load.shape.level", users)
     s = plans.apply_value(s, "load.shape.kind", "constant")
-    m = PredictBackend().measure(s, None, None)
-    if m.status != "ok":
+    m = (backend or PredictBackend()).measure(s, None, workdir)
+    if m.status not in ("ok", "client-overloaded"):
         raise ScenarioError(f"the configuration does not start on the predictor ({m.error.splitlines()[0]}); "
                             f"stress a configuration that starts, or give LEVELS=a,b,c")
     # In a closed loop with more users than slots every freed slot is refilled at once: the
@@ -144,47 +154,75 @@ def queue_growth(metrics: pd.DataFrame | None, until: float | None = None) -> fl
     return float(np.polyfit(t - t[0], waiting.to_numpy(dtype=float), 1)[0])
 
 
+def offered_rate(samples: pd.DataFrame | None, level: float) -> float:
+    """Requests/s the run really offered: sends over the arrival window (the level without samples).
+
+    A level is the arrival process's mean rate; one run draws one realisation of it, and the
+    predictor and Locust draw it from the same seed at every level, so every level of a
+    staircase is off by the same factor (7% low for 540 Poisson arrivals of one seed), and a
+    live client that falls behind sends less still. The knee is read on this axis.
+    """
+    if samples is None or len(samples) < 10:
+        return level
+    t = samples["start_ts"].to_numpy(dtype=float)
+    span = float(np.nanmax(t) - np.nanmin(t))
+    return (len(t) - 1) / span if span > 0 else level
+
+
 def level_verdict(level: float, summary: dict[str, Any], samples: pd.DataFrame,
                   metrics: pd.DataFrame | None) -> dict[str, Any]:
     """One staircase level: bounded or not, the SLO verdict, and the capacity it implies."""
     slope = latency_growth(samples)
     last_send = float(samples["start_ts"].max()) if samples is not None and len(samples) else None
     qslope = queue_growth(metrics, until=last_send)
+    offered = offered_rate(samples, level)
     # The queue series, where there is one, confirms: a TTFT trend alone can be noise.
     unbounded = slope > GROWTH_SLOPE and (qslope is None or qslope > 0)
-    return {"level": level, "latency_growth": slope, "queue_growth": qslope, "unbounded": unbounded,
-            "meets_slo": bool(summary.get("meets_slo")),
-            "capacity_estimate": level / (1 + slope) if unbounded else math.nan}
+    capacity = offered / (1 + slope)
+    # The server's own waiting queue growing by more than GROWTH_SLOPE of what it serves is
+    # overload by itself (the same L/C - 1 bound): in a short live run the E2E trend drowns in
+    # the arrivals' own bursts, the queue does not. Requests then leave the queue at the rate
+    # the full batch frees slots: the capacity is the offered rate less the queue's growth.
+    if qslope is not None and qslope > GROWTH_SLOPE * max(offered - qslope, 0.0):
+        unbounded, capacity = True, offered - qslope
+    return {"level": level, "offered": offered, "latency_growth": slope, "queue_growth": qslope,
+            "unbounded": unbounded, "meets_slo": bool(summary.get("meets_slo")),
+            "capacity_estimate": capacity if unbounded else math.nan}
 
 
 def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
     """The knee, the highest load that holds, and the highest that holds under the SLO.
 
-    ``levels`` has one row per offered load (level, unbounded, meets_slo, capacity_estimate, ok).
-    The unbounded-growth knee is the capacity the overloaded levels imply (L / (1 + E2E slope)),
-    kept inside the bracket of the last bounded and the first unbounded level.
+    ``levels`` has one row per offered load (level, unbounded, meets_slo, capacity_estimate, ok;
+    ``offered``, the rate a run really sent, where known). The loads returned are on the offered
+    axis; ``bracket`` (the last bounded and the first unbounded level) is in levels, for the
+    ramp's next round. The unbounded-growth knee is the capacity the lowest overloaded level
+    implies (offered / (1 + E2E slope)), kept inside the bracket.
     """
     t = levels[levels["ok"]].sort_values("level")
     out: dict[str, Any] = {"knee": None, "knee_unbounded": None, "knee_slo": None,
                            "max_sustainable": None, "bracket": None}
     if t.empty:
         return out
+    x = t["offered"].fillna(t["level"]) if "offered" in t else t["level"]
     bad = t[t["unbounded"]]
     if len(bad):
         first_bad = float(bad["level"].iloc[0])
         below = t[(t["level"] < first_bad)]
         last_good = float(below["level"].iloc[-1]) if len(below) else 0.0
+        lo = float(x[below.index[-1]]) if len(below) else 0.0
+        hi = float(x[bad.index[0]])
         # The lowest overloaded level is the closest to the knee: its queue grows the least, so
         # the service rate it saw is the one at the knee (higher levels preempt and slow down).
         est = float(bad["capacity_estimate"].iloc[0])
-        est = first_bad if math.isnan(est) else est
-        out["knee_unbounded"] = min(max(est, last_good), first_bad)
+        est = hi if math.isnan(est) else est
+        out["knee_unbounded"] = min(max(est, lo), hi) if lo <= hi else est
         out["bracket"] = (last_good, first_bad)
     broken = t[~t["meets_slo"]]
     if len(broken):
         first = float(broken["level"].iloc[0])
         below = t[t["level"] < first]
-        out["knee_slo"] = float(below["level"].iloc[-1]) if len(below) else 0.0
+        out["knee_slo"] = float(x[below.index[-1]]) if len(below) else 0.0
     knees = [k for k in (out["knee_unbounded"], out["knee_slo"]) if k is not None]
     out["knee"] = min(knees) if knees else None
     holds = t[t["meets_slo"] & ~t["unbounded"]]
@@ -194,7 +232,7 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
         fails = t[~(t["meets_slo"] & ~t["unbounded"])]
         limit = float(fails["level"].iloc[0]) if len(fails) else math.inf
         ok_below = holds[holds["level"] < limit]
-        out["max_sustainable"] = float(ok_below["level"].iloc[-1]) if len(ok_below) else None
+        out["max_sustainable"] = float(x[ok_below.index[-1]]) if len(ok_below) else None
     return out
 
 
