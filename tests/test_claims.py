@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import private_inventory
 
 from vllm_lab import claims, scenarios
-from vllm_lab.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,21 +117,3 @@ def test_bad_claim_selection_is_one_sentence_and_exit_2(tmp_path):
     out = lab("--backend", "predict", "--claims", "0", "--out", str(tmp_path))
     assert out.returncode == 2 and out.stderr.strip() == \
         "lab: CLAIMS: 0 is not a claim; the guide's claims are numbered 1-9"
-
-
-@pytest.mark.integration
-def test_claim_three_on_the_live_twin(tmp_path):
-    private_inventory(tmp_path)
-    out = lab("--claims", "3", "--hardware", "cpu-demo", "--inventory", str(tmp_path / "inv.yml"),
-              "--out", str(tmp_path / "reports"), "--experiment", "claims-live",
-              "--set", "load.stop.duration_s=3", "--set", "load.shape.level=4",
-              "--set", "workload.source=alpaca-like", "--set", "run.warmup_requests=1")
-    assert out.returncode == 0, out.stdout + out.stderr
-    runs = Store(tmp_path / "reports/lab.db").runs("claims-live")
-    assert sorted(runs["point"].map(lambda p: p["arm"])) == \
-        ["base · defaults", "base · defaults", "base · enforce-eager=True"]
-    assert set(runs["status"]) == {"ok"}
-    table = pd.read_csv(tmp_path / "reports/claims-live/verdicts.csv").set_index("claim")
-    # The measured claim, and those no experiment can test here (swap; TP on one GPU).
-    assert list(table.index) == [3, 7, 9]
-    assert "TTFT p50" in table.loc[3, "measured"]

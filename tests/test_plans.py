@@ -151,3 +151,18 @@ def test_a_run_counts_only_its_own_gpus_telemetry():
     # One server over both GPUs (tensor parallel): utilization is their mean, not their sum.
     assert _server_view(own_gpus(metrics, "0,1"))["gpu_util_mean"] == 50.0
     assert _server_view(own_gpus(metrics, ""))["gpu_util_mean"] == 50.0
+
+
+def test_live_backend_sends_load_from_the_remote_load_generators(tmp_path, monkeypatch):
+    from vllm_lab.traffic import runner
+    from vllm_lab.traffic.runner import WorkerHost
+
+    hosts = [WorkerHost("here", "127.0.0.1", local=True), WorkerHost("lg1", "10.0.0.2")]
+    monkeypatch.setattr(runner, "loadgen_workers", lambda inv: hosts)
+    assert [w.name for w in LiveBackend("twin", tmp_path / "inv.yml")._load_generators()] == ["lg1"]
+
+    def no_group(inv):
+        raise RuntimeError("no hosts in group loadgen")
+
+    monkeypatch.setattr(runner, "loadgen_workers", no_group)
+    assert LiveBackend("twin", tmp_path / "inv.yml")._load_generators() is None  # the load runs here

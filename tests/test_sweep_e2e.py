@@ -117,3 +117,22 @@ def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
     assert dict(runs["status"]) == {2: "ok", 4: "ok"}
     assert runs.loc[2, "started"] == first_ok  # the finished point was kept, not measured again
     assert json.loads(runs.loc[4, "summary_json"]) is not None
+
+
+def test_claim_three_on_the_live_twin(lab):
+    """`lab claims` on the live twin (the host the sweeps provisioned): the arms, the verdicts."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts/lab.py"), "claims", "--claims", "3", "--hardware", "cpu-demo",
+         "--inventory", str(lab / "inv.yml"), "--out", str(lab / "claims"), "--experiment", "claims-live",
+         "--set", "load.stop.duration_s=3", "--set", "load.shape.level=4",
+         "--set", "workload.source=alpaca-like", "--set", "run.warmup_requests=1"],
+        check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    runs = Store(lab / "claims/lab.db").runs("claims-live")
+    assert sorted(runs["point"].map(lambda p: p["arm"])) == \
+        ["base · defaults", "base · defaults", "base · enforce-eager=True"]
+    assert set(runs["status"]) == {"ok"}
+    table = pd.read_csv(lab / "claims/claims-live/verdicts.csv").set_index("claim")
+    # The measured claim, and those no experiment can test here (swap; TP on one GPU).
+    assert list(table.index) == [3, 7, 9]
+    assert "TTFT p50" in table.loc[3, "measured"]

@@ -81,7 +81,10 @@ def _post(url: str, body: dict | None, api_key: str | None, timeout: float = 120
 
 
 def _evidence(log_tail: str) -> str:
-    """The log line that says why a start failed (an error line), else the last line."""
+    """The log line that says why a start failed (an out-of-memory line, an error line), else the last."""
+    oom = serving.oom_line(log_tail)  # the root cause; a traceback's last line only says "failed"
+    if oom:
+        return oom[-300:]
     lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if "Error" in ln or "error:" in ln:
@@ -100,6 +103,7 @@ class LiveBackend:
         self.processes = processes
         self._running: dict[str | None, tuple[str, serving.Instance]] = {}
         self._starting: set[str | None] = set()
+        self._workers: list | None = None  # the inventory's remote load generators, read once
 
     # -- server lifecycle ----------------------------------------------------------------------
     def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
@@ -134,6 +138,18 @@ class LiveBackend:
         for _ in range(scenario.run.warmup_requests):
             _post(instance.url + "/v1/completions", body, self.api_key)
 
+    def _load_generators(self) -> list | None:
+        """The loadgen group's remote hosts (a Locust worker each, a master here); None: all local."""
+        if self._workers is None:
+            from vllm_lab.traffic.runner import loadgen_workers
+            try:
+                self._workers = [w for w in loadgen_workers(self.inventory) if not w.local]
+            except RuntimeError:  # no loadgen group: the load runs here
+                self._workers = []
+            if self._workers:
+                log.info("load from %s", ", ".join(w.name for w in self._workers))
+        return self._workers or None
+
     def close(self, host: str | None) -> None:
         """Stop the host's server if this backend started one."""
         started = self._running.pop(host, None) is not None
@@ -161,7 +177,7 @@ class LiveBackend:
         started = time.time()
         result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
                           workdir, seed=scenario.run.seed, api_key=self.api_key,
-                          processes=self.processes)
+                          processes=self.processes, workers_hosts=self._load_generators())
         ended = time.time()
         alive = _get(instance.url + "/health") == 200
         metrics = own_gpus(result.server_metrics, instance.gpus)

@@ -208,11 +208,17 @@ def _judge_memory(ev: Evidence) -> list[Part]:
     if "util-0.7" not in ran:
         parts.append(Part("0.7 is the most stable", UNTESTABLE, f"util-0.7: {ev.status('util-0.7')}"))
     else:
+        # Stability: a start that fails is the worst; then errors and preemptions during the run.
+        steadier = [a for a in ran if stable[a] < stable["util-0.7"]]
         worse = [a for a in ran if stable[a] > stable["util-0.7"]] + failed
-        verdict = HOLDS if worse and stable["util-0.7"] == 0 else NO
-        why = ("the others were less stable: " + ", ".join(worse)) if worse else \
-            "every setting ran equally clean, so 0.7 buys no stability, only a smaller KV cache"
-        parts.append(Part("0.7 is the most stable", verdict, f"{why}; {kv}"))
+        if steadier:
+            verdict, why = NO, f"{', '.join(steadier)} ran with fewer errors and preemptions than 0.7"
+        elif worse:
+            verdict, why = HOLDS, f"none steadier than 0.7; less stable: {', '.join(worse)}"
+        else:
+            verdict, why = NO, "every setting ran equally clean: 0.7 buys no stability, only a smaller KV cache"
+        parts.append(Part("0.7 is the most stable", verdict, f"{why}; {kv}"
+                          + (f"; {', '.join(failed)}: {ev.status(failed[0])}" if failed else "")))
     if _missing(ev, "util-0.85", "util-0.7"):
         parts.append(Part("0.85-0.9 is the best balance", UNTESTABLE, _missing(ev, "util-0.85", "util-0.7")))
     else:
@@ -352,7 +358,7 @@ def _judge_dtype(ev: Evidence) -> list[Part]:
             ratio = t32 / t16
             parts.append(Part("float32 doubles memory", HOLDS if ratio <= 0.55 else NO,
                               f"KV cache in the same memory budget: {t16:,.0f} → {t32:,.0f} tokens "
-                              f"(×{ratio:.2f}); output {thr}", measured=ratio - 1))
+                              f"(×{ratio:.2f}); output {thr}", claimed=-0.5, measured=ratio - 1))
     parts.append(Part("float32's quality gain over float16 is negligible", UNTESTABLE,
                       "quality needs real weights and an evaluation set; the lab serves dummy "
                       "weights and measures speed and memory"))

@@ -114,15 +114,23 @@ def measured_claims(base: Scenario, measured: dict[str, list[dict]]) -> list[int
             if not any(a.serve for a in c.arms) or any(a.serve and a.label in measured for a in c.arms)]
 
 
-def arm_table(measured: dict[str, list[dict]]) -> pd.DataFrame:
-    """One row per arm: runs, statuses and the median of each figure."""
+def _median(runs: list[dict], key: str, scale: float) -> float | None:
+    ok = [r for r in runs if r["status"] in claims.OK_STATUSES]
+    vals = [r["summary"].get(key) for r in ok if isinstance(r["summary"].get(key), (int, float))]
+    return round(float(pd.Series(vals).median()) * scale, 2) if vals else None
+
+
+def arm_table(measured: dict[str, list[dict]], predicted: dict[str, list[dict]] | None = None) -> pd.DataFrame:
+    """One row per arm: runs, statuses, the median of each figure (and the twin's prediction)."""
     rows = []
     for label, rs in sorted(measured.items()):
-        ok = [r for r in rs if r["status"] in claims.OK_STATUSES]
         row = {"arm": label, "runs": len(rs), "status": ",".join(sorted({r["status"] for r in rs}))}
         for key, (name, scale) in ARM_METRICS.items():
-            vals = [r["summary"].get(key) for r in ok if isinstance(r["summary"].get(key), (int, float))]
-            row[name] = round(float(pd.Series(vals).median()) * scale, 2) if vals else None
+            row[name] = _median(rs, key, scale)
+        if predicted is not None:
+            for key in ("output_throughput", "ttft_p50", "tpot_p50"):
+                name, scale = ARM_METRICS[key]
+                row[f"twin {name}"] = _median(predicted.get(label, []), key, scale)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -163,10 +171,11 @@ def build_claims(store_path: Path, exp: dict, out_root: Path) -> Path:
     duration = Scenario.model_validate(exp["meta"]["base"]).load.stop.duration_s
     ctx.workload, ctx.load = "a traffic per claim (the arms table names each)", f"{duration:g} s per run"
     measured = runs_by_label(runs)
-    twin = None
+    twin, predicted = None, None
     if ctx.backend == "vllm":
         base = Scenario.model_validate(exp["meta"]["base"])
-        twin = claims.judge(base, predicted_by_label(measured), measured_claims(base, measured))
+        predicted = predicted_by_label(measured)
+        twin = claims.judge(base, predicted, measured_claims(base, measured))
     rows = []
     twin_by = {v.claim.number: v for v in twin or []}
     for v in verdicts:
@@ -180,7 +189,7 @@ def build_claims(store_path: Path, exp: dict, out_root: Path) -> Path:
         rows.append(row)
     table = pd.DataFrame(rows)
     table.to_csv(folder / "verdicts.csv", index=False)
-    arms = arm_table(measured)
+    arms = arm_table(measured, predicted)
     arms.to_csv(folder / "arms.csv", index=False)
     fig = effects_figure(verdicts, twin, ctx.caption, folder)
     (folder / "report.md").write_text(_markdown(exp, ctx, table, arms, fig))

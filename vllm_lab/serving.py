@@ -104,6 +104,11 @@ class PlaybookRun:
         return sum(h.get("changed", 0) for h in self.recap.values())
 
 
+def oom_line(log_tail: str) -> str | None:
+    """The log line that says the GPU ran out of memory, if one does."""
+    return next((ln.strip() for ln in log_tail.splitlines() if _OOM.search(ln)), None)
+
+
 def classify_failure(log_tail: str, status: str) -> str:
     """Why a server did not come up: oom | refused-flag | start-timeout | crashed.
 
