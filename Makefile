@@ -145,7 +145,7 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 
 ##@ Development
 .PHONY: test test-fast check clean
-test: venv ## Run the whole test suite (unit + integration; about 5-10 min on 2 cores)
+test: venv ## Run the whole test suite (unit + integration; about 12 min on 2 cores)
 	@$(PY) -m pytest -q
 
 test-fast: venv ## Run the tests that start no processes
