@@ -1,6 +1,9 @@
 """One run's figures from its raw samples and server time series: the numbers a report compares.
 
 Percentiles come from the pooled raw samples of every worker, never from averaged percentiles.
+Throughput and goodput count what happened while the client was sending (first send to last send):
+the requests still in flight at the stop finish at ever lower concurrency, and that drain is left
+out (``drain_s`` says how long it was); the predictor passes its own virtual duration instead.
 Goodput counts the requests per second that meet every per-request SLO threshold (the way
 ``vllm bench serve --goodput`` counts them); ``meets_slo`` says whether the run's percentiles are
 under every SLO at the percentile the scenario names.
@@ -89,6 +92,25 @@ def _kv_cache_tokens(metrics: pd.DataFrame) -> float | None:
     return None
 
 
+def sending_window(samples: pd.DataFrame, min_sends: int = 10) -> tuple[float, float] | None:
+    """First send to last send: the span the client kept its load on (None for a tiny run)."""
+    starts = samples["start_ts"].dropna()
+    if len(starts) < min_sends or starts.max() <= starts.min():
+        return None
+    return float(starts.min()), float(starts.max())
+
+
+def tokens_by(ok: pd.DataFrame, t: float) -> float:
+    """Output tokens emitted by time ``t``: each request's first at its TTFT, the rest evenly
+    spread up to its end (the predictor's samples carry no per-token times; ITLs average out)."""
+    n = ok["output_tokens"].fillna(0).to_numpy(dtype=float)
+    first = (ok["start_ts"] + ok["ttft_s"]).to_numpy(dtype=float)
+    end = (ok["start_ts"] + ok["e2e_s"]).to_numpy(dtype=float)
+    share = np.clip((t - first) / np.maximum(end - first, 1e-9), 0.0, 1.0)
+    emitted = np.where(first <= t, 1 + (n - 1) * share, 0.0)
+    return float(np.nansum(np.clip(emitted, 0.0, n)))
+
+
 def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
               server_metrics: pd.DataFrame | None = None) -> dict[str, Any]:
     """The run's summary: throughput, goodput, latency percentiles, SLO verdict, server view."""
@@ -97,18 +119,33 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         return {**out, "errors": 0.0, **_server_view(server_metrics)}
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
     out["errors"] = float(len(samples) - len(ok))
-    if duration_s is None:
-        start = samples["start_ts"].min()
-        duration_s = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - start)
-    duration_s = max(float(duration_s), 1e-9)
+    meets = request_meets_slo(ok, slo)
+    window = None if duration_s is not None else sending_window(samples)
+    if window is None:
+        # Given (the predictor's virtual time), or too few sends: everything over the whole span.
+        if duration_s is None:
+            start = samples["start_ts"].min()
+            duration_s = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - start)
+        duration_s = max(float(duration_s), 1e-9)
+        out_tokens = float(ok["output_tokens"].fillna(0).sum())
+        in_tokens = float(ok["prompt_tokens"].fillna(0).sum())
+        done, good = float(len(ok)), float(meets.sum())
+    else:
+        # While the client was sending: the drain after the last send (in-flight requests
+        # finishing at ever lower concurrency) would otherwise dilute a short run's throughput.
+        t0, t1 = window
+        duration_s = t1 - t0
+        out_tokens = tokens_by(ok, t1)
+        first = ok["start_ts"] + ok["ttft_s"]
+        in_tokens = float(ok.loc[first <= t1, "prompt_tokens"].fillna(0).sum())
+        finished = (ok["start_ts"] + ok["e2e_s"]) <= t1
+        done, good = float(finished.sum()), float((meets & finished).sum())
+        out["drain_s"] = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - t1)
     out["duration_s"] = duration_s
-    out_tokens = float(ok["output_tokens"].fillna(0).sum())
-    in_tokens = float(ok["prompt_tokens"].fillna(0).sum())
-    out["request_throughput"] = len(ok) / duration_s
+    out["request_throughput"] = done / duration_s
     out["output_throughput"] = out_tokens / duration_s
     out["total_throughput"] = (out_tokens + in_tokens) / duration_s
-    meets = request_meets_slo(ok, slo)
-    out["goodput"] = float(meets.sum()) / duration_s
+    out["goodput"] = good / duration_s
     out["slo_attainment"] = float(meets.sum()) / len(samples)
     verdicts = {}
     for metric in ("ttft", "tpot", "itl", "e2e"):

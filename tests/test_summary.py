@@ -1,0 +1,36 @@
+"""A run's summary from raw samples: throughput over the sending window, not the drain."""
+
+import pandas as pd
+import pytest
+
+from vllm_lab.scenarios import Slo
+from vllm_lab.summary import summarize
+
+
+def closed_loop(last_e2e: list[float], last_tokens: list[int]) -> pd.DataFrame:
+    """4 users sending back to back (2 s, 100 tokens each) at 0, 2, 4, 6 and a last request at 8."""
+    rows = []
+    for user in range(4):
+        for k in range(4):
+            rows.append((f"{user}-{k}", 2.0 * k, 2.0, 100))
+        rows.append((f"{user}-last", 8.0, last_e2e[user], last_tokens[user]))
+    df = pd.DataFrame(rows, columns=["request_id", "start_ts", "e2e_s", "output_tokens"])
+    return df.assign(ttft_s=0.2, tpot_s=(df["e2e_s"] - 0.2) / (df["output_tokens"] - 1),
+                     prompt_tokens=50, status="ok", error="", itl_s=[[] for _ in range(len(df))])
+
+
+def test_throughput_counts_the_sending_window_not_the_drain():
+    # One user's last request runs 10 s at the end: over first send -> last reply that tail would
+    # count as a fifth of the run at a quarter of the concurrency.
+    s = summarize(closed_loop([2, 2, 2, 10], [100, 100, 100, 500]), Slo())
+    assert s["duration_s"] == 8.0 and s["drain_s"] == 10.0
+    assert s["output_throughput"] == pytest.approx(200.0)  # 4 users x 100 tokens / 2 s
+    assert s["request_throughput"] == pytest.approx(2.0)
+    whole = (16 * 100 + 3 * 100 + 500) / 18.0
+    assert whole == pytest.approx(133.3, abs=0.1)  # what the whole span would have said
+
+
+def test_a_given_duration_is_used_as_is():
+    s = summarize(closed_loop([2, 2, 2, 2], [100] * 4), Slo(), duration_s=10.0)
+    assert s["duration_s"] == 10.0 and s["output_throughput"] == pytest.approx(200.0)
+    assert "drain_s" not in s
