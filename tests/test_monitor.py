@@ -8,14 +8,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import TwinProcess, free_port
 
 from vllm_lab import monitor
 
@@ -44,44 +43,6 @@ EXPECTED_ALERTS = [
     ("VllmTpotP99OverSlo", ON_A, "TPOT p99 297.5ms on a:8000", "Over the SLO of 0.05 s for 5m."),
 ]
 
-
-
-class TwinProcess:
-    """`vllm-twin serve llama-3-8b` on the cpu-demo profile, in its own process group."""
-
-    def __init__(self, tmp: Path, *flags: str, port: int | None = None):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"twin-{self.port}.log", "w+")  # noqa: SIM115 - closed in stop()
-        exe = Path(sys.executable).with_name("vllm-twin")
-        self.proc = subprocess.Popen(
-            [str(exe), "serve", "llama-3-8b", "--twin-profile", "cpu-demo",
-             "--twin-startup-seconds", "0.3", "--host", "127.0.0.1", "--port", str(self.port), *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if urllib.request.urlopen(self.url + "/health", timeout=1).status == 200:
-                    return
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise AssertionError("the twin did not become healthy")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 def stop_by_pid_file(path: Path) -> None:

@@ -6,15 +6,11 @@ samples' own."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -27,7 +23,7 @@ from vllm_lab.traffic import samples as samples_mod
 from vllm_lab.traffic.runner import LAB_HOST_ROOT_DEFAULT, WorkerHost, _worker_cmd, loadgen_workers
 
 try:  # tests/ as rootdir-relative folder (no __init__.py) or as a package
-    from conftest import free_port
+    from conftest import TwinProcess
     from fleet_support import (
         REPO,
         TWIN_MODEL,
@@ -40,7 +36,7 @@ try:  # tests/ as rootdir-relative folder (no __init__.py) or as a package
         shared_site_vars,
     )
 except ImportError:
-    from tests.conftest import free_port
+    from tests.conftest import TwinProcess
     from tests.fleet_support import (
         REPO,
         TWIN_MODEL,
@@ -110,41 +106,12 @@ def loadgen_fleet(tmp_path_factory):
         fleet.down()
 
 
-class _Twin:
-    """The twin (cpu-demo: slow steps, light on CPU) served here on one host's link address."""
-
-    def __init__(self, host: str, log: Path):
-        self.url = f"http://{host}:{free_port()}"
-        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_lab.twin.server", "serve", TWIN_MODEL, "--host", host,
-             "--port", self.url.rsplit(":", 1)[1], "--twin-profile", "cpu-demo",
-             "--twin-startup-seconds", "0.2"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, log.read_text()
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError("the twin did not answer /health:\n" + log.read_text())
-
-    def successes(self) -> float:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        counts = re.findall(r"^vllm:request_success_total\S* (\S+)$", text, re.MULTILINE)
-        return sum(float(m) for m in counts)
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
+def successes(url: str) -> float:
+    """Requests the twin says it served (vllm:request_success_total over its labels)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    counts = re.findall(r"^vllm:request_success_total\S* (\S+)$", text, re.MULTILINE)
+    return sum(float(m) for m in counts)
 
 
 @pytest.mark.timeout(240)
@@ -156,14 +123,16 @@ def test_workers_on_two_hosts_over_ssh_merge_raw_samples(loadgen_fleet, tmp_path
         assert not w.local and w.address == host.address
         assert w.python == str(host.root / "venv" / "bin" / "python")  # what provision.yml made
 
-    twin = _Twin(host_side_address(fleet.hosts[0]), tmp_path / "twin.log")
+    # cpu-demo: slow steps, light on CPU; served on one host's link address, so every host reaches it.
+    twin = TwinProcess(tmp_path, model=TWIN_MODEL, host=host_side_address(fleet.hosts[0]),
+                       startup_s=0.2, health_timeout_s=30)
     began = time.monotonic()
     try:
         load = Load(mode="closed", shape={"level": 4}, stop={"duration_s": 60, "max_requests": 40},
                     request_timeout_s=30)
         r = run_load(twin.url, TWIN_MODEL, SHORT, load, tmp_path / "run", workers_hosts=workers,
                      scrape_interval_s=1.0)
-        served = twin.successes()
+        served = successes(twin.url)
     finally:
         twin.stop()
     took = time.monotonic() - began

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import TwinProcess
 
 pytestmark = pytest.mark.integration
 
@@ -68,40 +65,10 @@ def _model_folder(tmp: Path) -> Path:
 
 
 
-class Twin:
-    """A twin server subprocess in its own process group."""
-
-    def __init__(self, model: Path, profile: str, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(model)
-        self.log = open(model.parent / f"twin-{self.port}.log", "w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [*SERVE, self.model, "--host", "127.0.0.1", "--port", str(self.port),
-             "--twin-profile", profile, "--twin-startup-seconds", "0.5", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if urllib.request.urlopen(self.url + "/health", timeout=1).status == 200:
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError("twin did not become healthy:\n" + self.output())
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
+def start_twin(model: Path, profile: str, *extra: str) -> TwinProcess:
+    """A twin serving ``model`` with ``profile``, its log beside the model folder."""
+    return TwinProcess(model.parent, *extra, model=str(model), profile=profile, startup_s=0.5,
+                       health_timeout_s=30)
 
 
 def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
@@ -122,7 +89,7 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def twin(env):
-    server = Twin(*env)
+    server = start_twin(*env)
     yield server
     server.stop()
 
@@ -267,7 +234,7 @@ def test_ground_truth_and_reset_prefix_cache(twin):
 
 
 def test_api_key_guards_v1(env):
-    server = Twin(*env, "--api-key", "sekret")
+    server = start_twin(*env, "--api-key", "sekret")
     try:
         status, raw = _post(server.url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 401 and json.loads(raw) == {"error": "Unauthorized"}
