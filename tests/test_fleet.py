@@ -11,25 +11,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from fleet_support import (
+    TWIN_MODEL,
+    NetnsFleet,
+    fleet_unavailable_reason,
+    lab_source_snapshot,
+    shared_site_vars,
+)
 
 from vllm_lab import serving
-
-try:  # tests/ as rootdir-relative folder (no __init__.py) or as a package
-    from fleet_support import (
-        TWIN_MODEL,
-        NetnsFleet,
-        fleet_unavailable_reason,
-        lab_source_snapshot,
-        shared_site_vars,
-    )
-except ImportError:
-    from tests.fleet_support import (
-        TWIN_MODEL,
-        NetnsFleet,
-        fleet_unavailable_reason,
-        lab_source_snapshot,
-        shared_site_vars,
-    )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

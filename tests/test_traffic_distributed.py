@@ -16,38 +16,23 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import TwinProcess
+from fleet_support import (
+    REPO,
+    TWIN_MODEL,
+    NetnsFleet,
+    fleet_unavailable_reason,
+    host_side_address,
+    lab_source_snapshot,
+    make_loadgen,
+    route_to_this_machine,
+    shared_site_vars,
+)
 
 from vllm_lab import serving
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic import samples as samples_mod
 from vllm_lab.traffic.runner import LAB_HOST_ROOT_DEFAULT, WorkerHost, _worker_cmd, loadgen_workers
-
-try:  # tests/ as rootdir-relative folder (no __init__.py) or as a package
-    from conftest import TwinProcess
-    from fleet_support import (
-        REPO,
-        TWIN_MODEL,
-        NetnsFleet,
-        fleet_unavailable_reason,
-        host_side_address,
-        lab_source_snapshot,
-        make_loadgen,
-        route_to_this_machine,
-        shared_site_vars,
-    )
-except ImportError:
-    from tests.conftest import TwinProcess
-    from tests.fleet_support import (
-        REPO,
-        TWIN_MODEL,
-        NetnsFleet,
-        fleet_unavailable_reason,
-        host_side_address,
-        lab_source_snapshot,
-        make_loadgen,
-        route_to_this_machine,
-        shared_site_vars,
-    )
 
 pytestmark = pytest.mark.integration
 
