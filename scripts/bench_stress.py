@@ -156,7 +156,7 @@ def main() -> int:
               f"(offered, growth: {', '.join(f'{o:.2f}:{g:+.2f}' for o, g in ladder)})", flush=True)
         live_closed = None
         if live:
-            live_closed = stress.saturation_capacity(plans.apply_value(s, "load.stop.duration_s", 60.0),
+            live_closed = stress.predicted_capacity(plans.apply_value(s, "load.stop.duration_s", 60.0),
                                                      backend, work / "w")
             print(f"  live twin closed-loop capacity {live_closed:.3f} req/s", flush=True)
         found = ramp(s, work / "lab.db", f"ramp-{args.backend}-{i}", backend, levels,

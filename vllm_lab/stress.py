@@ -52,13 +52,9 @@ def stress_scenario(scenario: Scenario, shape: str) -> Scenario:
     return plans.apply_value(s, "load.shape.kind", kind)
 
 
-def predicted_capacity(scenario: Scenario) -> float:
-    """Requests/s the predictor serves with a queue that never empties (closed loop, many users)."""
-    return saturation_capacity(scenario)
-
-
-def saturation_capacity(scenario: Scenario, backend: Any = None, workdir: Any = None) -> float:
-    """Requests/s a backend (the predictor by default) serves with a queue that never empties."""
+def predicted_capacity(scenario: Scenario, backend: Any = None, workdir: Any = None) -> float:
+    """Requests/s a backend (the predictor by default) serves with a queue that never empties
+    (closed loop, many users)."""
     from vllm_lab.backends import PredictBackend
 
     seqs = int(scenario.serve.get("max-num-seqs") or 256)
