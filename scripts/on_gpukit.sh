@@ -46,6 +46,13 @@ EOF
   *) echo "on_gpukit.sh: unknown phase $phase (claims, tp or tp70b)" >&2; exit 2 ;;
 esac
 
+# The TP phases continue the committed example's store, so the runs it holds (TP 1 of the 8B
+# shape) are resumed, not taken again.
+seed=reports/examples/tp-scaling-h200
+if [[ $phase == tp* && ! -e $store/lab.db ]]; then
+  cp "$seed/lab.db" "$store/lab.db" && cp -r "$seed/lab.samples" "$store/"
+fi
+
 # Servers a killed call left behind (they run in their own sessions) would hold the GPUs.
 if nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -q .; then
   python3 -c 'import sys; from pathlib import Path; from vllm_lab import serving
