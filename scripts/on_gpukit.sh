@@ -42,7 +42,8 @@ json.dump(cfg, open(sys.argv[2], "w"), indent=1)
 EOF
       args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/gpukit-x2.yml
             EXPERIMENT=tp-scaling-llama-3-70b)
-      sets="$sets hardware.gpu_count=2 load.shape.level=256" ;;
+      # The base runs on 2 GPUs (one cannot hold it); TP 1 is then recorded as refused before launch.
+      sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2" ;;
   *) echo "on_gpukit.sh: unknown phase $phase (claims, tp or tp70b)" >&2; exit 2 ;;
 esac
 
