@@ -104,6 +104,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("disable-log-stats", "bool", False, "Do not log engine stats."),
     _f("enable-log-requests", "bool", False, "Log each request."),
     _f("distributed-executor-backend", "str", None, "Executor.", choices=("ray", "mp", "uni", "external_launcher")),
+    _f("compilation-config", "str", None, "torch.compile and CUDA-graph settings, as JSON."),
     # Frontend.
     _f("host", "str", None, "Address to listen on."),
     _f("port", "int", 8000, "Port to listen on.", min=1, max=65535),
