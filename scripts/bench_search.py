@@ -29,7 +29,7 @@ SCENARIO = {
     "workload": {"source": "synthetic",
                  "input": {"dist": "lognormal", "mean": 2000, "std": 800, "min": 64, "max": 8000},
                  "output": {"dist": "lognormal", "mean": 200, "std": 100, "min": 8, "max": 1000}},
-    "load": {"mode": "open", "shape": {"kind": "constant", "level": 11}, "stop": {"duration_s": 30}},
+    "load": {"mode": "open", "shape": {"kind": "constant", "level": 14}, "stop": {"duration_s": 30}},
     "slo": {"ttft": {"threshold_ms": 800, "percentile": 99}, "tpot": {"threshold_ms": 18, "percentile": 99}},
 }
 GRID = {"max-num-seqs": [8, 16, 32, 48, 64, 128], "max-num-batched-tokens": [256, 512, 1024, 2048, 4096, 8192]}

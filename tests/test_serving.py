@@ -208,14 +208,21 @@ def _get_refused(url):
     ({"gpu-memory-utilization": 0.11}, {}, "oom"),
     ({}, {"vllm_twin_startup_seconds": 30, "vllm_health_timeout_s": 3}, "start-timeout"),
     ({}, {"crash": True}, "crashed"),
+    # A worker's exception under tensor parallelism leaves vLLM alive but wedged (seen on 2 H200s):
+    # the wait reads it in the log and does not sit out the 10-minute health timeout.
+    ({}, {"wedge": True, "vllm_health_timeout_s": 600}, "crashed"),
 ])
 def test_failed_start_is_classified(lab_vars, tmp_path, flags, extra, cause):
     extra = dict(extra)
-    if extra.pop("crash", False):
-        fake = tmp_path / "vllm-crash"
-        fake.write_text("#!/bin/sh\necho 'Loading model weights...'\nkill -SEGV $$\n")
-        fake.chmod(0o755)
-        extra["vllm_executable"] = str(fake)
+    fakes = {"crash": "echo 'Loading model weights...'\nkill -SEGV $$\n",
+             "wedge": "echo '(Worker_TP0 pid=1) ERROR [multiproc_executor.py:1007] WorkerProc hit an exception.'\n"
+                      "exec sleep 3600\n"}
+    for kind, body in fakes.items():
+        if extra.pop(kind, False):
+            fake = tmp_path / f"vllm-{kind}"
+            fake.write_text(f"#!/bin/sh\n{body}")
+            fake.chmod(0o755)
+            extra["vllm_executable"] = str(fake)
     secret = "sk-must-not-leak-42"
     with pytest.raises(ServeError) as err:
         serving.start({"model": TWIN_MODEL, **flags}, inventory=LOCAL, backend="twin",

@@ -112,8 +112,9 @@ def oom_line(log_tail: str) -> str | None:
 def classify_failure(log_tail: str, status: str) -> str:
     """Why a server did not come up: oom | refused-flag | start-timeout | crashed.
 
-    ``status`` is how the wait ended: "exited" (the process is gone) or "timeout" (still running,
-    /health never answered). Log evidence wins over the status: an OOM can hang instead of exiting.
+    ``status`` is how the wait ended: "exited" (the process is gone), "failed" (alive, but its log
+    shows a fatal engine error) or "timeout" (still running, /health never answered). Log evidence
+    wins over the status: an OOM can hang instead of exiting.
     """
     if _OOM.search(log_tail):
         return "oom"

@@ -4,6 +4,13 @@ Linear layers: max(FLOPs / (peak x efficiency), weight bytes / (bandwidth x effi
 are read once per step whatever the batch. Attention: max(FLOPs over query-key pairs, KV bytes
 read). Then fixed costs per step, per sequence and per token, kernel launches when no CUDA graph
 covers the step, and two all-reduces per layer under tensor parallelism.
+
+Launches without a CUDA graph: under --enforce-eager every step pays them on top (measured on the
+H200: the eager step is the graphed step plus ``eager_layer_overhead_s`` per layer). A compiled
+step larger than the largest captured graph (vLLM captures up to min(2 x max-num-seqs, 512) tokens)
+launches its kernels asynchronously while the GPU works, so it is only CPU bound when its GPU work
+is shorter than the launches: it takes max(GPU time, launch time), with the eager figure as the
+launch time's upper bound.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class StepTimeModel:
         self.kv_s_per_token = 2 * layers * model.num_kv_heads * model.head_dim * kv_bytes / tp / bw
         self.block_s_per_token = co.block_overhead_s * layers / block_size
         self.launch_s = co.eager_layer_overhead_s * layers
+        self.eager = enforce_eager
         self.graph_max = 0 if enforce_eager else cuda_graph_max_tokens
         self.comm_s = self.comm_s_per_token = 0.0
         if tp > 1:
@@ -59,10 +67,16 @@ class StepTimeModel:
         t += max(kv, attn)
         t += self.fixed_s + co.seq_overhead_s * num_seqs + co.token_overhead_s * num_tokens
         t += kv_tokens * self.block_s_per_token
-        if num_tokens > self.graph_max:
-            t += self.launch_s
         if self.comm_s:
             t += self.comm_s + num_tokens * self.comm_s_per_token
+        return self._launched(t, num_tokens)
+
+    def _launched(self, t, num_tokens: int):
+        """Step time ``t`` (seconds, scalar or array) with the kernel launches a graph would save."""
+        if self.eager:
+            return t + self.launch_s
+        if num_tokens > self.graph_max:
+            return np.maximum(t, self.launch_s)
         return t
 
     def decode_times(self, batch: int, ctx_sum: int, steps: int) -> np.ndarray:
@@ -73,9 +87,7 @@ class StepTimeModel:
         gemm = batch * (self.gemm_s_per_token + self.lm_head_s_per_sample)
         fixed = max(gemm, self.weights_s) + self.fixed_s + co.seq_overhead_s * batch
         fixed += co.token_overhead_s * batch
-        if batch > self.graph_max:
-            fixed += self.launch_s
         if self.comm_s:
             fixed += self.comm_s + batch * self.comm_s_per_token
         t = np.maximum(ctx * self.attn_s_per_pair, ctx * self.kv_s_per_token)
-        return t + ctx * self.block_s_per_token + fixed
+        return self._launched(t + ctx * self.block_s_per_token + fixed, batch)

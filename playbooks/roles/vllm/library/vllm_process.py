@@ -31,7 +31,9 @@ options:
 """
 
 RETURN = r"""
-status: {description: "state=ready: healthy, exited or timeout; state=status: running or stopped", type: str}
+status:
+  description: "state=ready: healthy, exited, failed (alive, but its log shows a fatal engine error) or timeout; state=status: running or stopped"
+  type: str
 pids: {description: Processes of the group/session (before a stop)., type: list}
 log_tail: {description: Last lines of the log (state=ready when not healthy)., type: str}
 """
@@ -133,6 +135,32 @@ def _tail(path, lines):
     return "\n".join(data.splitlines()[-lines:])
 
 
+# Lines vLLM writes when its engine cannot come up, even where the process does not exit.
+FATAL_MARKERS = (b"WorkerProc hit an exception", b"Engine core initialization failed",
+                 b"CUDA error: an illegal memory access")
+
+
+class _LogWatch:
+    """Reads what a log gained since the last look and remembers whether a fatal marker passed."""
+
+    def __init__(self, path):
+        self.path, self.offset, self.carry = path, 0, b""
+
+    def fatal(self):
+        if not self.path:
+            return False
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return False
+        self.offset += len(data)
+        text = self.carry + data
+        self.carry = text[-256:]  # a marker split across two reads
+        return any(m in text for m in FATAL_MARKERS)
+
+
 def _healthy(url):
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -220,12 +248,16 @@ def main():
 
     if p["state"] == "ready":
         deadline = time.monotonic() + p["timeout_s"]
+        log = _LogWatch(p["log_file"])
         while True:
             if _healthy(p["health_url"]):
                 module.exit_json(changed=False, status="healthy", pids=_members(leader) if leader else [])
             running = _unit_alive(module, p["unit"]) if p["unit"] else alive
             if not running:
                 status = "exited"
+                break
+            if log.fatal():
+                status = "failed"
                 break
             if time.monotonic() >= deadline:
                 status = "timeout"
