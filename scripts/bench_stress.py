@@ -51,8 +51,10 @@ LIVE_FRACTIONS = (0.7, 0.85, 1.0, 1.15, 1.35)  # of the pre-screen: fewer levels
 def ramp(scenario, db: Path, exp: str, backend, levels: list[float], rounds: int = 2,
          echo=None) -> dict:
     """The staircase and ``rounds`` refinement rounds, as cmd_stress takes them."""
+    confirmed: list[float] = []
     for i in range(rounds + 1):
-        plan = plans.Plan(exp, "stress", stress.staircase_points(scenario, levels),
+        plan = plans.Plan(exp, "stress", stress.staircase_points(scenario, levels)
+                          + stress.confirm_points(scenario, confirmed),
                           {"shape": "ramp", "params": ["load.shape.level"]})
         plans.execute(plan, backend, db, db.parent / "w")
         store = Store(db)
@@ -64,12 +66,12 @@ def ramp(scenario, db: Path, exp: str, backend, levels: list[float], rounds: int
                      f"served {r.request_throughput:6.2f} E2E growth {r.latency_growth:+.3f} "
                      f"queue growth {r.queue_growth if r.queue_growth is not None else float('nan'):+.3f} "
                      f"unbounded {r.unbounded}")
-        extra = stress.refine_levels(table) if i < rounds else []
-        if not extra:
+        extra, confirm = stress.next_levels(table) if i < rounds else ([], [])
+        if not extra and not confirm:
             break
         if echo:
-            echo(f"    refining with {extra}")
-        levels = sorted(set(levels) | set(extra))
+            echo(f"    refining with {extra}" if extra else f"    confirming {confirm}")
+        levels, confirmed = sorted(set(levels) | set(extra)), confirmed + confirm
     return {**stress.find_knee(table), "runs": len(table)}
 
 
@@ -160,7 +162,7 @@ def main() -> int:
                                                      backend, work / "w")
             print(f"  live twin closed-loop capacity {live_closed:.3f} req/s", flush=True)
         found = ramp(s, work / "lab.db", f"ramp-{args.backend}-{i}", backend, levels,
-                     rounds=1 if live else 2, echo=print if args.verbose else None)
+                     rounds=2 if live else 3, echo=print if args.verbose else None)
         backend.close(None)
         knee = found["knee_unbounded"]
         err = abs(knee / truth - 1) if knee else float("inf")

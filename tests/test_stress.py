@@ -50,6 +50,29 @@ def test_knee_is_read_on_the_rate_the_runs_sent():
     assert knee["knee_slo"] == 3.7 and knee["max_sustainable"] == 3.7
 
 
+def test_a_marginal_overload_is_confirmed_by_a_longer_run(tmp_path):
+    """Just under the capacity a short run's queue is still filling: the first level called
+    unbounded by a small margin runs again 3x as long, and at a level run twice the longer run decides."""
+    marginal = table([{"level": 4.0, "unbounded": False, "meets_slo": True, "latency_growth": 0.0},
+                      {"level": 5.0, "unbounded": True, "meets_slo": False, "latency_growth": 0.04},
+                      {"level": 6.0, "unbounded": True, "meets_slo": False, "latency_growth": 0.3}])
+    assert stress.next_levels(marginal) == ([], [5.0])
+    clear = marginal.assign(latency_growth=[0.0, 0.2, 0.3])
+    assert stress.next_levels(clear) == ([4.25, 4.5, 4.75], [])  # no doubt: refine the bracket
+    assert stress.next_levels(marginal.assign(confirmed=[False, True, False])) == ([4.25, 4.5, 4.75], [])
+
+    s = stress.stress_scenario(resolve("default", None, ["load.stop.duration_s=20"]), "ramp")
+    points = stress.staircase_points(s, [2.0, 5.0]) + stress.confirm_points(s, [5.0])
+    assert [p.scenario.load.stop.duration_s for p in points] == [20, 20, 60]
+    plans.execute(plans.Plan("c", "stress", points, {"shape": "ramp"}), PredictBackend(),
+                  tmp_path / "lab.db", tmp_path / "w")
+    store = Store(tmp_path / "lab.db")
+    t = stress.levels_table(store, "c", store.runs("c"))
+    assert list(t["level"]) == [2.0, 5.0] and list(t["confirmed"]) == [False, True]
+    long_run = store.runs("c").loc[lambda r: r["point"].map(lambda p: p["load.shape.level"]) == 5.0]
+    assert t["request_throughput"].iloc[1] == long_run.sort_values("duration_s")["request_throughput"].iloc[-1]
+
+
 def test_bad_shape_is_one_sentence():
     with pytest.raises(ScenarioError, match="SHAPE='wave': allowed values are ramp, step, spike, soak"):
         stress.stress_scenario(resolve("default"), "wave")

@@ -294,17 +294,22 @@ def cmd_stress(args: argparse.Namespace) -> int:
     exp_id = _experiment_id(args, "stress", scenario, args.shape, store_path)
     args.experiment = exp_id
     rc = _take(args, "stress", scenario, stress.staircase_points(scenario, levels, repeats), meta, args.shape)
-    # A ramp zooms into the knee: each round adds levels inside its bracket (same experiment).
+    # A ramp zooms into the knee: each round adds levels inside its bracket, or first runs a
+    # marginal overload again for longer (same experiment).
+    confirmed: list[float] = []
     for _ in range(args.refine if args.shape == "ramp" and rc == 0 else 0):
         from vllm_lab.store import Store
         store = Store(store_path)
-        extra = stress.refine_levels(stress.levels_table(store, exp_id, store.runs(exp_id)))
+        extra, confirm = stress.next_levels(stress.levels_table(store, exp_id, store.runs(exp_id)))
         store.close()
-        if not extra:
+        if not extra and not confirm:
             break
-        levels = sorted(set(levels) | set(extra))
-        print(f"ramp: refining the knee with levels {extra}")
-        rc = _take(args, "stress", scenario, stress.staircase_points(scenario, levels, repeats), meta)
+        levels, confirmed = sorted(set(levels) | set(extra)), confirmed + confirm
+        print(f"ramp: refining the knee with levels {extra}" if extra else
+              f"ramp: level {confirm[0]} looks overloaded by a small margin; running it "
+              f"{stress.CONFIRM_FACTOR:g}x as long")
+        points = stress.staircase_points(scenario, levels, repeats) + stress.confirm_points(scenario, confirmed)
+        rc = _take(args, "stress", scenario, points, meta)
     return rc
 
 
@@ -435,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", required=True, choices=("ramp", "step", "spike", "soak"))
     p.add_argument("--levels", default=None, help="offered loads (req/s) for ramp/step; default: "
                    "fractions of the predicted capacity")
-    p.add_argument("--refine", type=int, default=2, help="ramp: rounds of levels added inside the knee's bracket")
+    p.add_argument("--refine", type=int, default=3, help="ramp: rounds of levels added inside the knee's bracket (or of confirmations)")
     p.set_defaults(func=cmd_stress)
 
     p = sub.add_parser("claims", help="measure the tuning guide's claims and give each a verdict")

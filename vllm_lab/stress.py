@@ -20,6 +20,7 @@ gamma).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from typing import Any
 
@@ -41,6 +42,12 @@ LEVEL_COLUMNS = ("request_throughput", "output_throughput", "goodput", "errors",
                  "ttft_p90", "ttft_p99", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_p99", "queue_len_max",
                  "preemptions")
 FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.35, 1.7)  # of the predicted capacity
+# A level just under the capacity fills its queue for longer than a short run lasts (the time to
+# steady state grows as 1 / (1 - load)^2), and the fill looks like growth. So the first level
+# called unbounded with a trend under CONFIRM_BELOW x GROWTH_SLOPE runs again CONFIRM_FACTOR times
+# as long; at a level measured more than once the longest run decides.
+CONFIRM_BELOW = 2.0
+CONFIRM_FACTOR = 3.0
 
 
 def stress_scenario(scenario: Scenario, shape: str) -> Scenario:
@@ -232,6 +239,31 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
+def confirm_level(levels: pd.DataFrame) -> float | None:
+    """The first unbounded level, where its verdict is marginal and no longer run has checked it."""
+    t = levels[levels["ok"]].sort_values("level")
+    bad = t[t["unbounded"]]
+    if bad.empty:
+        return None
+    first = bad.iloc[0]
+    longer = first.get("confirmed", False)
+    marginal = first["latency_growth"] < CONFIRM_BELOW * GROWTH_SLOPE
+    return float(first["level"]) if marginal and not longer else None
+
+
+def confirm_points(scenario: Scenario, levels: list[float]) -> list[plans.Point]:
+    """The confirmation runs of ``levels``: each level again, CONFIRM_FACTOR times as long."""
+    longer = plans.apply_value(scenario, "load.stop.duration_s",
+                               scenario.load.stop.duration_s * CONFIRM_FACTOR)
+    return staircase_points(longer, levels)
+
+
+def next_levels(levels: pd.DataFrame) -> tuple[list[float], list[float]]:
+    """A ramp's next round: (levels to add, levels to confirm); a marginal verdict is checked first."""
+    confirm = confirm_level(levels)
+    return ([], [confirm]) if confirm is not None else (refine_levels(levels), [])
+
+
 def refine_levels(levels: pd.DataFrame, tolerance: float = 0.05, count: int = 3) -> list[float]:
     """New levels inside the knee's bracket while it is wider than ``tolerance`` (a ramp's zoom)."""
     knee = find_knee(levels)
@@ -247,10 +279,11 @@ def refine_levels(levels: pd.DataFrame, tolerance: float = 0.05, count: int = 3)
 def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
     """One row per offered level: the summary, the growth verdict and the SLO verdict."""
     rows = []
+    runs = _longest_per_level(runs)
     for _, run in runs.iterrows():
         level = float(run["point"]["load.shape.level"])
         ok = run["status"] in ("ok", "client-overloaded")
-        row = {"level": level, "ok": ok, "status": run["status"],
+        row = {"level": level, "ok": ok, "status": run["status"], "confirmed": run["confirmed"],
                **{m: run[m] for m in LEVEL_COLUMNS if m in run}}
         if ok:
             verdict = level_verdict(level, {"meets_slo": run["summary"].get("meets_slo")},
@@ -262,6 +295,16 @@ def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
                        capacity_estimate=math.nan, queue_growth=None)
         rows.append(row)
     return pd.DataFrame(rows).sort_values("level").reset_index(drop=True)
+
+
+def _longest_per_level(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs of each level's longest duration (a confirmation supersedes the short run)."""
+    if runs.empty:
+        return runs.assign(confirmed=pd.Series(dtype=bool))
+    duration = runs["scenario_json"].map(lambda j: json.loads(j)["load"]["stop"]["duration_s"] or 0.0)
+    level = runs["point"].map(lambda p: float(p["load.shape.level"]))
+    longest = duration.groupby(level).transform("max")
+    return runs.assign(confirmed=duration.groupby(level).transform("nunique") > 1)[duration == longest]
 
 
 # -- spike and soak ------------------------------------------------------------------------------
