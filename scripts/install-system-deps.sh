@@ -7,9 +7,10 @@
 #   chromium: prints the quarterly report's PDF (make report PERIOD=...) and renders screenshots
 #   poppler-utils: pdftoppm, to look at the PDF's pages as pictures
 #   fonts-dejavu-core: the report's font, so the PDF looks the same everywhere
+#   postgresql: an Optuna study on PostgreSQL (STUDY_STORAGE), in tests/test_search.py
 set -euo pipefail
 PKGS=(openssh-server openssh-client iproute2 procps prometheus prometheus-node-exporter chromium
-      poppler-utils fonts-dejavu-core)
+      poppler-utils fonts-dejavu-core postgresql)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,10 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,3 +83,39 @@ class TwinProcess:
                 self.proc.wait()
         if not self.log.closed:
             self.log.close()
+
+
+class PostgresServer:
+    """A private PostgreSQL server (the system's binaries, scripts/install-system-deps.sh) on a free
+    port, in a folder of its own under /tmp; ``with`` gives its URL, and the exit stops it by the
+    postmaster's pid and removes the folder. PostgreSQL refuses to run as root, so as root it runs
+    as the postgres user (pytest's own temporary folders are closed to other users)."""
+
+    def __init__(self):
+        self.folder, self.port = Path(tempfile.mkdtemp(prefix="lab-pg-")), free_port()
+        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+        if not found and not shutil.which("initdb"):
+            pytest.skip("PostgreSQL is not installed (scripts/install-system-deps.sh installs it)")
+        self.bin = found[-1].parent if found else Path(shutil.which("initdb")).parent
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run([*self.as_user, *argv], check=True, capture_output=True, text=True)
+
+    def __enter__(self) -> str:
+        if self.as_user:
+            shutil.chown(self.folder, "postgres", "postgres")
+        data = self.folder / "data"
+        self._run(str(self.bin / "initdb"), "-D", str(data), "-U", "lab", "--auth=trust")
+        self._run(str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.folder / "log"), "-w", "start",
+                  "-o", f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1")
+        self._run(str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "lab", "optuna")
+        return f"postgresql://lab@127.0.0.1:{self.port}/optuna"
+
+    def __exit__(self, *exc) -> None:
+        pid = int((self.folder / "data/postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGINT)  # PostgreSQL's fast shutdown
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.1)
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import PostgresServer
 
 from vllm_lab import plans, report, search
 from vllm_lab.backends import PredictBackend
@@ -123,19 +124,31 @@ WORKER = textwrap.dedent("""
     s = resolve("default", None, ["load.mode=open", "load.shape.level=10", "load.stop.duration_s=4"])
     space = search.SearchSpace(space={"max-num-seqs": search.ParamRange(low=8, high=512, log=True),
                                       "max-num-batched-tokens": search.ParamRange(low=1024, high=16384, log=True)})
-    settings = search.TuneSettings("tune-w", space, "goodput", 6, search.storage_url(None, db))
+    settings = search.TuneSettings("tune-w", space, "goodput", 6, search.storage_url(sys.argv[2] or None, db))
     search.run_trials(s, settings, PredictBackend(), db, db.parent / "w")
 """)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def study_storage(request, tmp_path):
+    """The study's storage: the lab's own SQLite file (None), or a private PostgreSQL server's URL."""
+    if request.param == "sqlite":
+        yield None
+        return
+    with PostgresServer() as url:
+        yield url
+
+
 @pytest.mark.integration
-def test_two_workers_share_one_study(tmp_path):
-    """Two processes on one study and one store: no trial lost, none duplicated, none left running."""
+def test_two_workers_share_one_study(tmp_path, study_storage):
+    """Two processes on one study and one store: no trial lost, none duplicated, none left running,
+    with the study in the lab's SQLite file or on a PostgreSQL server (STUDY_STORAGE)."""
     db = tmp_path / "lab.db"
     Store(db).close()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(db)], cwd=ROOT) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(db), study_storage or ""], cwd=ROOT)
+             for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    study = search.load_study("tune-w", search.storage_url(None, db))
+    study = search.load_study("tune-w", search.storage_url(study_storage, db))
     trials = study.get_trials()
     assert sorted(t.number for t in trials) == list(range(12))
     assert all(t.state.name in ("COMPLETE", "PRUNED") for t in trials)
