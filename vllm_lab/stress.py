@@ -246,9 +246,8 @@ def confirm_level(levels: pd.DataFrame) -> float | None:
     if bad.empty:
         return None
     first = bad.iloc[0]
-    longer = first.get("confirmed", False)
     marginal = first["latency_growth"] < CONFIRM_BELOW * GROWTH_SLOPE
-    return float(first["level"]) if marginal and not longer else None
+    return float(first["level"]) if marginal and not first.get("confirmed", False) else None
 
 
 def confirm_points(scenario: Scenario, levels: list[float]) -> list[plans.Point]:

@@ -45,7 +45,7 @@ class StepTimeModel:
         self.block_s_per_token = co.block_overhead_s * layers / block_size
         self.launch_s = co.eager_layer_overhead_s * layers
         self.eager = enforce_eager
-        self.graph_max = 0 if enforce_eager else cuda_graph_max_tokens
+        self.graph_max = cuda_graph_max_tokens
         self.comm_s = self.comm_s_per_token = 0.0
         if tp > 1:
             self.comm_s = 2 * layers * hw.interconnect_latency_us * 1e-6
