@@ -219,8 +219,8 @@ def _judge_memory(ev: Evidence) -> list[Part]:
             verdict, why = NO, "every setting ran equally clean: 0.7 buys no stability, only a smaller KV cache"
         parts.append(Part("0.7 is the most stable", verdict, f"{why}; {kv}"
                           + (f"; {', '.join(failed)}: {ev.status(failed[0])}" if failed else "")))
-    if _missing(ev, "util-0.85", "util-0.7"):
-        parts.append(Part("0.85-0.9 is the best balance", UNTESTABLE, _missing(ev, "util-0.85", "util-0.7")))
+    if missing := _missing(ev, "util-0.85", "util-0.7"):
+        parts.append(Part("0.85-0.9 is the best balance", UNTESTABLE, missing))
     else:
         best = max(ran, key=lambda a: ev.median(a, "output_throughput") or 0)
         rel_best, floor = ev.change("util-0.85", best, "output_throughput")
@@ -251,17 +251,17 @@ def _judge_memory(ev: Evidence) -> list[Part]:
 def _judge_budget(ev: Evidence) -> list[Part]:
     parts = []
     util = {a: ev.median(a, "gpu_util_mean") for a in ("small", "defaults", "4096", "large")}
-    if _missing(ev, "small") or util["small"] is None:
+    if (missing := _missing(ev, "small")) or util["small"] is None:
         parts.append(Part("too small a budget leaves the GPU under 50% utilized", UNTESTABLE,
-                          _missing(ev, "small") or "no GPU utilization was scraped"))
+                          missing or "no GPU utilization was scraped"))
     else:
         parts.append(Part("too small a budget leaves the GPU under 50% utilized",
                           HOLDS if util["small"] < 50 else NO,
                           f"GPU utilization {util['small']:.0f}% at the smallest budget vLLM accepts "
                           f"(defaults {util['defaults'] or 0:.0f}%); output {_compare(ev, 'small', 'defaults', 'output_throughput', _tok)}"))
-    if _missing(ev, "large", "defaults"):
+    if missing := _missing(ev, "large", "defaults"):
         parts.append(Part("a large budget lifts utilization above 90% and raises per-request latency",
-                          UNTESTABLE, _missing(ev, "large", "defaults")))
+                          UNTESTABLE, missing))
     else:
         rel, floor = ev.change("large", "defaults", "e2e_p50")
         high = util["large"] is not None and util["large"] > 90
@@ -271,8 +271,8 @@ def _judge_budget(ev: Evidence) -> list[Part]:
                           f"GPU utilization {util['large'] or 0:.0f}%; E2E p50 "
                           f"{_compare(ev, 'large', 'defaults', 'e2e_p50')}; TTFT p50 "
                           f"{_compare(ev, 'large', 'defaults', 'ttft_p50')}", measured=rel))
-    if _missing(ev, "4096", "defaults"):
-        parts.append(Part("4096 shortens per-request processing", UNTESTABLE, _missing(ev, "4096", "defaults")))
+    if missing := _missing(ev, "4096", "defaults"):
+        parts.append(Part("4096 shortens per-request processing", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("4096", "defaults", "e2e_p50")
         parts.append(Part("4096 shortens per-request processing",
@@ -284,8 +284,8 @@ def _judge_budget(ev: Evidence) -> list[Part]:
 
 def _judge_eager(ev: Evidence) -> list[Part]:
     statement = "--enforce-eager cuts time to first token by about 30%"
-    if _missing(ev, "eager", "defaults"):
-        return [Part(statement, UNTESTABLE, _missing(ev, "eager", "defaults"), claimed=-0.3)]
+    if missing := _missing(ev, "eager", "defaults"):
+        return [Part(statement, UNTESTABLE, missing, claimed=-0.3)]
     rel, floor = ev.change("eager", "defaults", "ttft_p50")
     verdict = HOLDS if rel <= -0.2 else PARTLY if rel < -floor else NO
     return [Part(statement, verdict,
@@ -297,8 +297,8 @@ def _judge_eager(ev: Evidence) -> list[Part]:
 
 def _judge_seqs(ev: Evidence) -> list[Part]:
     statement = "max-num-seqs below 64 markedly lowers scheduling overhead"
-    if _missing(ev, "seqs-32", "defaults"):
-        return [Part(statement, UNTESTABLE, _missing(ev, "seqs-32", "defaults"))]
+    if missing := _missing(ev, "seqs-32", "defaults"):
+        return [Part(statement, UNTESTABLE, missing)]
     # 16 users keep the batch under both caps: any change in step time is the cap's own overhead.
     rel, floor = ev.change("seqs-32", "defaults", "tpot_p50")
     cost = ""
@@ -314,9 +314,8 @@ def _judge_seqs(ev: Evidence) -> list[Part]:
 
 def _judge_blocks(ev: Evidence, small_refused: str | None) -> list[Part]:
     parts = []
-    if _missing(ev, "block-32-base", "defaults-base"):
-        parts.append(Part("block 16 suits chat (less fragmentation)", UNTESTABLE,
-                          _missing(ev, "block-32-base", "defaults-base")))
+    if missing := _missing(ev, "block-32-base", "defaults-base"):
+        parts.append(Part("block 16 suits chat (less fragmentation)", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("defaults-base", "block-32-base", "output_throughput")
         tpot, _ = ev.change("defaults-base", "block-32-base", "tpot_p50")
@@ -326,9 +325,8 @@ def _judge_blocks(ev: Evidence, small_refused: str | None) -> list[Part]:
                           f"block 32 → 16 on chat: output {_pct(rel, floor)}, TPOT p50 {_pct(tpot)}; "
                           f"KV usage mean {kv32 or 0:.1%} → {kv16 or 0:.1%}"
                           + (f"; block 8: {small_refused}" if small_refused else "")))
-    if _missing(ev, "block-32-long", "defaults-long"):
-        parts.append(Part("block 32+ suits long generation (less scheduling overhead)", UNTESTABLE,
-                          _missing(ev, "block-32-long", "defaults-long")))
+    if missing := _missing(ev, "block-32-long", "defaults-long"):
+        parts.append(Part("block 32+ suits long generation (less scheduling overhead)", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("block-32-long", "defaults-long", "tpot_p50")
         parts.append(Part("block 32+ suits long generation (less scheduling overhead)",
@@ -362,9 +360,8 @@ def _judge_dtype(ev: Evidence) -> list[Part]:
     parts.append(Part("float32's quality gain over float16 is negligible", UNTESTABLE,
                       "quality needs real weights and an evaluation set; the lab serves dummy "
                       "weights and measures speed and memory"))
-    if _missing(ev, "float16", "defaults"):
-        parts.append(Part("bfloat16 is more efficient than float16 on A100/H100-class GPUs", UNTESTABLE,
-                          _missing(ev, "float16", "defaults")))
+    if missing := _missing(ev, "float16", "defaults"):
+        parts.append(Part("bfloat16 is more efficient than float16 on A100/H100-class GPUs", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("defaults", "float16", "output_throughput")
         parts.append(Part("bfloat16 is more efficient than float16 on A100/H100-class GPUs",
@@ -377,8 +374,8 @@ def _judge_dtype(ev: Evidence) -> list[Part]:
 def _judge_templates(ev: Evidence) -> list[Part]:
     parts = []
     s = "the low-latency template cuts TTFT by 40% or more at about 15% throughput cost"
-    if _missing(ev, "realtime-chat", "defaults-realtime-chat"):
-        parts.append(Part(s, UNTESTABLE, _missing(ev, "realtime-chat", "defaults-realtime-chat"), claimed=-0.4))
+    if missing := _missing(ev, "realtime-chat", "defaults-realtime-chat"):
+        parts.append(Part(s, UNTESTABLE, missing, claimed=-0.4))
     else:
         ttft, floor = ev.change("realtime-chat", "defaults-realtime-chat", "ttft_p50")
         cost, _ = ev.change("realtime-chat", "defaults-realtime-chat", "output_throughput")
@@ -390,8 +387,8 @@ def _judge_templates(ev: Evidence) -> list[Part]:
                           f"{_compare(ev, 'realtime-chat', 'defaults-realtime-chat', 'output_throughput', _tok)}",
                           claimed=-0.4, measured=ttft))
     s = "the offline-batch template raises throughput 3-5x"
-    if _missing(ev, "offline-batch", "defaults-offline-batch"):
-        parts.append(Part(s, UNTESTABLE, _missing(ev, "offline-batch", "defaults-offline-batch"), claimed=2.0))
+    if missing := _missing(ev, "offline-batch", "defaults-offline-batch"):
+        parts.append(Part(s, UNTESTABLE, missing, claimed=2.0))
     else:
         rel, floor = ev.change("offline-batch", "defaults-offline-batch", "output_throughput")
         ratio = 1 + rel
@@ -401,8 +398,8 @@ def _judge_templates(ev: Evidence) -> list[Part]:
                           f" = ×{ratio:.2f} the defaults", claimed=2.0, measured=rel))
     s = "the high-concurrency template holds GPU utilization near 85%"
     util = ev.median("high-concurrency-api", "gpu_util_mean")
-    if _missing(ev, "high-concurrency-api") or util is None:
-        parts.append(Part(s, UNTESTABLE, _missing(ev, "high-concurrency-api") or "no GPU utilization scraped"))
+    if (missing := _missing(ev, "high-concurrency-api")) or util is None:
+        parts.append(Part(s, UNTESTABLE, missing or "no GPU utilization scraped"))
     else:
         parts.append(Part(s, HOLDS if abs(util - 85) <= 7 else NO,
                           f"GPU utilization {util:.0f}% on its own traffic (defaults: "
