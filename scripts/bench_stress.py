@@ -53,13 +53,13 @@ LIVE_FRACTIONS = (0.7, 0.85, 1.0, 1.15, 1.35)  # of the pre-screen: fewer levels
 
 def ramp(scenario, db: Path, exp: str, backend, levels: list[float], rounds: int = 2,
          echo=None) -> dict:
-    """The staircase and ``rounds`` refinement rounds, as cmd_stress takes them."""
-    confirmed: list[float] = []
-    for i in range(rounds + 1):
-        plan = plans.Plan(exp, "stress", stress.staircase_points(scenario, levels)
-                          + stress.confirm_points(scenario, confirmed),
-                          {"shape": "ramp", "params": ["load.shape.level"]})
-        plans.execute(plan, backend, db, db.parent / "w")
+    """The staircase and ``rounds`` rounds of confirmation or refinement, as `make stress` takes them."""
+    def take(points) -> int:
+        plans.execute(plans.Plan(exp, "stress", points, {"shape": "ramp", "params": ["load.shape.level"]}),
+                      backend, db, db.parent / "w")
+        return 0
+
+    def read_levels():
         store = Store(db)
         table = stress.levels_table(store, exp, store.runs(exp))
         store.close()
@@ -69,12 +69,10 @@ def ramp(scenario, db: Path, exp: str, backend, levels: list[float], rounds: int
                      f"served {r.request_throughput:6.2f} E2E growth {r.latency_growth:+.3f} "
                      f"queue growth {r.queue_growth if r.queue_growth is not None else float('nan'):+.3f} "
                      f"unbounded {r.unbounded}")
-        extra, confirm = stress.next_levels(table) if i < rounds else ([], [])
-        if not extra and not confirm:
-            break
-        if echo:
-            echo(f"    refining with {extra}" if extra else f"    confirming {confirm}")
-        levels, confirmed = sorted(set(levels) | set(extra)), confirmed + confirm
+        return table
+
+    stress.run_staircase(scenario, levels, rounds, take, read_levels, say=echo or (lambda _: None))
+    table = read_levels()
     return {**stress.find_knee(table), "runs": len(table)}
 
 

@@ -293,24 +293,19 @@ def cmd_stress(args: argparse.Namespace) -> int:
     store_path = args.store or args.out / "lab.db"
     exp_id = _experiment_id(args, "stress", scenario, args.shape, store_path)
     args.experiment = exp_id
-    rc = _take(args, "stress", scenario, stress.staircase_points(scenario, levels, repeats), meta, args.shape)
-    # A ramp zooms into the knee: each round adds levels inside its bracket, or first runs a
-    # marginal overload again for longer (same experiment).
-    confirmed: list[float] = []
-    for _ in range(args.refine if args.shape == "ramp" and rc == 0 else 0):
+
+    def read_levels():
         from vllm_lab.store import Store
         store = Store(store_path)
-        extra, confirm = stress.next_levels(stress.levels_table(store, exp_id, store.runs(exp_id)))
-        store.close()
-        if not extra and not confirm:
-            break
-        levels, confirmed = sorted(set(levels) | set(extra)), confirmed + confirm
-        print(f"ramp: refining the knee with levels {extra}" if extra else
-              f"ramp: level {confirm[0]} looks overloaded by a small margin; running it "
-              f"{stress.CONFIRM_FACTOR:g}x as long")
-        points = stress.staircase_points(scenario, levels, repeats) + stress.confirm_points(scenario, confirmed)
-        rc = _take(args, "stress", scenario, points, meta)
-    return rc
+        try:
+            return stress.levels_table(store, exp_id, store.runs(exp_id))
+        finally:
+            store.close()
+
+    # A ramp zooms into the knee in the same experiment; a step keeps its levels.
+    return stress.run_staircase(scenario, levels, args.refine if args.shape == "ramp" else 0,
+                                lambda points: _take(args, "stress", scenario, points, meta, args.shape),
+                                read_levels, repeats)
 
 
 def cmd_claims(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -261,6 +262,26 @@ def next_levels(levels: pd.DataFrame) -> tuple[list[float], list[float]]:
     """A ramp's next round: (levels to add, levels to confirm); a marginal verdict is checked first."""
     confirm = confirm_level(levels)
     return ([], [confirm]) if confirm is not None else (refine_levels(levels), [])
+
+
+def run_staircase(scenario: Scenario, levels: list[float], rounds: int,
+                  take: Callable[[list[plans.Point]], int], read_levels: Callable[[], pd.DataFrame],
+                  repeats: int = 1, say: Callable[[str], Any] = print) -> int:
+    """The staircase, then up to ``rounds`` rounds that confirm a marginal overload or refine the
+    knee's bracket. ``take(points)`` runs the points not yet recorded and returns 0 when it could;
+    ``read_levels()`` is the levels table of what is recorded. Returns the last ``take``'s code."""
+    confirmed: list[float] = []
+    rc = take(staircase_points(scenario, levels, repeats))
+    for _ in range(rounds if rc == 0 else 0):
+        extra, confirm = next_levels(read_levels())
+        if not extra and not confirm:
+            break
+        levels, confirmed = sorted(set(levels) | set(extra)), confirmed + confirm
+        say(f"ramp: refining the knee with levels {extra}" if extra else
+            f"ramp: level {confirm[0]} looks overloaded by a small margin; running it "
+            f"{CONFIRM_FACTOR:g}x as long")
+        rc = take(staircase_points(scenario, levels, repeats) + confirm_points(scenario, confirmed))
+    return rc
 
 
 def refine_levels(levels: pd.DataFrame, tolerance: float = 0.05, count: int = 3) -> list[float]:
