@@ -1,4 +1,4 @@
-"""A run's summary from raw samples: throughput over the sending window, not the drain."""
+"""A run's summary from raw samples: throughput over the steady window, not the fill or the drain."""
 
 import pandas as pd
 import pytest
@@ -19,11 +19,11 @@ def closed_loop(last_e2e: list[float], last_tokens: list[int]) -> pd.DataFrame:
                      prompt_tokens=50, status="ok", error="", itl_s=[[] for _ in range(len(df))])
 
 
-def test_throughput_counts_the_sending_window_not_the_drain():
+def test_throughput_counts_the_steady_window_not_the_drain():
     # One user's last request runs 10 s at the end: over first send -> last reply that tail would
     # count as a fifth of the run at a quarter of the concurrency.
     s = summarize(closed_loop([2, 2, 2, 10], [100, 100, 100, 500]), Slo())
-    assert s["duration_s"] == 8.0 and s["drain_s"] == 10.0
+    assert s["duration_s"] == 6.0 and s["drain_s"] == 10.0 and s["warmup_s"] == 2.0
     assert s["output_throughput"] == pytest.approx(200.0)  # 4 users x 100 tokens / 2 s
     assert s["request_throughput"] == pytest.approx(2.0)
     whole = (16 * 100 + 3 * 100 + 500) / 18.0
@@ -34,3 +34,17 @@ def test_a_given_duration_is_used_as_is():
     s = summarize(closed_loop([2, 2, 2, 2], [100] * 4), Slo(), duration_s=10.0)
     assert s["duration_s"] == 10.0 and s["output_throughput"] == pytest.approx(200.0)
     assert "drain_s" not in s
+
+
+def test_the_fill_before_the_first_reply_is_not_averaged_in():
+    # A saturated closed loop: the first wave waits 3 s for its prefills (no token comes out),
+    # then every request takes 2 s. First send -> last send would count those 3 silent seconds.
+    rows = [(f"{u}-0", 0.0, 5.0, 100, 3.0) for u in range(4)]
+    rows += [(f"{u}-{k}", 5.0 + 2.0 * (k - 1), 2.0, 100, 0.2) for u in range(4) for k in range(1, 6)]
+    df = pd.DataFrame(rows, columns=["request_id", "start_ts", "e2e_s", "output_tokens", "ttft_s"])
+    df = df.assign(tpot_s=(df["e2e_s"] - df["ttft_s"]) / 99, prompt_tokens=50, status="ok",
+                   error="", itl_s=[[] for _ in range(len(df))])
+    s = summarize(df, Slo())
+    assert s["warmup_s"] == 5.0 and s["duration_s"] == 8.0  # first reply at 5 s, last send at 13 s
+    assert s["output_throughput"] == pytest.approx(200.0)  # 4 users x 100 tokens every 2 s
+    # First send -> last send would say 2000 tokens in 13 s: 154 tok/s, 23% low.

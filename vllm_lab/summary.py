@@ -1,9 +1,11 @@
 """One run's figures from its raw samples and server time series: the numbers a report compares.
 
 Percentiles come from the pooled raw samples of every worker, never from averaged percentiles.
-Throughput and goodput count what happened while the client was sending (first send to last send):
-the requests still in flight at the stop finish at ever lower concurrency, and that drain is left
-out (``drain_s`` says how long it was); the predictor passes its own virtual duration instead.
+Throughput and goodput count what happened in the run's steady window: from the first reply's end
+to the last send. Before it the server is filling (no request has been through a whole cycle yet:
+in a closed loop of 256 users the first wave's prefills alone take seconds with no output); after
+it the requests still in flight finish at ever lower concurrency. Both transients are recorded
+(``warmup_s``, ``drain_s``), not averaged in. The predictor passes its own virtual duration.
 Goodput counts the requests per second that meet every per-request SLO threshold (the way
 ``vllm bench serve --goodput`` counts them); ``meets_slo`` says whether the run's percentiles are
 under every SLO at the percentile the scenario names.
@@ -92,12 +94,21 @@ def _kv_cache_tokens(metrics: pd.DataFrame) -> float | None:
     return None
 
 
-def sending_window(samples: pd.DataFrame, min_sends: int = 10) -> tuple[float, float] | None:
-    """First send to last send: the span the client kept its load on (None for a tiny run)."""
+def steady_window(samples: pd.DataFrame, min_sends: int = 10) -> tuple[float, float] | None:
+    """First reply's end to last send: the span the load was on and the server past its fill.
+
+    None for a tiny run, or one whose sends all went out before any reply ended (a closed loop
+    with as many users as requests): it has no steady part, and the whole span is used.
+    """
     starts = samples["start_ts"].dropna()
-    if len(starts) < min_sends or starts.max() <= starts.min():
+    if len(starts) < min_sends:
         return None
-    return float(starts.min()), float(starts.max())
+    ok = samples[samples["status"] == "ok"] if "status" in samples else samples
+    ends = (ok["start_ts"] + ok["e2e_s"]).dropna()
+    if ends.empty:
+        return None
+    t0, t1 = float(ends.min()), float(starts.max())
+    return (t0, t1) if t1 > t0 else None
 
 
 def tokens_by(ok: pd.DataFrame, t: float) -> float:
@@ -120,9 +131,10 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
     out["errors"] = float(len(samples) - len(ok))
     meets = request_meets_slo(ok, slo)
-    window = None if duration_s is not None else sending_window(samples)
+    window = None if duration_s is not None else steady_window(samples)
     if window is None:
-        # Given (the predictor's virtual time), or too few sends: everything over the whole span.
+        # Given (the predictor's virtual time), or no steady part: everything over the whole span,
+        # as vllm bench serve counts it (first send to last reply).
         if duration_s is None:
             start = samples["start_ts"].min()
             duration_s = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - start)
@@ -131,15 +143,15 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         in_tokens = float(ok["prompt_tokens"].fillna(0).sum())
         done, good = float(len(ok)), float(meets.sum())
     else:
-        # While the client was sending: the drain after the last send (in-flight requests
-        # finishing at ever lower concurrency) would otherwise dilute a short run's throughput.
         t0, t1 = window
         duration_s = t1 - t0
-        out_tokens = tokens_by(ok, t1)
+        out_tokens = tokens_by(ok, t1) - tokens_by(ok, t0)
         first = ok["start_ts"] + ok["ttft_s"]
-        in_tokens = float(ok.loc[first <= t1, "prompt_tokens"].fillna(0).sum())
-        finished = (ok["start_ts"] + ok["e2e_s"]) <= t1
+        in_tokens = float(ok.loc[(first > t0) & (first <= t1), "prompt_tokens"].fillna(0).sum())
+        end = ok["start_ts"] + ok["e2e_s"]
+        finished = (end > t0) & (end <= t1)
         done, good = float(finished.sum()), float((meets & finished).sum())
+        out["warmup_s"] = t0 - float(samples["start_ts"].min())
         out["drain_s"] = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - t1)
     out["duration_s"] = duration_s
     out["request_throughput"] = done / duration_s

@@ -37,6 +37,9 @@ LOAD = Load.model_validate(_CFG["load"])
 WORKLOAD = Workload.model_validate(_CFG["workload"])
 OUT = Path(_CFG["out_dir"])
 
+# Requests built before the run, per process: two rounds of its users, at most this many.
+PREBUILT_MAX = 2048
+
 # (perf_counter time, ttft_s) of recent successful requests, fed by the user (local runner) or by
 # worker reports (master); the shape reads it for the saturation stop.
 TTFT_FEED: deque = deque(maxlen=200_000)
@@ -117,6 +120,10 @@ class _Process:
         # Shared prefixes and file records are built here, before the anchors below: the first
         # request must not pay for them (in an open loop it would hold up the dispatcher).
         self.gen.prepare()
+        # The first requests are built now, before the run: each costs milliseconds of tokenizer
+        # work, and built in the loop they would trickle out one by one instead of together (vllm
+        # bench serve builds every prompt first), and stall the loop while streams are being read.
+        self.prepared = {i: self.gen.request(i) for i in self._first_indices()}
         (OUT / "samples").mkdir(parents=True, exist_ok=True)
         # Open for the whole run, closed in close().
         self.file = open(OUT / "samples" / f"{self.name}.jsonl", "a", buffering=1 << 16)  # noqa: SIM115
@@ -134,6 +141,15 @@ class _Process:
         self.greenlets = [gevent.spawn(self._heartbeat)]
         if LOAD.mode == "open":
             self.greenlets.append(gevent.spawn(self._dispatch))
+
+    def _first_indices(self) -> range:
+        """This worker's first requests: two per user of a closed loop, the first four seconds of
+        an open one's arrivals (and never more than its share of max_requests)."""
+        first = LOAD.shape.level * (4 if LOAD.mode == "open" else 2)
+        k = min(math.ceil(first / self.count) + 8, PREBUILT_MAX)
+        if LOAD.stop.max_requests is not None:
+            k = min(k, math.ceil(LOAD.stop.max_requests / self.count))
+        return range(self.index, self.index + self.count * k, self.count)
 
     def wall(self, pc: float) -> float:
         """Convert a perf_counter reading to Unix time."""
@@ -280,7 +296,7 @@ class LLMUser(FastHttpUser):
             if _past_limit(index):
                 gevent.sleep(0.5)  # this worker's share is sent; the shape ends the run
                 return
-        spec = st.gen.request(index)
+        spec = st.prepared.pop(index, None) or st.gen.request(index)
         history: list = []
         for turn in range(len(spec.turns)):
             row, reply = self._request(st, spec, turn, history, scheduled, sched_lag)

@@ -226,10 +226,11 @@ class WorkloadGenerator:
         common = {
             "model": model,
             "max_tokens": t.max_tokens,
-            "temperature": w.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if w.temperature is not None:
+            common["temperature"] = w.temperature
         if spec.ignore_eos:
             common["ignore_eos"] = True
             # min_tokens makes the length exact even where ignore_eos alone is not honoured.
