@@ -16,6 +16,7 @@ MODEL     ?=                          # override serve.model, e.g. a model folde
 REPEATS   ?=                          # runs per point (default: the scenario's run.repeats)
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
+LOADGEN_PROCESSES ?=                  # Locust processes per load-generator host (default: sized from the load)
 PARAMS    ?=                          # make combo: 2-3 flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens
 GRID      ?=                          # make combo: values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
 TRIALS    ?=                          # make tune: trials this worker runs (default 20; per host with SPREAD=1)
@@ -78,7 +79,8 @@ help: ## Show every target with one line of help
 RUN_ARGS = $(SCENARIO_ARGS) --inventory $(strip $(INVENTORY)) --backend $(strip $(BACKEND)) \
   --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT))) \
   $(if $(strip $(RESUME)),--resume) $(if $(strip $(REPEATS)),--repeats $(strip $(REPEATS))) \
-  $(if $(strip $(SPREAD)),--spread)
+  $(if $(strip $(SPREAD)),--spread) \
+  $(if $(strip $(LOADGEN_PROCESSES)),--loadgen-processes $(strip $(LOADGEN_PROCESSES)))
 
 ##@ The tuning method
 .PHONY: baseline sweep calibrate report

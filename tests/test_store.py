@@ -2,9 +2,11 @@
 
 import multiprocessing
 import os
+import shutil
 import sqlite3
 import subprocess
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -143,3 +145,15 @@ def test_newest_experiment_by_prefix(tmp_path):
     assert store.newest_experiment() == "sweep-b-1"
     assert store.newest_experiment("sweep-a-") == "sweep-a-1"
     assert store.newest_experiment("SWEEP-A-") is None and store.newest_experiment("x") is None
+
+
+def test_a_version_1_store_is_migrated_and_its_overloaded_runs_become_client_limited(tmp_path):
+    # The committed H200 example was written by schema 1, which kept "client-overloaded" runs.
+    old = Path(__file__).parent.parent / "reports/examples/h200-llama8b/lab.db"
+    db = tmp_path / "lab.db"
+    shutil.copy(old, db)
+    before = sqlite3.connect(db).execute("SELECT status, count(*) FROM runs GROUP BY status").fetchall()
+    runs = Store(db).runs()
+    assert dict(runs["status"].value_counts()) == {
+        ("client-limited" if s == "client-overloaded" else s): n for s, n in before}
+    assert sqlite3.connect(db).execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"

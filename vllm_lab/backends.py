@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from vllm_lab import serving
+from vllm_lab import audit, serving
 from vllm_lab.scenarios import Scenario
 from vllm_lab.summary import summarize
 
@@ -95,12 +95,15 @@ def _evidence(log_tail: str) -> str:
 class LiveBackend:
     """Real vLLM or the twin on the inventory's hosts, driven by Locust."""
 
+    # A remote load generator's cores are not known here; it runs nothing but the load.
+    REMOTE_CORES = 16
+
     def __init__(self, name: str, inventory: Path, api_key: str | None = None,
-                 processes: int = 1):
+                 processes: int | None = None):
         self.name = name  # "twin" | "vllm"
         self.inventory = inventory
         self.api_key = api_key
-        self.processes = processes
+        self.processes = processes  # Locust processes per load-generator host; None: sized per run
         self._running: dict[str | None, tuple[str, serving.Instance]] = {}
         self._starting: set[str | None] = set()
         self._workers: list | None = None  # the inventory's remote load generators, read once
@@ -159,9 +162,12 @@ class LiveBackend:
 
     # -- one run -------------------------------------------------------------------------------
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
-        """Start (or reuse) the server, reset its prefix cache if asked, run the load, summarize."""
-        from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
+        """Start (or reuse) the server, run the load, summarize and audit it against the server.
 
+        A client-limited run (the load generator's own lag or CPU, or its figures against vLLM's
+        /metrics) is run once more with twice the Locust processes; if it is still limited it is
+        recorded as ``client-limited`` and kept out of every comparison.
+        """
         started = time.time()
         try:
             instance = self._ensure_server(scenario, host)
@@ -172,28 +178,79 @@ class LiveBackend:
             return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
                                ended=time.time(), host=e.host or host or "",
                                error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}")
-        if scenario.run.clean:
-            _post(instance.url + "/reset_prefix_cache", None, self.api_key)
-        started = time.time()
-        result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
-                          workdir, seed=scenario.run.seed, api_key=self.api_key,
-                          processes=self.processes, workers_hosts=self._load_generators())
-        ended = time.time()
-        alive = _get(instance.url + "/health") == 200
-        metrics = own_gpus(result.server_metrics, instance.gpus)
-        summary = summarize(result.samples, scenario.slo, server_metrics=metrics)
-        summary["schedule_lag_p99_s"] = result.schedule_lag_p99_s
-        status, error = "ok", ""
-        if not alive:
-            status, error = "crashed", "the server stopped answering /health during the run"
+        m = self.measure_on(scenario, instance, workdir)
+        if m.status == "crashed":
             self._running.pop(host, None)
-        elif result.client_overloaded:
-            status = "client-overloaded"
-            error = (f"the load generator fell behind its schedule (lag p99 "
-                     f"{result.schedule_lag_p99_s * 1000:.1f} ms): these figures describe the client")
+        return m
+
+    def measure_on(self, scenario: Scenario, instance: serving.Instance, workdir: Path) -> Measurement:
+        """Run the scenario's load on a running instance (sized, audited, re-run once if limited)."""
+        workers = self._load_generators()
+        procs = self.processes or self._plan(scenario, workers)
+        started = time.time()
+        result, summary = self._run(scenario, instance, workdir, workers, procs)
+        limited = _client_limited(result, summary)
+        more = min(2 * procs, self._cores(workers))
+        if limited and self.processes is None and more > procs:
+            log.info("client-limited with %d Locust processes (%s): running again with %d",
+                     procs, limited, more)
+            result, summary = self._run(scenario, instance, workdir, workers, more)
+            summary["loadgen_rerun_of"] = procs
+            limited = _client_limited(result, summary)
+        ended = time.time()
+        status, error = "ok", ""
+        if _get(instance.url + "/health") != 200:
+            status, error = "crashed", "the server stopped answering /health during the run"
+        elif limited:
+            status = "client-limited"
+            error = f"the load generator could not keep up ({limited}): these figures describe the client"
         return Measurement(status=status, started=started, ended=ended, host=instance.host,
                            error=error, summary=summary, samples=result.samples,
-                           server_metrics=metrics)
+                           server_metrics=result.server_metrics)
+
+    def _cores(self, workers: list | None) -> int:
+        import os
+
+        return self.REMOTE_CORES if workers else max(1, os.cpu_count() or 1)
+
+    def _plan(self, scenario: Scenario, workers: list | None) -> int:
+        from vllm_lab.traffic.sizing import plan_processes
+
+        return plan_processes(scenario.load, scenario.workload, hosts=len(workers or []) or 1,
+                              cores=self._cores(workers))
+
+    def _run(self, scenario: Scenario, instance: serving.Instance, workdir: Path,
+             workers: list | None, processes: int):
+        """One load run on the instance: the result and its summary, server audit included."""
+        from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
+
+        if scenario.run.clean:
+            _post(instance.url + "/reset_prefix_cache", None, self.api_key)
+        result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
+                          workdir, seed=scenario.run.seed, api_key=self.api_key,
+                          processes=processes, workers_hosts=workers)
+        result.server_metrics = own_gpus(result.server_metrics, instance.gpus)
+        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
+        view = audit.server_view(result.server_metrics)
+        check = audit.audit(result.samples, view)
+        summary.update(view.as_summary() if view else {})
+        summary.update(check.as_summary() if check else {})
+        summary.update(schedule_lag_p99_s=result.schedule_lag_p99_s,
+                       loop_lag_p99_s=result.loop_lag_p99_s,
+                       client_cpu_max=result.cpu_fraction_max,
+                       loadgen_processes=processes, loadgen_hosts=len(workers or []) or 1)
+        return result, summary
+
+
+def _client_limited(result, summary: dict) -> str:
+    """Why the client could not keep up ("" when it could): its own lag and CPU, or the audit."""
+    why = []
+    if result.client_overloaded:
+        why.append(f"client lag p99 {max(result.schedule_lag_p99_s, result.loop_lag_p99_s) * 1e3:.1f} ms, "
+                   f"busiest process at {result.cpu_fraction_max:.0%} CPU")
+    if summary.get("audit_client_limited"):
+        why.append(summary["audit_reason"])
+    return "; ".join(why)
 
 
 def own_gpus(metrics: pd.DataFrame | None, gpus: str) -> pd.DataFrame | None:

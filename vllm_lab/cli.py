@@ -70,6 +70,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the experiment (or the newest alike)")
     p.add_argument("--repeats", type=int, default=None, help="runs per point")
     p.add_argument("--spread", action="store_true", help="spread points over all inventory hosts")
+    p.add_argument("--loadgen-processes", type=int, default=None,
+                   help="Locust processes per load-generator host (default: sized from the load)")
 
 
 def _backend(args: argparse.Namespace):
@@ -82,7 +84,8 @@ def _backend(args: argparse.Namespace):
         serving.provision(args.inventory)
     except RuntimeError as e:
         raise StoreError(f"{args.inventory}: hosts could not be provisioned: {e}") from None
-    return LiveBackend(args.backend, args.inventory, api_key=os.environ.get("VLLM_API_KEY") or None)
+    return LiveBackend(args.backend, args.inventory, api_key=os.environ.get("VLLM_API_KEY") or None,
+                       processes=getattr(args, "loadgen_processes", None))
 
 
 def _experiment_id(args, step: str, scenario, param: str | None, store_path: Path) -> str:
@@ -110,7 +113,7 @@ def _take(args, step: str, scenario, points, meta: dict, param: str | None = Non
         s = m.summary
         figures = (f"{s.get('output_throughput', 0):.0f} tok/s, TTFT p50 "
                    f"{(s.get('ttft_p50') or 0) * 1000:.0f} ms, TPOT p50 {(s.get('tpot_p50') or 0) * 1000:.1f} ms"
-                   if m.status in ("ok", "client-overloaded") else m.error.splitlines()[0][:120])
+                   if m.status == "ok" else m.error.splitlines()[0][:160])
         print(f"  {point.values or 'baseline'} repeat {point.repeat}: {m.status}: {figures}", flush=True)
 
     try:

@@ -28,6 +28,10 @@ METRICS = ["output_throughput", "request_throughput", "goodput", "slo_attainment
            "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
            "itl_p50", "itl_p90", "itl_p99", "e2e_p50", "e2e_p90", "e2e_p99", "queue_len_mean", "queue_len_max",
            "kv_usage_mean", "kv_usage_max", "preemptions", "gpu_util_mean", "errors", "requests"]
+# The client beside the server: what vLLM's own /metrics said of the same runs (vllm_lab.audit),
+# and how many Locust processes sent the load. Means over every run of a point, limited ones too.
+AUDIT = ["loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
+         "audit_span_diff"]
 LABELS = {"output_throughput": "output tokens/s", "request_throughput": "requests/s",
           "goodput": "goodput (req/s meeting every SLO)", "ttft": "TTFT", "tpot": "TPOT",
           "e2e": "E2E latency", "itl": "ITL"}
@@ -75,7 +79,7 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
     keyed = runs.assign(_key=runs["point"].map(lambda p: json.dumps([p.get(k) for k in params])))
     for key, group in keyed.groupby("_key", sort=False):
         values = json.loads(key)
-        ok = group[group["status"].isin(["ok", "client-overloaded"])]
+        ok = group[group["status"] == "ok"]  # a client-limited run measured the client
         row: dict[str, Any] = dict(zip(params, values))
         row["runs"] = len(group)
         row["ok_runs"] = int((group["status"] == "ok").sum())
@@ -88,6 +92,9 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
                 row[f"{m}_cv"] = col.std() / col.mean() if len(col.dropna()) > 1 and col.mean() else np.nan
         row["meets_slo"] = bool(len(ok)) and all(s.get("meets_slo", False) for s in ok["summary"]) \
             if "summary" in ok else False
+        for k in AUDIT:
+            vals = [s[k] for s in group.get("summary", []) if isinstance(s.get(k), (int, float))]
+            row[k] = float(np.mean(vals)) if vals else np.nan
         rows.append(row)
     table = pd.DataFrame(rows)
     if params and len(table):
@@ -231,10 +238,11 @@ def _display_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame:
     cols = params + ["status", "runs", "output_throughput", "goodput", "slo_attainment",
                      "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
                      "queue_len_mean", "kv_usage_max", "preemptions", "output_throughput_cv", "meets_slo",
-                     *[f"twin_{k}{e}" for k in TWIN_METRICS for e in ("", "_error")]]
+                     *AUDIT, *[f"twin_{k}{e}" for k in TWIN_METRICS for e in ("", "_error")]]
     shown = table[[c for c in cols if c in table]].copy()
     def is_latency(c: str) -> bool:
-        return c.removeprefix("twin_").split("_")[0] in ("ttft", "tpot", "e2e", "itl") \
+        base = c.removeprefix("twin_").removeprefix("server_")
+        return base.split("_")[0] in ("ttft", "tpot", "e2e", "itl", "frontend") \
             and not c.endswith(("cv", "error"))
 
     for c in shown.columns:
@@ -253,6 +261,9 @@ def _warnings(table: pd.DataFrame) -> list[str]:
                          f"smaller than that is not to be trusted")
         if row["ok_runs"] == 0:
             notes.append(f"{table.columns[0]}={row[table.columns[0]]}: {row['status']} — {row['error']}")
+        elif "client-limited" in str(row["status"]):
+            notes.append(f"{table.columns[0]}={row[table.columns[0]]}: {row['runs'] - row['ok_runs']} "
+                         f"client-limited run(s) left out of the figures — {row['error']}")
     return notes
 
 

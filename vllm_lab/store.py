@@ -1,6 +1,6 @@
 """The results store: one SQLite database (WAL) and one Parquet file of raw request samples per run.
 
-Schema (version 1; ``SCHEMA`` below is the documentation):
+Schema (version 2; ``SCHEMA`` below is the documentation):
 
 - ``meta``: key/value; ``schema_version`` says which lab wrote the file.
 - ``experiments``: one row per experiment (a baseline, a sweep, a combination, a stress test ...).
@@ -10,7 +10,9 @@ Schema (version 1; ``SCHEMA`` below is the documentation):
 - ``server_metrics``: the server's /metrics and GPU telemetry scraped during a run, long format.
 - raw samples: ``<db stem>.samples/<experiment id>/<run key>.parquet``, one row per request.
 
-A database written by a newer schema is refused, never altered.
+A database written by a newer schema is refused, never altered. An older one is migrated in place:
+version 1 called a run whose client could not keep up ``client-overloaded``; version 2 calls it
+``client-limited`` and keeps it out of every comparison.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
-STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-overloaded")
+STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited")
 RETRIED_ON_RESUME = ("crashed", "timeout")
 
 # The summary metrics every run row carries as columns (seconds, per second, counts); anything
@@ -181,12 +183,27 @@ class Store:
                              f"(the file was not changed)")
         if version == SCHEMA_VERSION:
             return
+        if version == 1:
+            self._migrate_from_1()
         # executescript issues its own COMMIT, so it runs outside a transaction; every statement
         # is IF NOT EXISTS, so two processes creating the store at once both succeed.
         self._conn.executescript(SCHEMA)
         with self._write() as conn:
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
                          (str(SCHEMA_VERSION),))
+
+    def _migrate_from_1(self) -> None:
+        """Rebuild the runs table with version 2's statuses (SQLite cannot alter a CHECK)."""
+        columns = [r[1] for r in self._conn.execute("PRAGMA table_info(runs)")]
+        names = ", ".join(columns)
+        picked = ", ".join("CASE status WHEN 'client-overloaded' THEN 'client-limited' ELSE status END"
+                           if c == "status" else c for c in columns)
+        runs_ddl = SCHEMA[SCHEMA.index("CREATE TABLE IF NOT EXISTS runs"):SCHEMA.index("CREATE INDEX")]
+        with self._write() as conn:
+            conn.execute("ALTER TABLE runs RENAME TO runs_v1")
+            conn.execute(runs_ddl)
+            conn.execute(f"INSERT INTO runs ({names}) SELECT {picked} FROM runs_v1")
+            conn.execute("DROP TABLE runs_v1")
 
     def _schema_version(self) -> int | None:
         try:

@@ -75,7 +75,7 @@ def predicted_capacity(scenario: Scenario, backend: Any = None, workdir: Any = N
     s = plans.apply_value(plans.apply_value(scenario, "load.mode", "closed"), "load.shape.level", users)
     s = plans.apply_value(s, "load.shape.kind", "constant")
     m = (backend or PredictBackend()).measure(s, None, workdir)
-    if m.status not in ("ok", "client-overloaded"):
+    if m.status != "ok":
         raise ScenarioError(f"the configuration does not start on the predictor ({m.error.splitlines()[0]}); "
                             f"stress a configuration that starts, or give LEVELS=a,b,c")
     # In a closed loop with more users than slots every freed slot is refilled at once: the
@@ -302,7 +302,7 @@ def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
     runs = _longest_per_level(runs)
     for _, run in runs.iterrows():
         level = float(run["point"]["load.shape.level"])
-        ok = run["status"] in ("ok", "client-overloaded")
+        ok = run["status"] == "ok"  # a client-limited level tells nothing of the server
         row = {"level": level, "ok": ok, "status": run["status"], "confirmed": run["confirmed"],
                **{m: run[m] for m in LEVEL_COLUMNS if m in run}}
         if ok:

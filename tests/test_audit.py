@@ -1,0 +1,82 @@
+"""The server's audit of a run: vLLM's /metrics over the run against the client's own figures."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import TwinProcess
+
+from vllm_lab import audit
+from vllm_lab.traffic import Lengths, Load, Workload, run_load
+from vllm_lab.traffic.scrape import frame
+
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+def _scrape(ts: float, n: float, ttft_sum: float, e2e_sum: float, decode_sum: float,
+            buckets: dict[float, float]) -> list:
+    labels = json.dumps({"engine": "0", "model_name": "m"})
+    rows = [(ts, "vllm:request_success_total", labels, n),
+            (ts, "vllm:generation_tokens_total", labels, 100 * n),
+            (ts, TTFT + "_count", labels, n), (ts, TTFT + "_sum", labels, ttft_sum),
+            (ts, "vllm:e2e_request_latency_seconds_count", labels, n),
+            (ts, "vllm:e2e_request_latency_seconds_sum", labels, e2e_sum),
+            (ts, "vllm:request_decode_time_seconds_count", labels, n),
+            (ts, "vllm:request_decode_time_seconds_sum", labels, decode_sum)]
+    for le, c in buckets.items():
+        rows.append((ts, TTFT + "_bucket", json.dumps({"engine": "0", "le": str(le), "model_name": "m"}), c))
+    return rows
+
+
+def test_the_server_view_is_the_difference_of_the_first_and_last_scrape():
+    # 10 requests served before the run must not count; the run adds 20 with TTFT 0.2 s each,
+    # e2e 1.5 s, decode 1.0 s: the API server handed the last token out 0.3 s after the engine.
+    before = _scrape(0.0, 10, 1.0, 10.0, 5.0, {0.1: 10, 0.25: 10, 0.5: 10, float("inf"): 10})
+    after = _scrape(9.0, 30, 5.0, 40.0, 25.0, {0.1: 10, 0.25: 30, 0.5: 30, float("inf"): 30})
+    view = audit.server_view(frame(before + after))
+    assert view.requests == 20 and view.generation_tokens == 2000
+    assert view.means["ttft"] == pytest.approx(0.2) and view.means["e2e"] == pytest.approx(1.5)
+    assert view.frontend_lag_s == pytest.approx(0.3)
+    assert 0.1 < view.percentiles["ttft_p50"] < 0.25  # inside the bucket holding the median
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket():
+    upper, cum = np.array([1.0, 2.0, np.inf]), np.array([0.0, 10.0, 10.0])
+    assert audit.histogram_quantile(0.5, upper, cum) == pytest.approx(1.5)
+    assert audit.histogram_quantile(0.5, upper, np.zeros(3)) is None
+
+
+def _samples(ttft: float, e2e: float, n: int = 20) -> pd.DataFrame:
+    return pd.DataFrame({"status": ["ok"] * n, "ttft_s": ttft, "e2e_s": e2e,
+                         "tpot_s": (e2e - ttft) / 99, "output_tokens": 100})
+
+
+def test_a_client_that_reads_its_streams_late_is_client_limited():
+    before = _scrape(0.0, 0, 0.0, 0.0, 0.0, {float("inf"): 0})
+    after = _scrape(9.0, 20, 4.0, 30.0, 20.0, {float("inf"): 20})
+    view = audit.server_view(frame(before + after))
+    # Server: TTFT 0.2 s, first to last token 1.3 s.
+    on_time = audit.audit(_samples(0.21, 1.52), view)
+    assert not on_time.client_limited and on_time.span_diff == pytest.approx(0.008, abs=1e-3)
+    assert on_time.tokens_diff == 0
+    late = audit.audit(_samples(0.21, 1.61), view)
+    assert late.client_limited and "later than vLLM's API server" in late.reason
+
+
+def test_the_lab_client_agrees_with_the_twin_server(tmp_path: Path):
+    """A real run against the twin: the same requests and tokens on both sides, and the decode
+    span within the audit's tolerance."""
+    twin = TwinProcess(tmp_path)
+    try:
+        load = Load(shape={"level": 4}, stop={"duration_s": 60, "max_requests": 24})
+        workload = Workload(source="synthetic", input=Lengths(mean=64), output=Lengths(mean=32))
+        r = run_load(twin.url, twin.model, workload, load, tmp_path / "run", scrape_interval_s=0.5)
+    finally:
+        twin.stop()
+    view = audit.server_view(r.server_metrics)
+    check = audit.audit(r.samples, view)
+    assert view.requests == 24 and check.tokens_diff == 0
+    assert not check.client_limited, check.reason
+    assert abs(check.span_diff) < audit.SPAN_TOLERANCE
