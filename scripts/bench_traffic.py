@@ -241,13 +241,13 @@ def main() -> None:
                 print(_line(k, m))
                 cap[k].append({"concurrency": c, **m})
     report["capacity"] = cap
-    print("== most streamed tokens/s one client process sustains with drift <= 5% ==")
+    print("== most streamed tokens/s one client process sustains with drift <= 2% ==")
     for k, pts in cap.items():
-        good = [m for m in pts if m.get("n") and m["drift"] <= 0.05 and not m.get("overloaded")]
+        good = [m for m in pts if m.get("n") and m["drift"] <= 0.02 and not m.get("overloaded")]
         best = max(good, key=lambda m: m["tokens_per_s"], default=None)
         report[f"max_tokens_per_s_{k}"] = best["tokens_per_s"] if best else 0.0
         print(f"  {k:8s} {best['tokens_per_s']:9.0f} tok/s at concurrency {best['concurrency']}"
-              if best else f"  {k:8s} none within 5%")
+              if best else f"  {k:8s} none within 2%")
     (a.out / "bench_traffic.json").write_text(json.dumps(report, indent=1, default=float))
     print(f"wrote {a.out / 'bench_traffic.json'}")
 

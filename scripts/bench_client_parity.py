@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""The lab's client beside `vllm bench serve` and the server's own metrics, on one running server.
+
+One server (started through the lab's playbooks, or given by --url) serves every run. At each
+concurrency the runs named by --runs take turns against it with the same workload (random-like
+prompts of fixed length, fixed output length, ignore_eos, closed loop, the same request count),
+the prefix cache reset before each. Around every run the server's /metrics are scraped, so each
+run carries vLLM's own account of it (`vllm_lab.audit`), and the CPU each process used is sampled.
+
+    python scripts/bench_client_parity.py all --inventory INV --model DIR --out DIR \\
+        [--levels 1,16,64,256,512,1024] [--runs bench+lab]
+
+A run spec is `bench` or `lab`, with `:key=value` options: `processes=N` (lab: Locust processes;
+default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no periodic
+/metrics and GPU scrapes during the run). Phases: `start` leaves the server running and writes
+server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
+`all` does all four.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import pandas as pd
+
+from vllm_lab import audit, scenarios, serving
+from vllm_lab.summary import summarize
+from vllm_lab.traffic.scrape import frame, parse_metrics
+
+METRICS = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50")
+
+
+# ---- the server ----------------------------------------------------------------------------
+def lab_scenario(model: str, users: int, prompts: int, inp: int, out: int, extra: list[str] = ()):
+    """The default scenario with the bench's workload: fixed lengths, closed loop, N requests."""
+    return scenarios.resolve("default", overrides=[
+        f"serve.model={model}", "serve.load-format=dummy",
+        "workload.source=synthetic", f"workload.tokenizer={model}", "workload.ignore_eos=true",
+        f"workload.input={{dist: fixed, mean: {inp}}}", f"workload.output={{dist: fixed, mean: {out}}}",
+        f"load.shape.level={users}", f"load.stop.max_requests={prompts}", "load.stop.duration_s=3600",
+        f"run.seed={int(time.time() * 1000) % 1_000_000}", *extra])
+
+
+def start(args) -> str:
+    """Start the server with vLLM's defaults and leave it running; return its URL."""
+    s = lab_scenario(args.model, 1, 1, args.input_len, args.output_len)
+    inst = serving.start(s.serve, inventory=args.inventory, backend=args.backend,
+                         extra_vars={"vllm_environment": {"VLLM_SERVER_DEV_MODE": "1"},
+                                     "vllm_health_timeout_s": 900})[0]
+    (args.out / "server.json").write_text(json.dumps({"url": inst.url}))
+    return inst.url
+
+
+def _post(url: str, body: dict | None) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+
+
+def scrape(url: str) -> list:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return parse_metrics(r.read().decode(), time.time())
+
+
+# ---- CPU per process -------------------------------------------------------------------------
+def _role(cmd: str, name: str) -> str:
+    if "bench_client_parity" in cmd:
+        return "this-script"  # runs vllm bench serve in-process, and the lab's scraper
+    if "bench serve" in cmd:
+        return "vllm-bench"
+    if "EngineCore" in name or "EngineCore" in cmd:
+        return "vllm-engine"
+    if "locust" in cmd:
+        return "locust"
+    if " serve" in cmd and ("vllm" in cmd or "twin" in cmd):
+        return "server-api"
+    return "other"
+
+
+class CpuSampler:
+    """CPU seconds per process role over a run (psutil, every 0.5 s)."""
+
+    def __init__(self):
+        import psutil
+
+        self.psutil = psutil
+        self.first: dict[int, tuple[str, float]] = {}
+        self.last: dict[int, float] = {}
+        self.peak: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self, dt: float) -> None:
+        for p in self.psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
+            try:
+                ct = p.info["cpu_times"]
+                cpu = ct.user + ct.system
+                cmd = " ".join(p.info["cmdline"] or [])
+            except (self.psutil.Error, TypeError, AttributeError):
+                continue
+            pid = p.info["pid"]
+            role = _role(cmd, p.info["name"] or "")
+            if pid not in self.first:
+                self.first[pid] = (role, cpu)
+            if pid in self.last and dt > 0:
+                share = (cpu - self.last[pid]) / dt
+                key = f"{role}:{pid}"
+                self.peak[key] = max(self.peak.get(key, 0.0), share)
+            self.last[pid] = cpu
+
+    def _loop(self) -> None:
+        prev = time.time()
+        while not self._stop.wait(0.5):
+            now = time.time()
+            self._sample(now - prev)
+            prev = now
+
+    def start(self):
+        self.t0 = time.time()
+        self._sample(0)
+        self._t.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._t.join()
+        self._sample(0.5)
+        wall = time.time() - self.t0
+        by_role: dict[str, float] = {}
+        for pid, (role, c0) in self.first.items():
+            by_role[role] = by_role.get(role, 0.0) + self.last.get(pid, c0) - c0
+        busiest: dict[str, float] = {}
+        for key, v in self.peak.items():
+            role = key.split(":")[0]
+            busiest[role] = max(busiest.get(role, 0.0), v)
+        return {"wall_s": wall, "cores": {r: v / wall for r, v in by_role.items()},
+                "busiest_process_peak": busiest}
+
+
+# ---- one run of each tool --------------------------------------------------------------------
+def _opts(spec: str) -> tuple[str, dict]:
+    tool, _, rest = spec.partition(":")
+    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return tool, opts
+
+
+def run_bench(args, url: str, users: int, n: int, opts: dict, tag: str) -> dict:
+    result = args.out / "bench" / f"{tag}.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    cmd = ["vllm", "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", args.model,
+           "--tokenizer", args.model, "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--ignore-eos", "--max-concurrency", str(users), "--num-prompts", str(n),
+           "--seed", str(int(time.time())), "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--save-detailed",
+           "--result-dir", str(result.parent), "--result-filename", result.name]
+    if opts.get("temperature", "none") != "none":
+        cmd += ["--temperature", opts["temperature"]]
+    with open(args.out / "bench" / f"{tag}.log", "w") as log:
+        try:  # in this process: vLLM's import costs ~20 s a run as a subprocess
+            from vllm.benchmarks.serve import add_cli_args, main
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        except ImportError:
+            subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+        else:
+            parser = FlexibleArgumentParser()
+            add_cli_args(parser)
+            try:
+                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                    main(parser.parse_args(cmd[3:]))
+            except Exception as e:  # noqa: BLE001 - the command line is the reference anyway
+                print(f"in-process bench failed ({e!r}); running the command", file=log, flush=True)
+                subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    ref = json.loads(result.read_text())
+    starts = np.array(ref["start_times"], dtype=float)
+    ttfts = np.array([x if x is not None else np.nan for x in ref["ttfts"]], dtype=float)
+    itls = ref["itls"]
+    outs = np.array(ref["output_lens"], dtype=float)
+    e2e = ttfts + np.array([sum(x) for x in itls])
+    samples = pd.DataFrame({"start_ts": starts, "ttft_s": ttfts, "e2e_s": e2e,
+                            "tpot_s": np.where(outs > 1, (e2e - ttfts) / np.maximum(outs - 1, 1), np.nan),
+                            "output_tokens": outs, "prompt_tokens": ref["input_lens"],
+                            "status": ["ok" if not e else "error" for e in ref["errors"]],
+                            "itl_s": itls})
+    fig = {"output_throughput": ref["output_throughput"], "ttft_p50": ref["p50_ttft_ms"] / 1e3,
+           "ttft_p99": ref["p99_ttft_ms"] / 1e3, "tpot_p50": ref["p50_tpot_ms"] / 1e3,
+           "ttft_mean": ref["mean_ttft_ms"] / 1e3, "tpot_mean": ref["mean_tpot_ms"] / 1e3,
+           "e2e_mean": ref["mean_e2el_ms"] / 1e3, "duration_s": ref["duration"],
+           "completed": ref["completed"]}
+    # The lab's own summary of the bench's samples: the same definitions on both sides.
+    as_lab = summarize(samples, lab_scenario(args.model, users, n, 8, 8).slo)
+    fig["lab_def_output_throughput"] = as_lab["output_throughput"]
+    fig["lab_def_window_s"] = as_lab["duration_s"]
+    return {"figures": fig, "samples": samples}
+
+
+def run_lab(args, url: str, users: int, n: int, opts: dict, tag: str) -> dict:
+    """The lab's own path: LiveBackend.measure_on sizes the load generator, audits the run against
+    the server and runs it again once if the client could not keep up."""
+    from vllm_lab.backends import LiveBackend
+
+    extra = [f"workload.temperature={opts['temperature'].replace('none', 'null')}"] \
+        if "temperature" in opts else []
+    s = lab_scenario(args.model, users, n, args.input_len, args.output_len, extra)
+    backend = LiveBackend(args.backend, args.inventory,
+                          processes=int(opts["processes"]) if "processes" in opts else None)
+    port = int(url.rsplit(":", 1)[1].strip("/"))
+    m = backend.measure_on(s, serving.Instance(host="localhost", url=url, port=port, log_path=""),
+                           args.out / "lab" / tag)
+    summ = m.summary
+    fig = {k: summ.get(k) for k in ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50",
+                                   "ttft_mean", "tpot_mean", "e2e_mean", "duration_s", "warmup_s",
+                                   "drain_s", "loadgen_processes", "loadgen_rerun_of",
+                                   "client_cpu_max", "loop_lag_p99_s", "audit_span_diff")}
+    ok = m.samples[m.samples.status == "ok"]
+    start, end = ok.start_ts.min(), (ok.start_ts + ok.e2e_s).max()
+    fig["bench_def_output_throughput"] = float(ok.output_tokens.sum()) / (end - start)
+    fig.update(completed=len(ok), status=m.status, error=m.error)
+    fig["server_output_throughput"] = _server_rate(m.server_metrics, start + (summ.get("warmup_s") or 0),
+                                                   summ["duration_s"])
+    return {"figures": fig, "samples": m.samples}
+
+
+def _server_rate(metrics: pd.DataFrame, t0: float, span: float) -> float | None:
+    """vLLM's generation-token counter over [t0, t0 + span], interpolated between its scrapes."""
+    gen = metrics[metrics["name"] == "vllm:generation_tokens_total"].groupby("ts")["value"].sum()
+    if len(gen) < 2 or span <= 0:
+        return None
+    ts, v = gen.index.to_numpy(dtype=float), gen.to_numpy(dtype=float)
+    return float((np.interp(t0 + span, ts, v) - np.interp(t0, ts, v)) / span)
+
+
+def measure(args, url: str) -> None:
+    runs_file = args.out / "runs.jsonl"
+    for users in args.levels:
+        n = max(args.min_requests, users * args.requests_per_user)
+        for spec in args.runs:
+            tool, opts = _opts(spec)
+            tag = f"c{users}-{spec.replace(':', '-').replace('=', '').replace(',', '-')}-{int(time.time())}"
+            _post(url + "/reset_prefix_cache", None)
+            before = scrape(url)
+            cpu = CpuSampler().start()
+            t0 = time.time()
+            try:
+                out = (run_bench if tool == "bench" else run_lab)(args, url, users, n, opts, tag)
+            except Exception as e:  # noqa: BLE001 - a failed run is recorded, the next one runs
+                print(f"{tag}: failed: {e}", flush=True)
+                continue
+            wall = time.time() - t0
+            cpu_use = cpu.stop()
+            after = scrape(url)
+            view = audit.server_view(frame(before + after))
+            check = audit.audit(out["samples"], view)
+            row = {"users": users, "requests": n, "run": spec, "tool": tool, "tag": tag,
+                   "wall_s": wall, "figures": out["figures"],
+                   "server": view.as_summary() if view else {},
+                   "server_output_throughput": out["figures"].get("server_output_throughput"),
+                   "audit": check.as_summary() if check else {}, "cpu": cpu_use}
+            with open(runs_file, "a") as f:
+                f.write(json.dumps(row, default=float) + "\n")
+            f_ = out["figures"]
+            print(f"{tag}: {f_['output_throughput']:.0f} tok/s TTFT p50 {f_['ttft_p50'] * 1e3:.0f} ms "
+                  f"TPOT p50 {f_['tpot_p50'] * 1e3:.2f} ms | server TPOT mean "
+                  f"{row['server'].get('server_tpot_mean', float('nan')) * 1e3:.2f} ms TTFT mean "
+                  f"{row['server'].get('server_ttft_mean', float('nan')) * 1e3:.0f} ms | cores "
+                  f"{ {k: round(v, 2) for k, v in cpu_use['cores'].items()} }", flush=True)
+
+
+def write_csv(args) -> Path:
+    """parity.csv: per level and metric, the first `lab` run, the `bench` run, the server's view.
+
+    output_throughput is each tool's own figure (the lab's steady window, the bench's first send
+    to last reply); output_throughput_span puts the lab's samples on the bench's definition, so
+    the two clients are compared on the same quantity.
+    """
+    rows = [json.loads(x) for x in (args.out / "runs.jsonl").read_text().splitlines() if x.strip()]
+    out = []
+    server_key = {"ttft_p50": "server_ttft_p50", "ttft_p99": "server_ttft_p99",
+                  "tpot_p50": "server_tpot_p50"}
+    for users in sorted({r["users"] for r in rows}):
+        lab = next((r for r in rows if r["users"] == users and r["run"] == "lab"), None)
+        ref = next((r for r in rows if r["users"] == users and r["run"] == "bench"), None)
+        if not lab or not ref:
+            continue
+        for m in (*METRICS, "output_throughput_span"):
+            if m == "output_throughput_span":
+                a, b = lab["figures"]["bench_def_output_throughput"], ref["figures"]["output_throughput"]
+                srv = None
+            else:
+                a, b = lab["figures"][m], ref["figures"][m]
+                srv = (lab["server_output_throughput"] if m == "output_throughput"
+                       else lab["server"].get(server_key[m]))
+            out.append({"users": users, "metric": m, "lab": a, "vllm_bench": b, "server": srv,
+                        "diff": a / b - 1 if b else math.nan})
+    df = pd.DataFrame(out, columns=["users", "metric", "lab", "vllm_bench", "server", "diff"])
+    path = args.out / "parity.csv"
+    df.to_csv(path, index=False, float_format="%.6g")
+    print(df.to_string(index=False))
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("phase", choices=["start", "measure", "stop", "csv", "all"])
+    ap.add_argument("--inventory", type=Path)
+    ap.add_argument("--backend", default="vllm")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--url", default="")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--levels", default="1,16,64,256,512,1024")
+    ap.add_argument("--runs", default="bench+lab", help="run specs joined by +")
+    ap.add_argument("--requests-per-user", type=int, default=4)
+    ap.add_argument("--min-requests", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.levels = [int(x) for x in args.levels.split(",")]
+    args.runs = [x for x in args.runs.split("+") if x]
+    url = args.url
+    if args.phase in ("start", "all"):
+        url = start(args)
+    if not url and (args.out / "server.json").exists():
+        url = json.loads((args.out / "server.json").read_text())["url"]
+    try:
+        if args.phase in ("measure", "all"):
+            measure(args, url)
+    finally:
+        if args.phase in ("stop", "all"):
+            serving.stop(args.inventory)
+    if args.phase in ("csv", "all"):
+        write_csv(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
