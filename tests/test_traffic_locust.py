@@ -232,3 +232,15 @@ def test_one_user_with_long_prompts_is_not_overloaded(tmp_path, small_tokenizer)
     assert 0 < w["in_flight_s"] < w["wall_s"]
     print(json.dumps({k: w[k] for k in ("cpu_fraction", "cpu_fraction_total", "in_flight_s",
                                         "wall_s", "loop_lag")}))
+
+
+@integration
+def test_a_request_count_that_divides_by_the_users_is_an_equal_share_per_user(tmp_path):
+    # 5 users over 2 processes (3 and 2 users), 10 requests: split by index (5 and 5) the process
+    # with 2 users would end on a lone third round; each user sends exactly 2, as in vllm bench.
+    load = Load(shape={"level": 5}, stop={"duration_s": 60, "max_requests": 10})
+    with running("--ttft-ms", "20", "--itl-ms", "5") as url:
+        r = run_load(url, "ok", SHORT, load, tmp_path, processes=2)
+    ok = r.samples[r.samples.status == "ok"]
+    assert len(ok) == 10 and ok["index"].is_unique
+    assert sorted(ok.groupby(["worker", "user"]).size()) == [2] * 5

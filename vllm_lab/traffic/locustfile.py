@@ -147,7 +147,7 @@ class _Process:
         an open one's arrivals (and never more than its share of max_requests)."""
         first = LOAD.shape.level * (4 if LOAD.mode == "open" else 2)
         k = min(math.ceil(first / self.count) + 8, PREBUILT_MAX)
-        if LOAD.stop.max_requests is not None:
+        if LOAD.stop.max_requests is not None and USER_QUOTA is None:
             k = min(k, math.ceil(LOAD.stop.max_requests / self.count))
         return range(self.index, self.index + self.count * k, self.count)
 
@@ -257,6 +257,23 @@ def _collect(client_id, data, **_kw):
     TTFT_FEED.extend((now, v) for v in data.get("lab_ttft", ()))
 
 
+def _user_quota() -> int | None:
+    """Requests per user when a constant closed loop's max_requests divides evenly by its users.
+
+    Then every user sends exactly that many, as vllm bench serve's users do, and the last round
+    is full. Split by index over the processes instead (86/85/85 requests for 22/21/21 users),
+    one process is left with a lone request in a last round of its own, and the run ends one
+    request later at a concurrency of one.
+    """
+    n, users = LOAD.stop.max_requests, LOAD.shape.level
+    if LOAD.mode != "closed" or LOAD.shape.kind != "constant" or n is None or users != int(users):
+        return None
+    return n // int(users) if n % int(users) == 0 else None
+
+
+USER_QUOTA = _user_quota()
+
+
 def _past_limit(index: int) -> bool:
     # Indices are strided across workers, so index < max_requests is exactly the first
     # max_requests requests of the sequence, whichever worker sends them.
@@ -278,6 +295,7 @@ class LLMUser(FastHttpUser):
     network_timeout = LOAD.request_timeout_s
     connection_timeout = LOAD.request_timeout_s
     default_headers = {"Authorization": f"Bearer {_CFG['api_key']}"} if _CFG.get("api_key") else None
+    sent = 0  # closed loop with a per-user quota: requests this user has sent
 
     @task
     def one(self) -> None:
@@ -292,8 +310,13 @@ class LLMUser(FastHttpUser):
             scheduled = time.perf_counter() + LOAD.think_time_s
             if LOAD.think_time_s:
                 gevent.sleep(LOAD.think_time_s)
+            if USER_QUOTA is not None:
+                if self.sent >= USER_QUOTA:
+                    gevent.sleep(0.5)  # this user's share is sent; the shape ends the run
+                    return
+                self.sent += 1
             index, sched_lag = st.next_index(), max(0.0, time.perf_counter() - scheduled)
-            if _past_limit(index):
+            if USER_QUOTA is None and _past_limit(index):
                 gevent.sleep(0.5)  # this worker's share is sent; the shape ends the run
                 return
         spec = st.prepared.pop(index, None) or st.gen.request(index)
