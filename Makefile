@@ -31,6 +31,7 @@ CLAIMS    ?=                          # make claims: claim numbers, e.g. 1,3,5-8
 LEVELS    ?=                          # make stress: offered loads in req/s, e.g. 2,4,8 (default: fractions of the predicted capacity)
 PYTHON    ?= python3                  # the Python that creates .venv
 PERIOD    ?=                          # quarter for `make report`, e.g. 2026Q4: the quarterly report
+PDF       ?=                          # make report PERIOD=...: PDF=0 skips the PDF (it needs Chromium)
 URL       ?=                          # make watch: the deployment to probe (default: every instance of INVENTORY)
 EVERY     ?=                          # make watch: seconds between probe rounds (default: one round)
 COUNT     ?=                          # make watch: rounds of probes (with EVERY)
@@ -40,31 +41,41 @@ FIT_ONLY  ?=                          # make calibrate FIT_ONLY=1 EXPERIMENT=...
 REFERENCE ?=                          # make calibrate: vllm bench serve result files of the same machine, fitted too
 LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
 
+# Every variable above reaches the lab as data, never as shell or make text: its text, unexpanded
+# ($(value ...)), is exported as LAB_MAKE_<NAME>, the variable itself is not exported (make would
+# expand it), and the recipes run `scripts/lab.py make <target>`, which reads them
+# (vllm_lab/cli.py, make_argv). So EXPERIMENT='x; touch F' or PARAM='$(touch F)' is a name the lab
+# refuses with a sentence, not a command.
+LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
+  REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
+  CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
+  REFERENCE PDF
+$(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
+unexport PYTHON LAB_PYTHON
+
 VENV := .venv
-ifeq ($(strip $(LAB_PYTHON)),)
-PY   := $(VENV)/bin/python
+ifeq ($(strip $(value LAB_PYTHON)),)
+export LAB_MAKE_PY := $(VENV)/bin/python
 else
-PY   := $(strip $(LAB_PYTHON))
+export LAB_MAKE_PY := $(strip $(value LAB_PYTHON))
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 endif
-LAB  := $(PY) scripts/lab.py
-STORE := $(strip $(OUT))/lab.db
-SCENARIO_ARGS = --scenario $(strip $(SCENARIO)) $(if $(strip $(HARDWARE)),--hardware $(strip $(HARDWARE))) \
-  $(foreach s,$(SET),--set $(s)) $(if $(strip $(MODEL)),--set serve.model=$(strip $(MODEL))) \
-  $(if $(strip $(DURATION)),--set load.stop.duration_s=$(strip $(DURATION)))
+export LAB_MAKE_PYTHON := $(strip $(value PYTHON))
+# The Python runs from the environment too: a quote or a ';' in LAB_PYTHON is a file name.
+LAB   = "$$LAB_MAKE_PY" scripts/lab.py make
 
 $(VENV)/.installed: pyproject.toml
 	@echo "== setting up $(VENV) (first use only)"
-	@$(PYTHON) -m venv $(VENV)
+	@"$$LAB_MAKE_PYTHON" -m venv $(VENV)
 	@$(VENV)/bin/pip install -q --upgrade pip > $(VENV)/install.log 2>&1
 	@$(VENV)/bin/pip install -q -e '.[dev]' >> $(VENV)/install.log 2>&1 \
 	  || { tail -20 $(VENV)/install.log; echo "make: installing the lab into $(VENV) failed (log: $(VENV)/install.log)"; exit 1; }
 	@touch $@
 
-ifeq ($(strip $(LAB_PYTHON)),)
+ifeq ($(strip $(value LAB_PYTHON)),)
 venv: $(VENV)/.installed
 else
-venv: ; @$(PY) -c "import vllm_lab, locust, pydantic" || { echo "make: $(PY) lacks the lab's dependencies" >&2; exit 1; }
+venv: ; @"$$LAB_MAKE_PY" -c "import vllm_lab, locust, pydantic" || { echo "make: $$LAB_MAKE_PY lacks the lab's dependencies" >&2; exit 1; }
 endif
 
 ##@ Getting started
@@ -76,82 +87,62 @@ help: ## Show every target with one line of help
 	@echo "Variables (make VAR=value target):"
 	@awk '/^[A-Z_]+ +\?=/ {sub(/ +\?= */, " "); n=index($$0,"#"); printf "  %-12s %s\n", $$1, (n ? substr($$0, n+2) : "")}' $(MAKEFILE_LIST)
 
-RUN_ARGS = $(SCENARIO_ARGS) --inventory $(strip $(INVENTORY)) --backend $(strip $(BACKEND)) \
-  --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT))) \
-  $(if $(strip $(RESUME)),--resume) $(if $(strip $(REPEATS)),--repeats $(strip $(REPEATS))) \
-  $(if $(strip $(SPREAD)),--spread) \
-  $(if $(strip $(LOADGEN_PROCESSES)),--loadgen-processes $(strip $(LOADGEN_PROCESSES)))
-
 ##@ The tuning method
 .PHONY: baseline sweep calibrate report
 baseline: venv ## Step 1: vLLM's defaults on the scenario's traffic, repeated (default 3)
-	@$(LAB) baseline $(RUN_ARGS)
+	@$(LAB) baseline
 
 sweep: venv ## Step 2: one flag over a ladder, e.g. make sweep PARAM=max-num-seqs [VALUES=8,16,32]
-	@if [ -z "$(strip $(PARAM))" ]; then echo "make: PARAM is required, e.g. make sweep PARAM=max-num-seqs" >&2; exit 2; fi
-	@$(LAB) sweep $(RUN_ARGS) --param $(strip $(PARAM)) $(if $(strip $(VALUES)),--values $(strip $(VALUES)))
+	@$(LAB) sweep
 
 calibrate: venv ## Measure the calibration plan on BACKEND and fit a twin profile (PROFILE_OUT=path)
-	@$(LAB) calibrate $(RUN_ARGS) $(if $(strip $(PROFILE_OUT)),--profile-out $(strip $(PROFILE_OUT))) \
-	  $(if $(strip $(FIT_ONLY)),--fit-only) $(if $(strip $(REFERENCE)),--reference $(REFERENCE))
+	@$(LAB) calibrate
 
 report: venv ## Rebuild an experiment's report from the store (EXPERIMENT=...); PERIOD=2026Q4: the quarterly report
-ifeq ($(strip $(PERIOD)),)
-	@$(LAB) report --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT)))
-else
-	@$(LAB) quarterly --period $(strip $(PERIOD)) --out $(strip $(OUT))
-endif
+	@$(LAB) report
 
 ##@ Combinations and stress
 .PHONY: combo tune stress
 combo: venv ## Step 3: a grid of 2-3 flags, e.g. make combo PARAMS=max-num-seqs,max-num-batched-tokens [GRID="flag=a,b ..."]
-	@if [ -z "$(strip $(PARAMS))$(strip $(GRID))" ]; then echo "make: PARAMS or GRID is required, e.g. make combo PARAMS=max-num-seqs,max-num-batched-tokens" >&2; exit 2; fi
-	@$(LAB) combo $(RUN_ARGS) $(if $(strip $(PARAMS)),--params $(strip $(PARAMS))) $(if $(strip $(GRID)),--grid "$(strip $(GRID))")
+	@$(LAB) combo
 
 tune: venv ## Step 3: Optuna search [TRIALS= OBJECTIVE= SPACE= STUDY_STORAGE= CONFIRM=N]; EXPERIMENT= joins a study
-	@$(LAB) tune $(RUN_ARGS) $(if $(strip $(TRIALS)),--trials $(strip $(TRIALS))) \
-	  $(if $(strip $(OBJECTIVE)),--objective $(strip $(OBJECTIVE))) $(if $(strip $(SPACE)),--space $(strip $(SPACE))) \
-	  $(if $(strip $(STUDY_STORAGE)),--study-storage $(strip $(STUDY_STORAGE))) $(if $(strip $(SEED)),--seed $(strip $(SEED))) \
-	  $(if $(strip $(CONFIRM)),--confirm $(strip $(CONFIRM))) $(if $(strip $(CONFIRM_BACKEND)),--confirm-backend $(strip $(CONFIRM_BACKEND)))
+	@$(LAB) tune
 
 stress: venv ## Step 4: make stress SHAPE=ramp|step|spike|soak [LEVELS=2,4,8]: knee, max sustainable load, spike, drift
-	@if [ -z "$(strip $(SHAPE))" ]; then echo "make: SHAPE is required, e.g. make stress SHAPE=ramp (ramp, step, spike or soak)" >&2; exit 2; fi
-	@$(LAB) stress $(RUN_ARGS) --shape $(strip $(SHAPE)) $(if $(strip $(LEVELS)),--levels $(strip $(LEVELS)))
+	@$(LAB) stress
 
 ##@ The guide's claims
 .PHONY: claims
 claims: venv ## Measure the tuning guide's claims, a verdict each [CLAIMS=1,3 REPEATS= SPREAD=1]
-	@$(LAB) claims $(RUN_ARGS) $(if $(strip $(CLAIMS)),--claims $(strip $(CLAIMS)))
+	@$(LAB) claims
 
 ##@ Long-term monitoring
 .PHONY: monitor watch findings
 monitor: venv ## Step 5: Prometheus scraping every instance, alert rules, exporters, Grafana where installable
-	@$(LAB) monitor --inventory $(strip $(INVENTORY))
+	@$(LAB) monitor
 
 watch: venv ## Probe a live deployment, store it, flag a regression vs its baseline [URL= EVERY= COUNT= BASELINE=1]
-	@$(LAB) watch --inventory $(strip $(INVENTORY)) --out $(strip $(OUT)) $(if $(strip $(URL)),--url $(strip $(URL))) \
-	  $(if $(strip $(EVERY)),--every $(strip $(EVERY))) $(if $(strip $(COUNT)),--count $(strip $(COUNT))) \
-	  $(if $(strip $(BASELINE)),--baseline) $(if $(strip $(HARDWARE)),--hardware $(strip $(HARDWARE))) \
-	  $(if $(strip $(REPEATS)),--repeats $(strip $(REPEATS))) $(foreach s,$(SET),--set $(s))
+	@$(LAB) watch
 
 findings: venv ## Troubleshooting findings of an experiment's runs (EXPERIMENT=..., default the newest)
-	@$(LAB) findings --out $(strip $(OUT)) $(if $(strip $(EXPERIMENT)),--experiment $(strip $(EXPERIMENT)))
+	@$(LAB) findings
 
 ##@ Scenarios
 .PHONY: lint show
 lint: venv ## Lint a scenario's vLLM flags (SCENARIO=...); `make lint SCENARIO=all` checks every shipped one
-	@$(LAB) lint $(if $(filter all,$(strip $(SCENARIO))),--all,$(SCENARIO_ARGS))
+	@$(LAB) lint
 
 show: venv ## Print the resolved scenario (hardware preset + scenario + SET overrides)
-	@$(LAB) show $(SCENARIO_ARGS)
+	@$(LAB) show
 
 ##@ Development
 .PHONY: test test-fast check clean
 test: venv ## Run the whole test suite (unit + integration; about 12 min on 2 cores)
-	@$(PY) -m pytest -q
+	@"$$LAB_MAKE_PY" -m pytest -q
 
 test-fast: venv ## Run the tests that start no processes
-	@$(PY) -m pytest -q -m "not integration"
+	@"$$LAB_MAKE_PY" -m pytest -q -m "not integration"
 
 check: venv ## Static checks: ruff on the package, ansible-lint on the playbooks
 	@$(VENV)/bin/ruff check vllm_lab scripts tests

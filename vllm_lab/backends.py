@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import pandas as pd
 
 from vllm_lab import audit, serving
-from vllm_lab.scenarios import Scenario
+from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.summary import summarize
 
 log = logging.getLogger(__name__)
@@ -276,6 +276,21 @@ class PredictBackend:
 
     name = "predict"
     REQUESTS_PER_USER = 8
+    MAX_REQUESTS = 1_000_000  # a few minutes of simulation; more is a typo, not a run
+
+    @classmethod
+    def check(cls, scenario: Scenario) -> int:
+        """The requests the scenario's run predicts, or ScenarioError when there are too many."""
+        load = scenario.load
+        if load.mode == "closed":
+            count = int(load.shape.level) * cls.REQUESTS_PER_USER
+        else:
+            count = max(int(load.shape.level * load.stop.duration_s), 1)
+        if count > cls.MAX_REQUESTS:
+            raise ScenarioError(f"load.shape.level={load.shape.level:g}: the predictor would simulate "
+                                f"{count:,} requests, more than its {cls.MAX_REQUESTS:,}; lower the "
+                                f"level (SET=load.shape.level=...) or the duration")
+        return count
 
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
         """Predict the run the scenario describes."""
@@ -287,12 +302,11 @@ class PredictBackend:
         started = time.time()
         load = scenario.load
         level = load.shape.level
+        count = self.check(scenario)
         if load.mode == "closed":
             arrivals = Closed(users=int(level), think_time_s=load.think_time_s)
-            count = int(level) * self.REQUESTS_PER_USER
         else:
             arrivals = Open(rate=level, burstiness=load.burstiness, max_in_flight=load.max_in_flight)
-            count = max(int(level * load.stop.duration_s), 1)
         requests = predicted_requests(scenario, count)
         try:
             profile = on_hardware(load_profile(scenario.hardware.twin_profile),

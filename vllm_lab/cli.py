@@ -3,17 +3,76 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
+import re
+import shlex
+import sqlite3
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from vllm_lab import lint as lint_mod
 from vllm_lab import plans, scenarios, serving
 from vllm_lab.monitor import MonitorError
-from vllm_lab.store import StoreError
+from vllm_lab.store import (
+    EXPERIMENT_NAME_RULE,
+    StoreError,
+    check_experiment_name,
+    describe_sqlite_error,
+    experiment_dir,
+)
 from vllm_lab.watch import WatchError
+
+
+class UsageError(Exception):
+    """A command line (or a make variable) the lab cannot take; the message is one sentence."""
+
+
+class LabParser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing its usage and exiting."""
+
+    def error(self, message: str):
+        """argparse's hook for a bad command line."""
+        raise UsageError(message)
+
+
+def _count(minimum: int):
+    """An argparse type: a whole number of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: a whole number, "
+                                             f"{minimum} or more")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: a number of seconds, 0 or more")
+    return value
+
+
+def _experiment(text: str) -> str:
+    """An argparse type: an experiment name (the store's one pattern)."""
+    try:
+        return check_experiment_name(text)
+    except StoreError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an experiment name: use "
+                                          f"{EXPERIMENT_NAME_RULE}") from None
 
 
 def _scenario_args(p: argparse.ArgumentParser) -> None:
@@ -21,11 +80,6 @@ def _scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None, help="hardware preset name or file (default h200)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override one key, e.g. serve.max-num-seqs=128")
-
-
-def _split_sets(text: str | None) -> list[str]:
-    """SET="a.b=1 c.d=2" from make arrives as one string."""
-    return text.split() if text else []
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
@@ -66,11 +120,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("twin", "vllm", "predict"), default="twin")
     p.add_argument("--out", type=Path, default=Path("reports"), help="reports folder")
     p.add_argument("--store", type=Path, default=None, help="store file (default OUT/lab.db)")
-    p.add_argument("--experiment", default=None, help="experiment id (to resume or name it)")
+    p.add_argument("--experiment", type=_experiment, default=None,
+                   help="experiment id (to resume or name it)")
     p.add_argument("--resume", action="store_true", help="continue the experiment (or the newest alike)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per point")
+    p.add_argument("--repeats", type=_count(1), default=None, help="runs per point")
     p.add_argument("--spread", action="store_true", help="spread points over all inventory hosts")
-    p.add_argument("--loadgen-processes", type=int, default=None,
+    p.add_argument("--loadgen-processes", type=_count(1), default=None,
                    help="Locust processes per load-generator host (default: sized from the load)")
 
 
@@ -105,6 +160,10 @@ def _take(args, step: str, scenario, points, meta: dict, param: str | None = Non
     from vllm_lab import report
     store_path = args.store or args.out / "lab.db"
     exp_id = _experiment_id(args, step, scenario, param, store_path)
+    if args.backend == "predict":
+        from vllm_lab.backends import PredictBackend
+        for point in points:
+            PredictBackend.check(point.scenario)  # every point, before the first is taken
     plan = plans.Plan(exp_id, step, points, meta)
     hosts = serving.serve_hosts(args.inventory) if args.spread else [None]
     print(f"{step}: experiment {exp_id}, {len(points)} runs, backend {args.backend}")
@@ -139,6 +198,7 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     """One flag over a ladder of values."""
     scenario = _resolve_checked(args)
+    plans.check_param(args.param, scenario)
     values = plans.parse_values(args.param, args.values) if args.values else \
         plans.default_values(args.param, scenario)
     points = plans.sweep_points(scenario, args.param, values, args.repeats or scenario.run.repeats)
@@ -184,7 +244,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # The profile keeps its own hardware block (the GPU it was measured on, up to 8 per host).
     base = load_profile(scenario.hardware.twin_profile)
     model = load_model_shape(str(scenario.serve["model"]))
-    out = args.profile_out or args.out / exp_id / f"{scenario.hardware.gpu}-{model.name}.yaml"
+    out = args.profile_out or experiment_dir(args.out, exp_id) / f"{scenario.hardware.gpu}-{model.name}.yaml"
     profile, rows = calibrate.fit(store_path, exp_id, base.model_copy(
         update={"name": out.stem, "model": model.name}), model, out, args.reference)
     for row in rows:
@@ -220,6 +280,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     experiment = args.experiment or _newest_experiment(store_path)
     if experiment is None:
         raise StoreError(f"{store_path}: no experiments yet; run make baseline or make sweep first")
+    check_experiment_name(experiment)  # a store from before the pattern may hold any name
     print(f"report: {report.build(store_path, experiment, args.out)}")
     return 0
 
@@ -230,6 +291,10 @@ def cmd_combo(args: argparse.Namespace) -> int:
     """A grid of 2-3 flags: every combination, failures as data, resumable and spreadable."""
     from vllm_lab import search
     scenario = _resolve_checked(args)
+    params = [p.strip() for p in (args.params or "").split(",")]
+    for param in [item.partition("=")[0] for item in (args.grid or "").split()] + params:
+        if param:
+            plans.check_param(param, scenario, "PARAMS" if param in params else "GRID")
     grid = search.parse_grid(args.grid, args.params, scenario)
     points = search.combo_points(scenario, grid, args.repeats or scenario.run.repeats)
     for p in points:
@@ -378,7 +443,7 @@ def cmd_quarterly(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every lab command."""
-    parser = argparse.ArgumentParser(prog="lab", description=__doc__)
+    parser = LabParser(prog="lab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("lint", help="check a scenario's vLLM flags before anything runs")
@@ -410,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("report", help="rebuild an experiment's report from the store")
-    p.add_argument("--experiment", default=None, help="experiment id (default: the newest)")
+    p.add_argument("--experiment", type=_experiment, default=None,
+                   help="experiment id (default: the newest)")
     p.add_argument("--out", type=Path, default=Path("reports"))
     p.add_argument("--store", type=Path, default=None)
     p.set_defaults(func=cmd_report)
@@ -423,13 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="Bayesian search (Optuna) over a declared space of flags (step 3)")
     _run_args(p)
-    p.add_argument("--trials", type=int, default=20, help="trials this worker runs (per host with --spread)")
+    p.add_argument("--trials", type=_count(1), default=20, help="trials this worker runs (per host with --spread)")
     p.add_argument("--objective", default="goodput", choices=("goodput", "throughput", "pareto"))
     p.add_argument("--space", default=None, help="space name (scenarios/spaces/) or YAML file; default per hardware")
     p.add_argument("--study-storage", default=None, help="Optuna storage URL (default: the lab database)")
     p.add_argument("--seed", type=int, default=None, help="sampler seed")
-    p.add_argument("--startup-trials", type=int, default=4, help="random trials before TPE models the space")
-    p.add_argument("--confirm", type=int, default=0, help="re-measure the best N configurations live")
+    p.add_argument("--startup-trials", type=_count(0), default=4, help="random trials before TPE models the space")
+    p.add_argument("--confirm", type=_count(0), default=0, help="re-measure the best N configurations live")
     p.add_argument("--confirm-backend", choices=("twin", "vllm"), default="twin")
     p.set_defaults(func=cmd_tune)
 
@@ -438,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", required=True, choices=("ramp", "step", "spike", "soak"))
     p.add_argument("--levels", default=None, help="offered loads (req/s) for ramp/step; default: "
                    "fractions of the predicted capacity")
-    p.add_argument("--refine", type=int, default=3, help="ramp: rounds of levels added inside the knee's bracket (or of confirmations)")
+    p.add_argument("--refine", type=_count(0), default=3, help="ramp: rounds of levels added inside the knee's bracket (or of confirmations)")
     p.set_defaults(func=cmd_stress)
 
     p = sub.add_parser("claims", help="measure the tuning guide's claims and give each a verdict")
@@ -458,16 +524,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default=None, help="hardware preset the probe scenario records")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="change the probe, e.g. load.shape.level=8")
-    p.add_argument("--every", type=float, default=0, help="seconds between probes (0: one round)")
-    p.add_argument("--count", type=int, default=1, help="rounds of probes")
+    p.add_argument("--every", type=_seconds, default=0, help="seconds between probes (0: one round)")
+    p.add_argument("--count", type=_count(1), default=1, help="rounds of probes")
     p.add_argument("--baseline", action="store_true", help="record a new baseline first")
-    p.add_argument("--repeats", type=int, default=3, help="probes that make a baseline")
+    p.add_argument("--repeats", type=_count(1), default=3, help="probes that make a baseline")
     p.add_argument("--out", type=Path, default=Path("reports"))
     p.add_argument("--store", type=Path, default=None)
     p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("findings", help="troubleshooting findings of an experiment's runs")
-    p.add_argument("--experiment", default=None, help="experiment id (default: the newest)")
+    p.add_argument("--experiment", type=_experiment, default=None,
+                   help="experiment id (default: the newest)")
     p.add_argument("--out", type=Path, default=Path("reports"))
     p.add_argument("--store", type=Path, default=None)
     p.set_defaults(func=cmd_findings)
@@ -481,13 +548,174 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one lab command; a bad input is one sentence on stderr and exit status 2."""
-    args = build_parser().parse_args(argv)
+# -- make: every make variable reaches the lab as data ---------------------------------------------
+
+# The Makefile copies each variable's text, unexpanded, into the environment as LAB_MAKE_<NAME>
+# and runs `lab.py make TARGET`; here it becomes an argument list, never shell or make text.
+_SCENARIO_VARS = (("SCENARIO", "--scenario"), ("HARDWARE", "--hardware"))
+_RUN_VARS = (("INVENTORY", "--inventory"), ("BACKEND", "--backend"), ("OUT", "--out"),
+             ("EXPERIMENT", "--experiment"), ("RESUME", "--resume"), ("REPEATS", "--repeats"),
+             ("SPREAD", "--spread"), ("LOADGEN_PROCESSES", "--loadgen-processes"))
+MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
+    "baseline": _RUN_VARS,
+    "sweep": _RUN_VARS + (("PARAM", "--param"), ("VALUES", "--values")),
+    "calibrate": _RUN_VARS + (("PROFILE_OUT", "--profile-out"), ("FIT_ONLY", "--fit-only"),
+                              ("REFERENCE", "--reference")),
+    "report": (("OUT", "--out"), ("EXPERIMENT", "--experiment")),
+    "quarterly": (("PERIOD", "--period"), ("OUT", "--out"), ("PDF", "--no-pdf")),
+    "combo": _RUN_VARS + (("PARAMS", "--params"), ("GRID", "--grid")),
+    "tune": _RUN_VARS + (("TRIALS", "--trials"), ("OBJECTIVE", "--objective"), ("SPACE", "--space"),
+                         ("STUDY_STORAGE", "--study-storage"), ("SEED", "--seed"),
+                         ("CONFIRM", "--confirm"), ("CONFIRM_BACKEND", "--confirm-backend")),
+    "stress": _RUN_VARS + (("SHAPE", "--shape"), ("LEVELS", "--levels")),
+    "claims": _RUN_VARS + (("CLAIMS", "--claims"),),
+    "monitor": (("INVENTORY", "--inventory"),),
+    "watch": (("INVENTORY", "--inventory"), ("OUT", "--out"), ("URL", "--url"), ("EVERY", "--every"),
+              ("COUNT", "--count"), ("BASELINE", "--baseline"), ("HARDWARE", "--hardware"),
+              ("REPEATS", "--repeats"), ("SET", "--set")),
+    "findings": (("OUT", "--out"), ("EXPERIMENT", "--experiment")),
+    "lint": (),
+    "show": (),
+}
+# Targets that take the scenario's layers (SCENARIO, HARDWARE, SET, MODEL, DURATION).
+_LAYERED = {"baseline", "sweep", "calibrate", "combo", "tune", "stress", "claims", "lint", "show"}
+_REQUIRED = {"sweep": ("PARAM", "make sweep PARAM=max-num-seqs"),
+             "stress": ("SHAPE", "make stress SHAPE=ramp (ramp, step, spike or soak)"),
+             "combo": ("PARAMS or GRID", "make combo PARAMS=max-num-seqs,max-num-batched-tokens")}
+_SWITCHES = {"--resume", "--spread", "--fit-only", "--baseline"}
+_ON, _OFF = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
+
+
+def _switch(name: str, text: str) -> bool:
+    if text.lower() in _ON:
+        return True
+    if text.lower() in _OFF:
+        return False
+    raise UsageError(f"{name}={text!r} is not allowed: write {name}=1 to turn it on, or leave it out")
+
+
+def _words(name: str, text: str) -> list[str]:
+    """A variable that holds several items (SET, REFERENCE), split as a shell would split words,
+    so a quoted item keeps its spaces: SET='serve.served-model-name="a b" load.shape.level=2'."""
     try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise UsageError(f"{name}={text!r} cannot be split into items ({e}); close every quote") from None
+
+
+def make_argv(target: str, env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The lab's argument list for ``make TARGET`` from the LAB_MAKE_* environment, and which make
+    variable each option came from (for error messages)."""
+    def var(name: str) -> str:
+        return env.get(f"LAB_MAKE_{name}", "").strip()
+
+    if target == "report" and var("PERIOD"):
+        target = "quarterly"
+    if target not in MAKE_TARGETS:
+        raise UsageError(f"make target {target!r} is not one the lab runs "
+                         f"({', '.join(sorted(MAKE_TARGETS))})")
+    required = _REQUIRED.get(target)
+    if required and not any(var(n) for n in required[0].split(" or ")):
+        raise UsageError(f"{required[0]} is required, e.g. {required[1]}")
+    names: dict[str, str] = {}
+    argv = [target]
+    if target in _LAYERED:
+        scenario = var("SCENARIO") or "default"
+        if target == "lint" and scenario == "all":
+            return ["lint", "--all"], names
+        for name, option in _SCENARIO_VARS:
+            if var(name):
+                argv.append(f"{option}={var(name)}")
+                names[option] = name
+        argv += [f"--set={item}" for item in _words("SET", var("SET"))]
+        if var("MODEL"):
+            argv.append(f"--set=serve.model={json.dumps(var('MODEL'))}")
+        if var("DURATION"):
+            duration = _seconds_or_none(var("DURATION"))
+            if not duration:
+                raise UsageError(f"DURATION={var('DURATION')!r} is not allowed: seconds per run, "
+                                 f"a number above 0")
+            argv.append(f"--set=load.stop.duration_s={duration:g}")
+        names["--set"] = "SET"
+    for name, option in MAKE_TARGETS[target]:
+        text = var(name)
+        names[option] = name
+        if not text:
+            continue
+        if option in _SWITCHES:
+            argv += [option] if _switch(name, text) else []
+        elif option == "--no-pdf":
+            argv += [] if _switch(name, text) else ["--no-pdf"]
+        elif option == "--set":
+            argv += [f"--set={item}" for item in _words(name, text)]
+        elif option == "--reference":
+            # The shell used to expand REFERENCE=dir/*.json; the lab does it now, as data.
+            files = [f for word in _words(name, text) for f in (sorted(glob.glob(word)) or [word])]
+            argv += ["--reference", *(f if not f.startswith("-") else f"./{f}" for f in files)]
+        else:
+            argv.append(f"{option}={text}")  # one word, even if it starts with '-' (VALUES=-1)
+    return argv, names
+
+
+def _seconds_or_none(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < float("inf") else None
+
+
+def _for_make(message: str, names: Mapping[str, str]) -> str:
+    """An error about an option, reworded for the make variable it came from."""
+    if not names:
+        return message
+    # "argument --experiment: '../x' is not ..." -> "EXPERIMENT='../x' is not ..."
+    message = re.sub(r"^argument (--[\w-]+)(?:/[\w-]+)?: (['\"]?)",
+                     lambda m: names.get(m.group(1), m.group(1)) + ("=" if m.group(2) else ": ")
+                     + m.group(2), message)
+    return message.replace("--no-pdf", "PDF=0")
+
+
+def _ansible_verbosity_problem(args: argparse.Namespace) -> str | None:
+    """ANSIBLE_VERBOSITY changes the output the lab reads from ansible-playbook and
+    ansible-inventory; a command that runs them refuses it instead of misreading it."""
+    level = os.environ.get("ANSIBLE_VERBOSITY", "").strip()
+    live = args.command in ("monitor", "watch") or getattr(args, "spread", False) \
+        or getattr(args, "backend", "predict") != "predict" or getattr(args, "confirm", 0)
+    if not live or level in ("", "0"):
+        return None
+    return (f"ANSIBLE_VERBOSITY={level!r}: the lab reads Ansible's normal output, which verbosity "
+            f"changes; unset it or set it to 0 (failed tasks are quoted in full anyway)")
+
+
+def _store_of(args: argparse.Namespace | None) -> Path:
+    if args is None or not hasattr(args, "out"):
+        return Path("reports/lab.db")
+    return args.store or args.out / "lab.db"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one lab command; a bad input is one sentence on stderr and exit status 2.
+
+    ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names: dict[str, str] = {}
+    args = None
+    try:
+        if argv[:1] == ["make"]:
+            argv, names = make_argv(argv[1] if len(argv) > 1 else "", os.environ)
+        args = build_parser().parse_args(argv)
+        problem = _ansible_verbosity_problem(args)
+        if problem:
+            raise UsageError(problem)
         return args.func(args)
-    except (scenarios.ScenarioError, StoreError, MonitorError, WatchError) as e:
-        print(f"lab: {e}", file=sys.stderr)
+    except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError) as e:
+        print(f"lab: {_for_make(str(e), names)}", file=sys.stderr)
+        return 2
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as e:
+        # Whatever query met it: a damaged, foreign or locked store, named, with what to do.
+        print(f"lab: {_for_make(describe_sqlite_error(_store_of(args), e), names)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lab: interrupted; finished runs are in the store", file=sys.stderr)

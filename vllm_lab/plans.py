@@ -8,8 +8,11 @@ has, spreads serve groups over the inventory's hosts, and stops every server on 
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from vllm_lab import flags as flagcat
 from vllm_lab.backends import Backend, Measurement
@@ -61,8 +66,30 @@ def apply_value(scenario: Scenario, param: str, value: Any) -> Scenario:
     data = deep_merge(scenario.to_record(), parse_override(f"{param}={json.dumps(value)}"))
     try:
         return Scenario.model_validate(data)
-    except Exception as e:  # noqa: BLE001 - pydantic's error, said in one sentence
-        raise ScenarioError(f"PARAM {param}={value!r}: not a valid scenario value ({e})") from None
+    except ValidationError as e:  # pydantic's many lines, said in one sentence
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ScenarioError(f"PARAM={param} with value {value!r}: not a valid scenario value "
+                            f"({where}: {first['msg']})") from None
+
+
+def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
+    """``param`` if a run can vary it: a flag vLLM knows at the scenario's version, or a scenario
+    key (load.shape.level); else ScenarioError. Without this the predictor, which ignores flags
+    it does not model, would "measure" an unknown flag as identical figures."""
+    name = param.removeprefix("serve.")
+    if not is_serve_flag(name):
+        if param.split(".")[0] not in Scenario.model_fields:
+            raise ScenarioError(f"{variable}={param}: not a vLLM flag nor a scenario key; write a "
+                                f"flag (max-num-seqs) or a dotted key (load.shape.level)")
+        return param
+    known = flagcat.real_vllm_flag_names() or set(flagcat.FLAGS)
+    if name in known or name in flagcat.changes_for(scenario.vllm_version):
+        return param
+    near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    raise ScenarioError(f"{variable}={param}: not a flag of vLLM {scenario.vllm_version}{hint}; "
+                        f"make lint lists what a scenario may set")
 
 
 def parse_values(param: str, text: str) -> list[Any]:
@@ -219,6 +246,8 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
         log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,
                  len(plan.points) - len(todo), len(plan.points))
     shares = deal(group_by_server(todo), hosts)
+    prune_work(workdir)
+    recorded: list[Path] = []
     counts: dict[str, int] = {}
     lock = threading.Lock()
     stop = threading.Event()
@@ -240,6 +269,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
                     host_store.record_run(_record(plan, point, backend, m), m.samples, m.server_metrics)
                     with lock:
                         counts[m.status] = counts.get(m.status, 0) + 1
+                        recorded.append(workdir / plan.experiment_id / point.key)
                     if on_run:
                         on_run(point, m)
         finally:
@@ -251,6 +281,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
         # One host: work in this thread, so Ctrl-C lands inside the run and its cleanup runs.
         for h in busy:
             work(h)
+        _remove_work(recorded, workdir / plan.experiment_id)
         return counts
     with ThreadPoolExecutor(max_workers=len(busy)) as pool:
         futures = [pool.submit(work, h) for h in busy]
@@ -264,7 +295,36 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
             for h in busy:
                 backend.close(h)  # the runs in flight fail fast and are not recorded
             raise
+    _remove_work(recorded, workdir / plan.experiment_id)
     return counts
+
+
+# Work folders (Locust's files, logs) of runs that an interrupted session left behind are kept
+# this long for a look, then pruned; a finished session removes its recorded runs' own at once.
+WORK_KEEP_S = 7 * 24 * 3600
+
+
+def _remove_work(recorded: Sequence[Path], experiment_work: Path) -> None:
+    """Remove the work folders of runs now in the store, and the experiment's folder when empty."""
+    for folder in recorded:
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        experiment_work.rmdir()
+    except OSError:
+        pass  # not empty (an interrupted run's files) or never made (the predictor)
+
+
+def prune_work(workdir: Path, keep_s: float = WORK_KEEP_S) -> None:
+    """Remove experiment work folders under ``workdir`` untouched for ``keep_s`` seconds."""
+    if not workdir.is_dir():
+        return
+    cutoff = time.time() - keep_s
+    for folder in workdir.iterdir():
+        try:
+            if folder.is_dir() and folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _record(plan: Plan, point: Point, backend: Backend, m: Measurement) -> RunRecord:
@@ -278,6 +338,12 @@ def _record(plan: Plan, point: Point, backend: Backend, m: Measurement) -> RunRe
 
 
 def experiment_name(step: str, scenario: Scenario, param: str | None = None) -> str:
-    """A readable, unique experiment id: step, scenario, parameter and the time."""
-    parts = [step, scenario.name.replace("/", "-")] + ([param] if param else [])
-    return "-".join(parts) + time.strftime("-%Y%m%d-%H%M%S")
+    """A readable, unique experiment id: step, scenario, parameter and the time.
+
+    The scenario's name is free text (a file may set any ``name:``); it is cut down to the store's
+    experiment name pattern, so the id is always a single folder name inside OUT.
+    """
+    middle = "-".join([scenario.name] + ([param] if param else []))
+    middle = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", middle)).strip("-.") or "scenario"
+    stamp = time.strftime("-%Y%m%d-%H%M%S")
+    return f"{step}-{middle}"[: 120 - len(stamp)].rstrip("-.") + stamp

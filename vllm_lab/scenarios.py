@@ -243,8 +243,11 @@ def load_layers(scenario: str | Path = "default", hardware: str | Path | None = 
     """The layers of a run, earliest first: hardware preset, scenario file, overrides."""
     spath = scenario_path(scenario, folder)
     sdata = read_yaml(spath)
-    hw_name = hardware or sdata.pop("hardware_preset", None) or DEFAULT_HARDWARE
-    sdata.pop("hardware_preset", None)
+    preset = sdata.pop("hardware_preset", None)
+    if preset is not None and not isinstance(preset, str):
+        raise ScenarioError(f"{_display(spath)}: key hardware_preset must be a preset name, "
+                            f"e.g. h200 (got {preset!r})")
+    hw_name = hardware or preset or DEFAULT_HARDWARE
     hpath = hardware_path(hw_name, folder)
     layers = [(_display(hpath), read_yaml(hpath)), (_display(spath), sdata)]
     layers += [(f"override {text!r}", parse_override(text)) for text in overrides or []]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -35,6 +36,19 @@ DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
 STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited")
 RETRIED_ON_RESUME = ("crashed", "timeout")
+# How long a writer waits for another process's transaction before it gives up with a sentence.
+LOCK_TIMEOUT_S = 30.0
+
+# The one pattern of experiment names: every path the lab derives from one (reports, samples, work
+# folders) is a single folder name inside OUT, never a separator, never "..", never hidden.
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+EXPERIMENT_NAME_RULE = ("1-128 letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                        "without '..'")
+# Tables an Optuna study adds beside the lab's in the same database (make tune).
+_OPTUNA_TABLES = {"studies", "study_directions", "study_user_attributes", "study_system_attributes",
+                  "trials", "trial_user_attributes", "trial_system_attributes", "trial_params",
+                  "trial_values", "trial_intermediate_values", "trial_heartbeats", "version_info",
+                  "alembic_version"}
 
 # The summary metrics every run row carries as columns (seconds, per second, counts); anything
 # else a plan computes goes into summary_json.
@@ -95,6 +109,34 @@ class StoreError(Exception):
     """The store can't be used as asked; the message is one sentence for the user."""
 
 
+def check_experiment_name(name: str) -> str:
+    """``name`` if it is a valid experiment name, else StoreError saying what is allowed."""
+    if not EXPERIMENT_NAME.fullmatch(name) or ".." in name:
+        raise StoreError(f"EXPERIMENT={name!r} is not an experiment name: use {EXPERIMENT_NAME_RULE}")
+    return name
+
+
+def experiment_dir(root: Path | str, name: str) -> Path:
+    """The folder of experiment ``name`` under ``root`` (reports, samples, work files)."""
+    return Path(root) / check_experiment_name(name)
+
+
+def describe_sqlite_error(path: Path | str, error: Exception) -> str:
+    """One sentence for an SQLite error on the store at ``path``: what happened and what to do."""
+    text = str(error.__cause__ or error) if "Execution failed" in str(error) else str(error)
+    text = text.split("\n")[0]
+    if "locked" in text or "busy" in text:
+        return (f"{path}: the store is locked by another process (waited {LOCK_TIMEOUT_S:.0f} s): "
+                f"let the other lab command finish, or use another OUT=")
+    if "not a database" in text or "encrypted" in text:
+        return (f"{path}: not a lab database, not even SQLite ({text}); the file was not "
+                f"changed: move it away or use another OUT=")
+    if "malformed" in text or "corrupt" in text:
+        return (f"{path}: the store is damaged ({text}); nothing was written: restore it from a "
+                f"copy, salvage it with `sqlite3 {path} .recover`, or use another OUT=")
+    return f"{path}: the store cannot be used ({text}); nothing was written"
+
+
 def run_identity(resolved: dict[str, Any], repeat: int) -> str:
     """A run's identity: a hash of its resolved scenario (minus provenance) and its repeat index."""
     body = {k: v for k, v in resolved.items() if k != "sources"}
@@ -145,20 +187,34 @@ class Store:
         probe = self.path if self.path.exists() else folder
         if not os.access(probe, os.W_OK):
             raise StoreError(f"{probe}: not writable; the store needs write access "
-                             f"(choose another with STORE=path/to/lab.db)")
+                             f"(choose another reports folder with OUT=)")
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            conn.execute("PRAGMA busy_timeout=30000")
-            self._enable_wal(conn)
+            conn = sqlite3.connect(self.path, timeout=LOCK_TIMEOUT_S, isolation_level=None)
+            conn.execute(f"PRAGMA busy_timeout={int(LOCK_TIMEOUT_S * 1000)}")
+            self._refuse_foreign(conn)
+            self._enable_wal(conn, LOCK_TIMEOUT_S)
             conn.execute("PRAGMA foreign_keys=ON")
         except sqlite3.OperationalError as e:
+            if "locked" in str(e) or "busy" in str(e):
+                raise StoreError(describe_sqlite_error(self.path, e)) from None
             raise StoreError(f"{self.path}: cannot be opened ({e}); the store needs write access "
                              f"to its folder") from None
         except sqlite3.DatabaseError as e:
-            raise StoreError(f"{self.path}: not a lab database ({e})") from None
+            raise StoreError(describe_sqlite_error(self.path, e)) from None
         return conn
+
+    def _refuse_foreign(self, conn: sqlite3.Connection) -> None:
+        """Another program's SQLite file is refused, never given the lab's tables."""
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+                  if not r[0].startswith("sqlite_")}
+        if tables and "meta" not in tables and not tables <= _OPTUNA_TABLES | {"experiments", "runs",
+                                                                                "server_metrics"}:
+            conn.close()
+            raise StoreError(f"{self.path}: an SQLite database of another program (tables: "
+                             f"{', '.join(sorted(tables)[:5])}), not a lab store; the file was not "
+                             f"changed: use another OUT=")
 
     @staticmethod
     def _enable_wal(conn: sqlite3.Connection, wait_s: float = 30.0) -> None:
@@ -211,7 +267,7 @@ class Store:
         except sqlite3.OperationalError:
             return None  # a new, empty database
         except sqlite3.DatabaseError as e:
-            raise StoreError(f"{self.path}: not a lab database ({e})") from None
+            raise StoreError(describe_sqlite_error(self.path, e)) from None
         return int(row[0]) if row else None
 
     @contextmanager
@@ -236,6 +292,7 @@ class Store:
         """Record an experiment (idempotent: an existing one with this id is kept, for resume)."""
         if step not in STEPS:
             raise StoreError(f"step {step!r} is not one of {', '.join(STEPS)}")
+        check_experiment_name(experiment_id)
         with self._write() as conn:
             conn.execute("INSERT OR IGNORE INTO experiments VALUES (?, ?, ?, ?, ?)",
                          (experiment_id, step, scenario_name, time.time(),
@@ -254,7 +311,7 @@ class Store:
         samples_file = ""
         if samples is not None and len(samples):
             samples_file = f"{run.experiment_id}/{run.run_key}.parquet"
-            target = self.samples_dir / samples_file
+            target = experiment_dir(self.samples_dir, run.experiment_id) / f"{run.run_key}.parquet"
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".tmp{os.getpid()}")
             samples.to_parquet(tmp, index=False)

@@ -1,0 +1,263 @@
+"""Make variables reach the lab as data: injection payloads run nothing, experiment names never leave
+OUT, and every bad input (a damaged, foreign or locked store, REPEATS=-2, a level the predictor cannot
+simulate, ANSIBLE_VERBOSITY, an unknown flag) is one sentence and exit status 2, never a traceback."""
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_lab import cli, plans, scenarios, store
+from vllm_lab.backends import Measurement
+from vllm_lab.store import Store, StoreError
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--backend", "predict", "--hardware", "cpu-demo", "--set", "load.shape.level=2",
+         "--repeats", "1"]
+
+
+def make(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`make -s ARGS` in the repository, on this Python (LAB_PYTHON: .venv is left alone)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(["make", "-s", *args, f"LAB_PYTHON={sys.executable}"], cwd=REPO,
+                          env=full_env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def one_sentence(err: str) -> str:
+    """The lab's one line on stderr (make adds its own '*** Error 2' line after it)."""
+    lines = [ln for ln in err.splitlines() if not ln.startswith("make: ***")]
+    assert len(lines) == 1 and lines[0].startswith("lab: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def no_f():
+    """The payloads' file F, in the folder make runs in: it must never appear."""
+    f = REPO / "F"
+    assert not f.exists()
+    yield f
+    assert not f.exists(), "a make variable ran as a shell command"
+    f.unlink(missing_ok=True)
+
+
+# -- 1. shell injection through make variables -------------------------------------------------
+
+@pytest.mark.parametrize("target, variables", [
+    ("baseline", ["EXPERIMENT=x; touch F"]),
+    ("sweep", ["PARAM=$(touch F)…"]),
+    ("sweep", ["PARAM=max-num-seqs", "VALUES=8|tee F"]),
+    ("show", ["SET=serve.dtype=float16; touch F"]),
+    ("combo", ["GRID=max-num-seqs=8,16 `touch F`=1"]),
+    ("report", ["PERIOD=2026Q4; touch F"]),
+    ("baseline", ["EXPERIMENT=$(shell touch F)"]),  # make's own function: not run either
+])
+def test_injection_payloads_run_nothing(tmp_path, no_f, target, variables):
+    out = make(target, "BACKEND=predict", f"OUT={tmp_path}", *variables)
+    assert out.returncode == 2
+    one_sentence(out.stderr)
+
+
+@pytest.mark.parametrize("name", ["my run", "it's", 'say "x"'])
+def test_a_name_with_a_space_or_quote_gets_a_sentence(tmp_path, name):
+    out = make("baseline", "BACKEND=predict", f"OUT={tmp_path}", f"EXPERIMENT={name}")
+    assert out.returncode == 2
+    assert one_sentence(out.stderr).startswith(f"lab: EXPERIMENT={name!r} is not an experiment name")
+
+
+def test_make_help_still_lists_every_variable():
+    out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True)
+    for name in ("sweep", "EXPERIMENT", "SET", "PDF", "LAB_PYTHON"):
+        assert name in out.stdout
+
+
+def test_a_quoted_set_value_keeps_its_spaces_and_negative_values_stay_values():
+    argv, names = cli.make_argv("sweep", {
+        "LAB_MAKE_SET": 'serve.served-model-name="a b" load.shape.level=2',
+        "LAB_MAKE_PARAM": "max-logprobs", "LAB_MAKE_VALUES": "-1,5", "LAB_MAKE_REPEATS": " 1 "})
+    args = cli.build_parser().parse_args(argv)
+    assert args.overrides == ["serve.served-model-name=a b", "load.shape.level=2"]
+    assert args.values == "-1,5" and args.repeats == 1 and names["--values"] == "VALUES"
+    assert scenarios.resolve("default", None, args.overrides).serve["served-model-name"] == "a b"
+    assert plans.parse_values("max-logprobs", args.values) == [-1, 5]
+    with pytest.raises(cli.UsageError, match="SET=.*close every quote"):
+        cli.make_argv("show", {"LAB_MAKE_SET": 'serve.x="a b'})
+
+
+def test_required_variables_and_switches_are_sentences(capsys, monkeypatch):
+    monkeypatch.setenv("LAB_MAKE_RESUME", "maybe")
+    assert cli.main(["make", "baseline"]) == 2
+    assert "RESUME='maybe' is not allowed" in capsys.readouterr().err
+    monkeypatch.delenv("LAB_MAKE_RESUME")
+    assert cli.main(["make", "sweep"]) == 2
+    assert "PARAM is required, e.g. make sweep PARAM=max-num-seqs" in capsys.readouterr().err
+
+
+# -- 2. experiment names never leave OUT --------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["../../x", "/tmp/lab-abs-experiment", ".hidden", "a/b", "..", "x..y"])
+def test_experiment_names_cannot_leave_out(tmp_path, capsys, name):
+    out = tmp_path / "a" / "out"
+    assert cli.main(["baseline", *SMALL, "--out", str(out), "--experiment", name]) == 2
+    assert "is not an experiment name" in capsys.readouterr().err
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+    assert not Path("/tmp/lab-abs-experiment").exists()
+    with pytest.raises(StoreError, match="not an experiment name"):
+        Store(out / "lab.db").create_experiment(name, "baseline", "default")
+
+
+def test_a_scenario_name_with_slashes_stays_inside_out(tmp_path, capsys):
+    doc = tmp_path / "evil.yaml"
+    doc.write_text((REPO / "scenarios/default.yaml").read_text() + "\nname: ../../../escape me\n")
+    out = tmp_path / "deep" / "out"
+    assert cli.main(["baseline", *SMALL, "--scenario", str(doc), "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    written = {p for p in tmp_path.rglob("*") if p.is_file()} - {doc}
+    assert written and all(out in p.parents for p in written)
+    exp = Store(out / "lab.db").newest_experiment()
+    assert store.EXPERIMENT_NAME.fullmatch(exp) and ".." not in exp
+
+
+# -- 8. a store that cannot be used: damaged, foreign, locked ----------------------------------
+
+def _store_with_a_run(out: Path) -> Path:
+    assert cli.main(["baseline", *SMALL, "--out", str(out), "--experiment", "kept"]) == 0
+    return out / "lab.db"
+
+
+def test_a_damaged_store_is_one_sentence_and_is_not_changed(tmp_path, capsys):
+    db = _store_with_a_run(tmp_path)
+    Store(db).close()  # checkpoint the WAL into the file
+    data = bytearray(db.read_bytes())
+    page = 4096
+    for offset in range(2 * page, len(data), page):  # every page after the schema's
+        data[offset:offset + 64] = b"\xff" * 64
+    db.write_bytes(bytes(data))
+    for f in (tmp_path / "lab.db-wal", tmp_path / "lab.db-shm"):
+        f.unlink(missing_ok=True)
+    before = db.read_bytes()
+    capsys.readouterr()
+    for argv in (["findings", "--out", str(tmp_path)], ["report", "--out", str(tmp_path)],
+                 ["baseline", *SMALL, "--out", str(tmp_path), "--experiment", "more"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(db) in err and "Traceback" not in err, err
+    assert db.read_bytes() == before
+
+
+def test_a_foreign_sqlite_file_is_refused_not_given_the_labs_tables(tmp_path, capsys):
+    db = tmp_path / "lab.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE invoices (id INTEGER, total REAL)")
+    conn.execute("INSERT INTO invoices VALUES (1, 9.5)")
+    conn.commit()
+    conn.close()
+    before = db.read_bytes()
+    assert cli.main(["baseline", *SMALL, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{db}: an SQLite database of another program (tables: invoices)" in err
+    assert "OUT=" in err and db.read_bytes() == before
+    (tmp_path / "lab.db").write_text("not a database at all, just text\n" * 200)
+    assert cli.main(["findings", "--out", str(tmp_path)]) == 2
+    assert "not a lab database, not even SQLite" in capsys.readouterr().err
+
+
+def test_a_locked_store_is_a_sentence_after_the_wait(tmp_path, capsys, monkeypatch):
+    db = _store_with_a_run(tmp_path)
+    monkeypatch.setattr(store, "LOCK_TIMEOUT_S", 0.5)
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another process mid-write, for longer than the wait
+    try:
+        capsys.readouterr()
+        started = time.monotonic()
+        assert cli.main(["baseline", *SMALL, "--out", str(tmp_path), "--experiment", "second"]) == 2
+        assert time.monotonic() - started < 20
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    err = capsys.readouterr().err
+    assert f"{db}: the store is locked by another process" in err and err.count("\n") == 1
+    assert list(Store(db).runs("kept")["status"]) == ["ok"]  # nothing recorded was lost
+
+
+def test_store_and_pdf_errors_name_what_make_passes(tmp_path, monkeypatch):
+    monkeypatch.setattr(store.os, "access", lambda *_: False)  # root may write anywhere
+    with pytest.raises(StoreError, match="choose another reports folder with OUT=") as e:
+        Store(tmp_path / "lab.db")
+    assert "STORE=" not in str(e.value)
+    names = cli.make_argv("report", {"LAB_MAKE_PERIOD": "2026Q4"})[1]
+    assert "PDF=0" in cli._for_make("the PDF needs Chromium; rerun with --no-pdf to skip it", names)
+
+
+# -- 8/9. numbers, the predictor, Ansible ------------------------------------------------------
+
+@pytest.mark.parametrize("variables, says", [
+    (["REPEATS=-2"], "REPEATS='-2' is not allowed: a whole number, 1 or more"),
+    (["REPEATS=0"], "REPEATS='0' is not allowed: a whole number, 1 or more"),
+    (["DURATION=soon"], "DURATION='soon' is not allowed"),
+    (["SET=load.shape.level=1e12"], "the predictor would simulate 8,000,000,000,000 requests"),
+    (["ANSIBLE_VERBOSITY=3", "BACKEND=twin"], "ANSIBLE_VERBOSITY='3'"),
+])
+def test_bad_numbers_and_settings_are_sentences(tmp_path, variables, says):
+    out = make("baseline", "BACKEND=predict", f"OUT={tmp_path}", *variables)
+    assert out.returncode == 2 and says in one_sentence(out.stderr)
+    assert not (tmp_path / "lab.db").exists() or not Store(tmp_path / "lab.db").runs().shape[0]
+
+
+def test_the_predictor_refuses_a_flag_vllm_does_not_know(tmp_path, capsys):
+    assert cli.main(["sweep", *SMALL, "--out", str(tmp_path), "--param", "not-a-flag",
+                     "--values", "1,2"]) == 2
+    assert "PARAM=not-a-flag: not a flag of vLLM 0.26.0" in capsys.readouterr().err
+    assert cli.main(["combo", *SMALL, "--out", str(tmp_path),
+                     "--grid", "max-num-seqs=8,16 max-num-seq=1,2"]) == 2
+    assert "GRID=max-num-seq: not a flag of vLLM 0.26.0 (did you mean max-num-seqs?)" in \
+        capsys.readouterr().err
+    base = scenarios.resolve("default")
+    assert plans.check_param("load.shape.level", base) == "load.shape.level"
+    assert plans.check_param("serve.max-num-seqs", base) == "serve.max-num-seqs"
+
+
+def test_negative_values_reach_the_sweep(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LAB_MAKE_PARAM", "max-logprobs")
+    monkeypatch.setenv("LAB_MAKE_VALUES", "-1,5")
+    monkeypatch.setenv("LAB_MAKE_BACKEND", "predict")
+    monkeypatch.setenv("LAB_MAKE_OUT", str(tmp_path))
+    monkeypatch.setenv("LAB_MAKE_EXPERIMENT", "neg")
+    monkeypatch.setenv("LAB_MAKE_SET", "load.shape.level=2")
+    monkeypatch.setenv("LAB_MAKE_HARDWARE", "cpu-demo")
+    assert cli.main(["make", "sweep"]) == 0, capsys.readouterr().err
+    points = Store(tmp_path / "lab.db").runs("neg")["point"]
+    assert sorted(p["max-logprobs"] for p in points) == [-1, 5]
+
+
+# -- 9. reports/.work stays bounded -------------------------------------------------------------
+
+class WorkBackend:
+    """Writes a file into each run's work folder, as Locust does."""
+
+    name = "predict"
+
+    def measure(self, scenario, host, workdir: Path) -> Measurement:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "locust.log").write_text("x")
+        return Measurement(status="ok", started=time.time(), ended=time.time())
+
+    def close(self, host):
+        pass
+
+
+def test_work_folders_of_recorded_runs_are_removed_and_old_ones_pruned(tmp_path):
+    work = tmp_path / ".work"
+    stale, fresh = work / "old-experiment", work / "interrupted-today"
+    for folder in (stale, fresh):
+        (folder / "run").mkdir(parents=True)
+    old = time.time() - plans.WORK_KEEP_S - 60
+    os.utime(stale, (old, old))
+    base = scenarios.resolve("default")
+    plan = plans.Plan("work-test", "sweep", plans.sweep_points(base, "max-num-seqs", [8, 16]), {})
+    assert plans.execute(plan, WorkBackend(), tmp_path / "lab.db", work) == {"ok": 2}
+    assert sorted(p.name for p in work.iterdir()) == ["interrupted-today"]
