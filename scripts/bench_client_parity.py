@@ -57,7 +57,7 @@ def start(args) -> str:
     """Start the server with vLLM's defaults and leave it running; return its URL."""
     s = lab_scenario(args.model, 1, 1, args.input_len, args.output_len)
     inst = serving.start(s.serve, inventory=args.inventory, backend=args.backend,
-                         extra_vars={"vllm_environment": {"VLLM_SERVER_DEV_MODE": "1"},
+                         extra_vars={"vllm_dev_mode": True,  # /reset_prefix_cache
                                      "vllm_health_timeout_s": 900})[0]
     (args.out / "server.json").write_text(json.dumps({"url": inst.url}))
     return inst.url

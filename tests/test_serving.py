@@ -146,6 +146,7 @@ def test_local_serve_health_stop_idempotent_and_secret_free(lab_vars, monkeypatc
         assert _get(f"{inst.url}/health") == 200
         assert _get(f"{inst.url}/v1/models") == 401  # --api-key end to end
         assert _get(f"{inst.url}/v1/models", key) == 200
+        assert inst.api_key == key and key not in repr(inst)  # for the load generator, never printed
 
     root = Path(lab_vars["lab_host_root"]) / "serve"
     env_file = root / "conf" / "a.env"
@@ -199,6 +200,24 @@ def _get_refused(url):
     except OSError:
         return True
     return False
+
+
+@pytest.mark.integration
+def test_dev_mode_only_when_asked_and_never_on_the_network_unless_the_inventory_says_so(lab_vars):
+    one = {**lab_vars, "vllm_instances": [{"name": "d", "port": 18481, "gpus": ""}]}
+    env_file = Path(lab_vars["lab_host_root"]) / "serve" / "conf" / "d.env"
+    with pytest.raises(ServeError) as err:
+        serving.start({"model": TWIN_MODEL}, inventory=LOCAL, backend="twin",
+                      extra_vars={**one, "vllm_dev_mode": True, "vllm_listen_host": "0.0.0.0"})
+    assert err.value.cause == "refused-config" and "vllm_dev_mode_network" in err.value.log_tail
+    assert not env_file.exists()  # refused before anything was written or started
+    key = "sk-from-the-vault-7d2c"
+    inst = serving.start({"model": TWIN_MODEL}, inventory=LOCAL, backend="twin",
+                         extra_vars={**one, "vllm_dev_mode": True, "vllm_api_key": key})[0]
+    assert "VLLM_SERVER_DEV_MODE=1" in env_file.read_text() and inst.api_key == key
+    serving.start({"model": TWIN_MODEL, "max-num-seqs": 8}, inventory=LOCAL, backend="twin", extra_vars=one)
+    assert "VLLM_SERVER_DEV_MODE" not in env_file.read_text()
+    serving.stop(LOCAL, extra_vars=one)
 
 
 @pytest.mark.integration

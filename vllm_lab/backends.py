@@ -20,13 +20,13 @@ import pandas as pd
 
 from vllm_lab import audit, serving
 from vllm_lab.scenarios import Scenario, ScenarioError
-from vllm_lab.summary import summarize
+from vllm_lab.summary import request_failures, summarize
 
 log = logging.getLogger(__name__)
 
 # How a failed start is recorded (the store's statuses).
 START_STATUS = {"oom": "oom", "refused-flag": "failed-start", "start-timeout": "timeout",
-                "crashed": "crashed", "unreachable": "failed-start"}
+                "crashed": "crashed", "unreachable": "failed-start", "refused-config": "failed-start"}
 
 
 @dataclass
@@ -122,10 +122,12 @@ class LiveBackend:
             scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
             twin_profile=scenario.hardware.twin_profile if self.name == "twin" else None,
             extra_vars={"vllm_health_timeout_s": int(scenario.run.start_timeout_s),
-                        # /reset_prefix_cache is a dev-mode endpoint in vLLM; the twin simulates
-                        # the scenario's GPU.
+                        # /reset_prefix_cache between runs is a dev-mode endpoint in vLLM (0.26
+                        # too): asked for only when the runs reset the cache; the role keeps it
+                        # off an address other hosts reach unless the inventory allows it.
+                        "vllm_dev_mode": bool(scenario.run.clean),
+                        # The twin simulates the scenario's GPU.
                         "vllm_environment": {
-                            "VLLM_SERVER_DEV_MODE": "1",
                             "VLLM_TWIN_HARDWARE": json.dumps(scenario.hardware.model_dump(mode="json"))}},
             timeout=scenario.run.start_timeout_s + 120)
         instance = instances[0]
@@ -139,7 +141,13 @@ class LiveBackend:
         body = {"model": _served_model(scenario), "prompt": "warm up " * 16, "max_tokens": 8,
                 "ignore_eos": True}
         for _ in range(scenario.run.warmup_requests):
-            _post(instance.url + "/v1/completions", body, self.api_key)
+            _post(instance.url + "/v1/completions", body, self._api_key(scenario, instance))
+
+    def _api_key(self, scenario: Scenario, instance: serving.Instance) -> str | None:
+        """The key the server got, from wherever it got it: the role's (scenario serve.api-key,
+        inventory or vault vllm_api_key, the control node's VLLM_API_KEY), else the scenario's,
+        else this lab's environment (a server the lab did not start)."""
+        return instance.api_key or scenario.serve.get("api-key") or self.api_key or None
 
     def _load_generators(self) -> list | None:
         """The loadgen group's remote hosts (a Locust worker each, a master here); None: all local."""
@@ -164,9 +172,11 @@ class LiveBackend:
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
         """Start (or reuse) the server, run the load, summarize and audit it against the server.
 
-        A client-limited run (the load generator's own lag or CPU, or its figures against vLLM's
+        A run whose failed requests (timeouts aside) pass ``load.failed_requests_threshold`` is
+        ``failed-requests``, its error naming the dominant failure and what to do about it. A
+        client-limited run (the load generator's own lag or CPU, or its figures against vLLM's
         /metrics) is run once more with twice the Locust processes; if it is still limited it is
-        recorded as ``client-limited`` and kept out of every comparison.
+        recorded as ``client-limited``. Both are kept out of every comparison.
         """
         started = time.time()
         try:
@@ -189,18 +199,28 @@ class LiveBackend:
         procs = self.processes or self._plan(scenario, workers)
         started = time.time()
         result, summary = self._run(scenario, instance, workdir, workers, procs)
+        failures = request_failures(result.samples)
+        failed = failures.rate > scenario.load.failed_requests_threshold
         limited = _client_limited(result, summary)
         more = min(2 * procs, self._cores(workers))
-        if limited and self.processes is None and more > procs:
+        # A run whose requests were refused measured nothing: more processes would not help.
+        if limited and not failed and self.processes is None and more > procs:
             log.info("client-limited with %d Locust processes (%s): running again with %d",
                      procs, limited, more)
             result, summary = self._run(scenario, instance, workdir, workers, more)
             summary["loadgen_rerun_of"] = procs
+            failures = request_failures(result.samples)
+            failed = failures.rate > scenario.load.failed_requests_threshold
             limited = _client_limited(result, summary)
         ended = time.time()
+        summary.update(failures.as_summary())
         status, error = "ok", ""
         if _get(instance.url + "/health") != 200:
             status, error = "crashed", "the server stopped answering /health during the run"
+        elif failed:
+            status = "failed-requests"
+            error = (f"{failures.message()} (threshold "
+                     f"{scenario.load.failed_requests_threshold:.0%}: load.failed_requests_threshold)")
         elif limited:
             status = "client-limited"
             error = f"the load generator could not keep up ({limited}): these figures describe the client"
@@ -224,10 +244,16 @@ class LiveBackend:
         """One load run on the instance: the result and its summary, server audit included."""
         from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
 
+        api_key = self._api_key(scenario, instance)
+        reset = None
         if scenario.run.clean:
-            _post(instance.url + "/reset_prefix_cache", None, self.api_key)
+            reset = _post(instance.url + "/reset_prefix_cache", None, api_key) == 200
+            if not reset:
+                log.warning("%s: /reset_prefix_cache did not answer 200 (a server without "
+                            "VLLM_SERVER_DEV_MODE): this run starts with the last run's cache",
+                            instance.url)
         result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
-                          workdir, seed=scenario.run.seed, api_key=self.api_key,
+                          workdir, seed=scenario.run.seed, api_key=api_key,
                           processes=processes, workers_hosts=workers)
         result.server_metrics = own_gpus(result.server_metrics, instance.gpus)
         summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
@@ -239,6 +265,8 @@ class LiveBackend:
                        loop_lag_p99_s=result.loop_lag_p99_s,
                        client_cpu_max=result.cpu_fraction_max,
                        loadgen_processes=processes, loadgen_hosts=len(workers or []) or 1)
+        if reset is not None:
+            summary["prefix_cache_reset"] = reset
         return result, summary
 
 

@@ -18,6 +18,7 @@ import yaml
 
 from vllm_lab import lint as lint_mod
 from vllm_lab import plans, scenarios, serving
+from vllm_lab.flags import redact
 from vllm_lab.monitor import MonitorError
 from vllm_lab.store import (
     EXPERIMENT_NAME_RULE,
@@ -110,7 +111,7 @@ def _all_scenario_names() -> list[str]:
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the resolved scenario as YAML: what a run would record."""
     scenario = scenarios.resolve(args.scenario, args.hardware, args.overrides)
-    print(yaml.safe_dump(scenario.to_record(), sort_keys=False), end="")
+    print(yaml.safe_dump(redact(scenario.to_record()), sort_keys=False), end="")
     return 0
 
 

@@ -28,6 +28,7 @@ class Flag:
     max: float | None = None
     min_exclusive: bool = False
     tuning: bool = False  # an engine knob the lab sweeps; frontend flags are not
+    secret: bool = False  # a credential: redacted in the store, reports and logs, never in argv
 
     def describe_range(self) -> str:
         """The allowed values in words, for error messages."""
@@ -108,7 +109,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     # Frontend.
     _f("host", "str", None, "Address to listen on."),
     _f("port", "int", 8000, "Port to listen on.", min=1, max=65535),
-    _f("api-key", "str", None, "Key clients must send."),
+    _f("api-key", "str", None, "Key clients must send (on /v1 routes).", secret=True),
     _f("uvicorn-log-level", "str", "info", "Server log level.",
        choices=("critical", "error", "warning", "info", "debug", "trace")),
     _f("max-log-len", "int", None, "Longest prompt logged.", min=0),
@@ -132,6 +133,28 @@ CHANGES: list[Change] = [
     Change("use-v2-block-manager", "0.7.0", "removed", "the V1 KV cache manager is the only one; drop the key"),
     Change("preemption-mode", "0.10.0", "removed", "V1 always preempts by recompute; drop the key"),
 ]
+
+
+REDACTED = "***"
+# Keys that hold a credential wherever they appear (role variables, environment names, flags).
+_SECRET_ENDINGS = ("api-key", "hf-token", "password")
+
+
+def is_secret(name: str) -> bool:
+    """Whether a flag, variable or key of that name holds a credential (any spelling)."""
+    key = str(name).lower().replace("_", "-")
+    flag = FLAGS.get(key)
+    return bool(flag and flag.secret) or key.endswith(_SECRET_ENDINGS)
+
+
+def redact(data: Any) -> Any:
+    """A copy of ``data`` (dicts and lists, any depth) with the value of every secret key ``***``."""
+    if isinstance(data, dict):
+        return {k: (REDACTED if is_secret(k) and v not in (None, "") else redact(v))
+                for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(redact(v) for v in data)
+    return data
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from vllm_lab.store import Store
+from vllm_lab.flags import redact
+from vllm_lab.store import LEFT_OUT, Store
 
 CV_WARN = 0.10  # a spread above this is too large to trust a difference of the same size
 METRICS = ["output_throughput", "request_throughput", "goodput", "slo_attainment",
@@ -59,7 +60,8 @@ class Context:
 
 
 def _context(runs: pd.DataFrame, swept: list[str] = ()) -> Context:
-    first = json.loads(runs.iloc[0]["scenario_json"])
+    # Redacted again: a store written before secrets were redacted on the way in still holds them.
+    first = redact(json.loads(runs.iloc[0]["scenario_json"]))
     # The swept flags vary by point: the header names them instead of the first point's value.
     first["serve"] = {k: ("swept" if k in swept else v) for k, v in first["serve"].items()}
     w, ld = first["workload"], first["load"]
@@ -261,9 +263,9 @@ def _warnings(table: pd.DataFrame) -> list[str]:
                          f"smaller than that is not to be trusted")
         if row["ok_runs"] == 0:
             notes.append(f"{table.columns[0]}={row[table.columns[0]]}: {row['status']} — {row['error']}")
-        elif "client-limited" in str(row["status"]):
+        elif left_out := [s for s in LEFT_OUT if s in str(row["status"])]:
             notes.append(f"{table.columns[0]}={row[table.columns[0]]}: {row['runs'] - row['ok_runs']} "
-                         f"client-limited run(s) left out of the figures — {row['error']}")
+                         f"{' or '.join(left_out)} run(s) left out of the figures — {row['error']}")
     return notes
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import report, search
+from vllm_lab.flags import is_secret
 from vllm_lab.store import Store
 
 
@@ -130,6 +131,9 @@ def _best_file(runs: pd.DataFrame, params: list[str], best: pd.Series | None, fo
         return None
     values = {p: _plain(best[p]) for p in params}
     scenario = json.loads(runs.iloc[0]["scenario_json"])
+    # No key in a report, not even a masked one (a store from before redaction holds it): the
+    # server gets it again from the inventory, the vault or the environment.
+    scenario["serve"] = {k: v for k, v in scenario["serve"].items() if not is_secret(k)}
     path = folder / "best.yaml"
     path.write_text(search.scenario_file(scenario, values, note))
     return path

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from vllm_lab.flags import DEFAULT_VLLM_VERSION
+from vllm_lab.flags import DEFAULT_VLLM_VERSION, is_secret
 from vllm_lab.traffic.spec import Load, Workload
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
@@ -153,9 +153,14 @@ def parse_override(text: str) -> dict[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    keys = path.strip().split(".")
+    if is_secret(keys[-1]):
+        # A command line shows in ps and the shell's history.
+        raise ScenarioError(f"override {path.strip()}: a secret is not taken on the command line; put "
+                            f"it in the scenario file, VLLM_API_KEY in the environment, or "
+                            f"vllm_api_key in the inventory's ansible-vault")
     out: dict[str, Any] = {}
     node = out
-    keys = path.strip().split(".")
     for key in keys[:-1]:
         node = node.setdefault(key, {})
     node[keys[-1]] = value

@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLAYBOOKS = REPO_ROOT / "playbooks"
 DEFAULT_INVENTORY = REPO_ROOT / "inventory" / "local.yml"
-CAUSES = ("oom", "refused-flag", "start-timeout", "crashed")  # plus "unreachable": no host answered
+# Plus "unreachable" (no host answered) and "refused-config" (the role's preflight refused the
+# inventory or the variables before anything started: a retry fails the same way).
+CAUSES = ("oom", "refused-flag", "start-timeout", "crashed")
 # Flags that are secrets: they travel as role variables (environment file on the host), never as flags.
 SECRET_FLAGS = {"api-key": "vllm_api_key", "hf-token": "vllm_hf_token"}
 
@@ -79,6 +81,9 @@ class Instance:
     log_path: str
     name: str = "main"
     gpus: str = ""  # CUDA_VISIBLE_DEVICES of the instance ("" = every GPU of the host)
+    # The key the server was given (scenario, inventory, vault or environment), for the load
+    # generator; kept in memory only, never printed.
+    api_key: str = field(default="", repr=False, compare=False)
 
 
 class Instances(list):
@@ -131,6 +136,8 @@ def scrub(text: str, secrets: list[str] | tuple[str, ...]) -> str:
     return text
 
 
+# An assert's failure, in the default callback's JSON or YAML-like result format.
+_ASSERT_FAILED = re.compile(r'"?evaluated_to"?: false')
 _RECAP = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$")
 _UNREACHABLE = re.compile(r"^fatal: \[([^\]]+)\]: UNREACHABLE! => (.*)$")
 
@@ -213,13 +220,16 @@ def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, b
         run = run_playbook("serve.yml", inventory=Path(inventory), extra_vars=role_vars, limit=limit,
                            secrets=secrets, timeout=timeout)
         outcomes = {p.stem: json.loads(p.read_text()) for p in Path(results).glob("*.json")}
+        # The key each host's servers got (0600, in this folder, gone when it is): the load
+        # generator sends the same, wherever the role found it.
+        keys = {p.stem: p.read_text().strip() for p in Path(results).glob("*.key")}
     healthy, failures = [], []
     for host, outcome in sorted(outcomes.items()):
         for inst in outcome["instances"]:
             if inst["status"] == "healthy":
                 healthy.append(Instance(host=host, url=inst["url"], port=int(inst["port"]),
                                         log_path=inst["log_path"], name=inst["name"],
-                                        gpus=inst.get("gpus", "")))
+                                        gpus=inst.get("gpus", ""), api_key=keys.get(host, "")))
             else:
                 failures.append({**inst, "log_tail": scrub(inst.get("log_tail", ""), secrets)})
     for host, why in run.unreachable.items():
@@ -232,7 +242,9 @@ def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, b
     missing = sorted(h for h, c in run.recap.items()
                      if c.get("failed") and h not in outcomes and h not in run.unreachable)
     if missing:
-        raise ServeError("crashed", _play_failure(run.stdout), host=missing[0], instances=healthy)
+        # An assert that failed before the start (preflight) refused the configuration.
+        cause = "refused-config" if _ASSERT_FAILED.search(run.stdout) else "crashed"
+        raise ServeError(cause, _play_failure(run.stdout), host=missing[0], instances=healthy)
     if not healthy:
         cause = "unreachable" if run.unreachable else "crashed"
         raise ServeError(cause, _play_failure(run.stdout), instances=[])
@@ -240,7 +252,8 @@ def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, b
 
 
 def _play_failure(stdout: str) -> str:
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(("fatal:", "failed:")) or "msg" in ln]
+    lines = [ln for ln in stdout.splitlines()
+             if ln.startswith(("fatal:", "failed:", "[ERROR]:")) or "msg" in ln]
     return "\n".join(lines[-20:]) or "\n".join(stdout.splitlines()[-40:])
 
 

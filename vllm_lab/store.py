@@ -1,6 +1,6 @@
 """The results store: one SQLite database (WAL) and one Parquet file of raw request samples per run.
 
-Schema (version 2; ``SCHEMA`` below is the documentation):
+Schema (version 3; ``SCHEMA`` below is the documentation):
 
 - ``meta``: key/value; ``schema_version`` says which lab wrote the file.
 - ``experiments``: one row per experiment (a baseline, a sweep, a combination, a stress test ...).
@@ -12,7 +12,9 @@ Schema (version 2; ``SCHEMA`` below is the documentation):
 
 A database written by a newer schema is refused, never altered. An older one is migrated in place:
 version 1 called a run whose client could not keep up ``client-overloaded``; version 2 calls it
-``client-limited`` and keeps it out of every comparison.
+``client-limited`` and keeps it out of every comparison; version 3 adds ``failed-requests`` (too
+many of the run's requests failed: it measured nothing). Secrets (``flags.is_secret``) are
+redacted from every scenario and experiment before they are written.
 """
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 2
+from vllm_lab.flags import redact
+
+SCHEMA_VERSION = 3
 DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
-STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited")
+STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited", "failed-requests")
+# Runs that ended but measured the client or nothing: recorded with their figures and reason, and,
+# like every status but ok, left out of best points, verdicts, knees and fits.
+LEFT_OUT = ("client-limited", "failed-requests")
 RETRIED_ON_RESUME = ("crashed", "timeout")
 # How long a writer waits for another process's transaction before it gives up with a sentence.
 LOCK_TIMEOUT_S = 30.0
@@ -139,7 +146,7 @@ def describe_sqlite_error(path: Path | str, error: Exception) -> str:
 
 def run_identity(resolved: dict[str, Any], repeat: int) -> str:
     """A run's identity: a hash of its resolved scenario (minus provenance) and its repeat index."""
-    body = {k: v for k, v in resolved.items() if k != "sources"}
+    body = redact({k: v for k, v in resolved.items() if k != "sources"})  # no hash of a key
     text = json.dumps({"scenario": body, "repeat": repeat}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -239,8 +246,8 @@ class Store:
                              f"(the file was not changed)")
         if version == SCHEMA_VERSION:
             return
-        if version == 1:
-            self._migrate_from_1()
+        if version in (1, 2):
+            self._migrate_runs()
         # executescript issues its own COMMIT, so it runs outside a transaction; every statement
         # is IF NOT EXISTS, so two processes creating the store at once both succeed.
         self._conn.executescript(SCHEMA)
@@ -248,8 +255,8 @@ class Store:
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
                          (str(SCHEMA_VERSION),))
 
-    def _migrate_from_1(self) -> None:
-        """Rebuild the runs table with version 2's statuses (SQLite cannot alter a CHECK)."""
+    def _migrate_runs(self) -> None:
+        """Rebuild the runs table with this version's statuses (SQLite cannot alter a CHECK)."""
         columns = [r[1] for r in self._conn.execute("PRAGMA table_info(runs)")]
         names = ", ".join(columns)
         picked = ", ".join("CASE status WHEN 'client-overloaded' THEN 'client-limited' ELSE status END"
@@ -296,7 +303,7 @@ class Store:
         with self._write() as conn:
             conn.execute("INSERT OR IGNORE INTO experiments VALUES (?, ?, ?, ?, ?)",
                          (experiment_id, step, scenario_name, time.time(),
-                          json.dumps(meta or {}, default=str)))
+                          json.dumps(redact(meta or {}), default=str)))
         return experiment_id
 
     def record_run(self, run: RunRecord, samples: pd.DataFrame | None = None,
@@ -322,7 +329,8 @@ class Store:
                    "repeat", "host", "gpu_model", "gpu_count", "vllm_version", "backend", "status",
                    "error", "started", "ended", *SUMMARY_COLUMNS, "summary_json", "samples_file"]
         values = [row["experiment_id"], row["run_key"], row["step"], row["scenario_name"],
-                  json.dumps(run.scenario, default=str), json.dumps(run.point, default=str),
+                  json.dumps(redact(run.scenario), default=str),
+                  json.dumps(redact(run.point), default=str),
                   run.repeat, run.host, run.gpu_model, run.gpu_count, run.vllm_version, run.backend,
                   run.status, run.error, run.started, run.ended,
                   *[_num(run.summary.get(c)) for c in SUMMARY_COLUMNS],

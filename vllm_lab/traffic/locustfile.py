@@ -36,6 +36,9 @@ _CFG = json.loads(Path(os.environ["VLLM_LAB_TRAFFIC_CONFIG"]).read_text())
 LOAD = Load.model_validate(_CFG["load"])
 WORKLOAD = Workload.model_validate(_CFG["workload"])
 OUT = Path(_CFG["out_dir"])
+# The server's API key: in the environment (runner.API_KEY_ENV) of a local process, in the 0600
+# config copy of a remote worker.
+_API_KEY = os.environ.get("VLLM_LAB_API_KEY") or _CFG.get("api_key")
 
 # Requests built before the run, per process: two rounds of its users, at most this many.
 PREBUILT_MAX = 2048
@@ -294,7 +297,7 @@ class LLMUser(FastHttpUser):
     wait_time = constant(0)
     network_timeout = LOAD.request_timeout_s
     connection_timeout = LOAD.request_timeout_s
-    default_headers = {"Authorization": f"Bearer {_CFG['api_key']}"} if _CFG.get("api_key") else None
+    default_headers = {"Authorization": f"Bearer {_API_KEY}"} if _API_KEY else None
     sent = 0  # closed loop with a per-user quota: requests this user has sent
 
     @task

@@ -40,6 +40,8 @@ from vllm_lab.traffic.spec import Load, Workload
 from vllm_lab.traffic.workloads import PromptBuilder
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+# How a local Locust process gets the server's API key (environment, not argv or the config file).
+API_KEY_ENV = "VLLM_LAB_API_KEY"
 _LOCAL = {"127.0.0.1", "localhost", "::1"}
 # The lab_host role's defaults (playbooks/roles/lab_host/defaults/main.yml), for hosts that set none.
 LAB_HOST_ROOT_DEFAULT = "/opt/vllm-lab"
@@ -258,6 +260,9 @@ def _fetch_remote_samples(workers: list[WorkerHost], out_dir: Path, run_tag: str
             subprocess.run(h.ssh(f"rm -rf {shlex.quote(rdir)}"), check=False, timeout=60,
                            capture_output=True)
         else:
+            # The samples stay there for a look; the config, which holds the API key, does not.
+            subprocess.run(h.ssh(f"rm -f {shlex.quote(rdir)}/traffic_config.json"), check=False,
+                           timeout=60, capture_output=True)
             print(f"traffic: no samples from {h.name} ({rdir}): {got.stderr.strip()[-300:]}",
                   file=sys.stderr)
 
@@ -295,16 +300,20 @@ def run_load(
     num_workers = len(hosts) * processes if hosts else processes
     cfg = out_dir / "traffic_config.json"
     config = {
-        "base_url": base_url, "model": model, "seed": seed, "api_key": api_key,
+        "base_url": base_url, "model": model, "seed": seed,
         "out_dir": str(out_dir), "num_workers": num_workers,
         "workload": workload.model_dump(mode="json"), "load": load.model_dump(mode="json"),
     }
-    # Written 0600 here and there: it may hold the API key.
+    # The config stays beside the samples, so it holds no key: local Locust processes get the key
+    # in their environment (never in argv, which ps shows to every user).
     fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump(config, fh)
     run_tag = f"{out_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
     env = {**os.environ, "VLLM_LAB_TRAFFIC_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base_url,
            "--csv", str(out_dir / "locust"), "--logfile", str(out_dir / "locust.log"),
            "--only-summary", "--stop-timeout", str(int(load.request_timeout_s))]
@@ -314,7 +323,9 @@ def run_load(
         bind = "127.0.0.1" if all(h.local for h in hosts) else "0.0.0.0"
         cmd += ["--master", "--expect-workers", str(num_workers), "--master-bind-host", bind,
                 "--master-bind-port", str(port), "--expect-workers-max-wait", "60"]
-        _copy_to_remote(hosts, config, run_tag)
+        # A remote worker's copy holds the key (0600 under umask 077, removed after the run):
+        # through ssh's command line it would show in ps on both ends.
+        _copy_to_remote(hosts, {**config, "api_key": api_key}, run_tag)
     elif processes > 1:
         cmd += ["--processes", str(processes)]
     scraper = Scraper(base_url, scrape_interval_s).start() if scrape_metrics else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class _Strict(BaseModel):
@@ -125,6 +125,10 @@ class Stop(_Strict):
     saturation_window_s: float = Field(20, gt=0)
 
 
+# Share of a run's requests that may fail (timeouts aside) before the run counts as failed-requests.
+FAILED_REQUESTS_THRESHOLD = 0.05
+
+
 class Load(_Strict):
     """When requests go: closed loop (users with think time) or open loop (Poisson/gamma arrivals)."""
 
@@ -141,3 +145,16 @@ class Load(_Strict):
     max_schedule_lag_s: float = Field(
         0.010, gt=0, description="client lag p99 above this marks the run client_overloaded"
     )
+    failed_requests_threshold: float = Field(
+        FAILED_REQUESTS_THRESHOLD, ge=0, lt=1,
+        description="share of requests failed (timeouts aside) above which the run measured "
+                    "nothing: status failed-requests",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_default_threshold(self, handler):
+        data = handler(self)
+        # Left out at its default, so a scenario written before it keeps its run identity (hash).
+        if self.failed_requests_threshold == FAILED_REQUESTS_THRESHOLD:
+            data.pop("failed_requests_threshold", None)
+        return data

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import os
 import signal
@@ -515,7 +516,7 @@ class TwinServer:
         if self.api_key and request.path.startswith("/v1"):
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or token != self.api_key:
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
