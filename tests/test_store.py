@@ -156,4 +156,4 @@ def test_a_version_1_store_is_migrated_and_its_overloaded_runs_become_client_lim
     runs = Store(db).runs()
     assert dict(runs["status"].value_counts()) == {
         ("client-limited" if s == "client-overloaded" else s): n for s, n in before}
-    assert sqlite3.connect(db).execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"
+    assert sqlite3.connect(db).execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)

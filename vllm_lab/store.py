@@ -1,6 +1,6 @@
 """The results store: one SQLite database (WAL) and one Parquet file of raw request samples per run.
 
-Schema (version 2; ``SCHEMA`` below is the documentation):
+Schema (version 3; ``SCHEMA`` below is the documentation):
 
 - ``meta``: key/value; ``schema_version`` says which lab wrote the file.
 - ``experiments``: one row per experiment (a baseline, a sweep, a combination, a stress test ...).
@@ -12,7 +12,9 @@ Schema (version 2; ``SCHEMA`` below is the documentation):
 
 A database written by a newer schema is refused, never altered. An older one is migrated in place:
 version 1 called a run whose client could not keep up ``client-overloaded``; version 2 calls it
-``client-limited`` and keeps it out of every comparison.
+``client-limited`` and keeps it out of every comparison; version 3 adds ``unreachable`` (no
+host answered: retried on resume, like a crash). Both are a rebuild of the runs table, whose CHECK
+SQLite cannot alter.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
-STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited")
-RETRIED_ON_RESUME = ("crashed", "timeout")
+STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited", "unreachable")
+RETRIED_ON_RESUME = ("crashed", "timeout", "unreachable")
 
 # The summary metrics every run row carries as columns (seconds, per second, counts); anything
 # else a plan computes goes into summary_json.
@@ -183,8 +185,8 @@ class Store:
                              f"(the file was not changed)")
         if version == SCHEMA_VERSION:
             return
-        if version == 1:
-            self._migrate_from_1()
+        if version in (1, 2):
+            self._rebuild_runs()
         # executescript issues its own COMMIT, so it runs outside a transaction; every statement
         # is IF NOT EXISTS, so two processes creating the store at once both succeed.
         self._conn.executescript(SCHEMA)
@@ -192,8 +194,8 @@ class Store:
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
                          (str(SCHEMA_VERSION),))
 
-    def _migrate_from_1(self) -> None:
-        """Rebuild the runs table with version 2's statuses (SQLite cannot alter a CHECK)."""
+    def _rebuild_runs(self) -> None:
+        """Rebuild the runs table with this version's statuses (SQLite cannot alter a CHECK)."""
         columns = [r[1] for r in self._conn.execute("PRAGMA table_info(runs)")]
         names = ", ".join(columns)
         picked = ", ".join("CASE status WHEN 'client-overloaded' THEN 'client-limited' ELSE status END"
@@ -348,11 +350,13 @@ class Store:
     def finished_keys(self, experiment_id: str) -> set[str]:
         """Run keys a resume skips: every recorded run but those that may pass on a second try.
 
-        A crash or a start timeout can be the machine's doing (a killed server, a slow disk), so
-        a resume measures those again; an OOM or a refused flag would only fail the same way.
+        A crash, a start timeout or an unreachable host can be the machine's doing (a killed
+        server, a slow disk, a host down), so a resume measures those again; an OOM or a refused
+        flag would only fail the same way.
         """
+        marks = ", ".join("?" for _ in RETRIED_ON_RESUME)
         return {r[0] for r in self._conn.execute(
-            "SELECT run_key FROM runs WHERE experiment_id=? AND status NOT IN (?, ?)",
+            f"SELECT run_key FROM runs WHERE experiment_id=? AND status NOT IN ({marks})",
             (experiment_id, *RETRIED_ON_RESUME))}
 
     def samples(self, experiment_id: str, run_key: str) -> pd.DataFrame:
