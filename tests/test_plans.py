@@ -112,7 +112,7 @@ def test_live_backend_restarts_only_when_serve_flags_change(base, tmp_path, monk
         return serving.Instances([serving.Instance("h", "http://127.0.0.1:9", 9, "/tmp/log")])
 
     monkeypatch.setattr(serving, "start", fake_start)
-    monkeypatch.setattr(serving, "stop", lambda inv, limit=None: stops.append(limit))
+    monkeypatch.setattr(serving, "stop", lambda inv, limit=None, **kw: stops.append(limit))
     monkeypatch.setattr(backends, "_get", lambda url, timeout=5.0: 200)
     monkeypatch.setattr(backends, "_post", lambda *a, **k: 200)
     live = LiveBackend("twin", tmp_path / "inv.yml")

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # How a failed start is recorded (the store's statuses).
 START_STATUS = {"oom": "oom", "refused-flag": "failed-start", "start-timeout": "timeout",
-                "crashed": "crashed", "unreachable": "failed-start", "refused-config": "failed-start"}
+                "crashed": "crashed", "unreachable": "unreachable", "refused-config": "failed-start"}
 
 
 @dataclass
@@ -99,9 +99,10 @@ class LiveBackend:
     REMOTE_CORES = 16
 
     def __init__(self, name: str, inventory: Path, api_key: str | None = None,
-                 processes: int | None = None):
+                 processes: int | None = None, experiment: str = ""):
         self.name = name  # "twin" | "vllm"
         self.inventory = inventory
+        self.experiment = experiment  # named in the lease on each instance this process holds
         self.api_key = api_key
         self.processes = processes  # Locust processes per load-generator host; None: sized per run
         self._running: dict[str | None, tuple[str, serving.Instance]] = {}
@@ -115,11 +116,12 @@ class LiveBackend:
         current = self._running.get(host)
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]
-        self.close(host)
+        self._stop(host, release=False)  # a restart keeps the instance's lease: no one takes it between
         # Marked before the start returns: an interrupt during a start must still stop the server.
         self._starting.add(host)
         instances = serving.start(
             scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
+            experiment=self.experiment,
             twin_profile=scenario.hardware.twin_profile if self.name == "twin" else None,
             extra_vars={"vllm_health_timeout_s": int(scenario.run.start_timeout_s),
                         # /reset_prefix_cache between runs is a dev-mode endpoint in vLLM (0.26
@@ -162,11 +164,14 @@ class LiveBackend:
         return self._workers or None
 
     def close(self, host: str | None) -> None:
-        """Stop the host's server if this backend started one."""
+        """Stop the host's server if this backend started one, and give its instances back."""
+        self._stop(host, release=True)
+
+    def _stop(self, host: str | None, release: bool) -> None:
         started = self._running.pop(host, None) is not None
         if started or host in self._starting:
             self._starting.discard(host)
-            serving.stop(self.inventory, limit=host)
+            serving.stop(self.inventory, limit=host, experiment=self.experiment, release=release)
 
     # -- one run -------------------------------------------------------------------------------
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:

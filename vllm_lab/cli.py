@@ -130,18 +130,20 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="Locust processes per load-generator host (default: sized from the load)")
 
 
-def _backend(args: argparse.Namespace):
+def _backend(args: argparse.Namespace, experiment: str = ""):
     from vllm_lab.backends import LiveBackend, PredictBackend
     if args.backend == "predict":
         return PredictBackend()
-    # Idempotent: on a provisioned host this changes nothing and takes a few seconds.
+    serving.check_inventory(args.inventory)  # a bad inventory is refused before anything runs
+    # Idempotent: on a provisioned host this changes nothing and takes a few seconds. It claims
+    # the instances first: another lab process's are refused (InstanceBusy) before any change.
     print(f"provisioning {args.inventory} (playbooks/provision.yml)", flush=True)
     try:
-        serving.provision(args.inventory)
+        serving.provision(args.inventory, experiment=experiment)
     except RuntimeError as e:
         raise StoreError(f"{args.inventory}: hosts could not be provisioned: {e}") from None
     return LiveBackend(args.backend, args.inventory, api_key=os.environ.get("VLLM_API_KEY") or None,
-                       processes=getattr(args, "loadgen_processes", None))
+                       processes=getattr(args, "loadgen_processes", None), experiment=experiment)
 
 
 def _experiment_id(args, step: str, scenario, param: str | None, store_path: Path) -> str:
@@ -177,7 +179,7 @@ def _take(args, step: str, scenario, points, meta: dict, param: str | None = Non
         print(f"  {point.values or 'baseline'} repeat {point.repeat}: {m.status}: {figures}", flush=True)
 
     try:
-        counts = plans.execute(plan, _backend(args), store_path, args.out / ".work", hosts, progress)
+        counts = plans.execute(plan, _backend(args, exp_id), store_path, args.out / ".work", hosts, progress)
     except KeyboardInterrupt:
         print(f"lab: interrupted; finished runs are kept. Continue with: make {step} ... "
               f"RESUME=1 EXPERIMENT={exp_id}", file=sys.stderr)
@@ -325,7 +327,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"  trial {number} {values}: {run['state']}: {figures}", flush=True)
 
     try:
-        counts = search.run_trials(scenario, settings, _backend(args), store_path, args.out / ".work",
+        counts = search.run_trials(scenario, settings, _backend(args, exp_id), store_path, args.out / ".work",
                                    hosts, progress)
     except KeyboardInterrupt:
         print(f"lab: interrupted; finished trials are kept. Continue with: make tune EXPERIMENT={exp_id}",
@@ -608,7 +610,12 @@ def make_argv(target: str, env: Mapping[str, str]) -> tuple[list[str], dict[str,
     """The lab's argument list for ``make TARGET`` from the LAB_MAKE_* environment, and which make
     variable each option came from (for error messages)."""
     def var(name: str) -> str:
-        return env.get(f"LAB_MAKE_{name}", "").strip()
+        text = env.get(f"LAB_MAKE_{name}", "").strip()
+        if any(not c.isprintable() for c in text):
+            # A newline or other control character would split the one-line answer it ends up in.
+            raise UsageError(f"{name}={text!r} is not allowed: a make variable is one line of "
+                             f"printable text")
+        return text
 
     if target == "report" and var("PERIOD"):
         target = "quarterly"
@@ -711,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise UsageError(problem)
         return args.func(args)
-    except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError) as e:
+    except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError,
+            serving.InventoryError, serving.InstanceBusy) as e:
         print(f"lab: {_for_make(str(e), names)}", file=sys.stderr)
         return 2
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as e:

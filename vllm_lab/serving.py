@@ -6,6 +6,13 @@ a temporary JSON file (``-e @file``, mode 0600), never on the command line, so a
 in ``ps``. Each host's outcome comes back as a small JSON file the playbook writes on the control
 node; the play recap says which hosts were unreachable, so one dead host of a fleet is reported
 while the others serve.
+
+Two lab processes must not share an instance (its pid file and port: each would stop or restart
+the other's server). Every playbook that touches an instance first claims it for this process
+(``lab_owner``: experiment, pid, control node) in a lease beside its pid file; another live owner is
+refused with ``InstanceBusy`` naming it, and a dead owner's lease is taken over. A lease, not a
+port of our own, because a GPU host's instances are its GPUs: two servers on one GPU would measure
+each other.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,24 @@ def _names_a_flag(text: str) -> bool:
             if (dashed or snake.replace("_", "-")) in FLAGS:
                 return True
     return False
+
+class InventoryError(RuntimeError):
+    """The inventory cannot be used (missing, malformed, no such group); one sentence naming it."""
+
+
+class InstanceBusy(Exception):
+    """Another live lab process holds instances this one needs; ``busy``: host -> [{name, port, holder}]."""
+
+    def __init__(self, inventory: Path, busy: dict[str, list[dict]]):
+        self.busy = busy
+        host, first = next(iter(busy.items()))
+        b = first[0]
+        h = b.get("holder", {})
+        super().__init__(
+            f"{inventory}: {host}'s instance {b.get('name')} (port {b.get('port')}) is held by experiment "
+            f"{h.get('experiment') or '(none named)'} (lab pid {h.get('pid')} on {h.get('node')}, since "
+            f"{h.get('since', '?')}); wait until it ends, or serve on other instances (vllm_instances)")
+
 
 class ServeError(RuntimeError):
     """vLLM or the twin did not come up: ``cause`` is one of CAUSES, ``log_tail`` its last lines."""
@@ -138,6 +166,36 @@ def scrub(text: str, secrets: list[str] | tuple[str, ...]) -> str:
 
 # An assert's failure, in the default callback's JSON or YAML-like result format.
 _ASSERT_FAILED = re.compile(r'"?evaluated_to"?: false')
+
+
+def _start_time(pid: int) -> str:
+    """A process's start time in clock ticks (/proc), which tells a live pid from a reused one."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+    except OSError:
+        return ""
+    fields = raw[raw.rindex(")") + 2:].split()
+    return fields[19] if fields[0] != "Z" else ""
+
+
+def lab_owner(experiment: str = "") -> dict[str, Any]:
+    """This lab process as the owner of the instances it claims (the lease's content)."""
+    return {"experiment": experiment, "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
+            "node": socket.gethostname()}
+
+
+def _owner_token(owner: dict) -> str:
+    return f"{owner.get('node', '')}:{owner.get('pid', '')}:{owner.get('pid_start', '')}"
+
+
+def _dead_here(holder: dict) -> bool:
+    """The holder ran on this node and its process is gone (only here can its pid be checked)."""
+    if holder.get("node") != socket.gethostname() or not holder.get("pid"):
+        return False
+    start = _start_time(int(holder["pid"]))
+    return not start or (bool(holder.get("pid_start")) and start != str(holder["pid_start"]))
+
+
 _RECAP = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$")
 _UNREACHABLE = re.compile(r"^fatal: \[([^\]]+)\]: UNREACHABLE! => (.*)$")
 
@@ -170,17 +228,45 @@ def run_playbook(playbook: str, *, inventory: Path, extra_vars: dict | None = No
             cmd += ["--limit", limit]
         env = dict(os.environ, ANSIBLE_CONFIG=str(REPO_ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                    ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default",
-                   ANSIBLE_RETRY_FILES_ENABLED="0", PYTHONUNBUFFERED="1")
+                   ANSIBLE_RETRY_FILES_ENABLED="0", PYTHONUNBUFFERED="1",
+                   # An inventory Ansible cannot parse fails the play instead of running on no host.
+                   ANSIBLE_INVENTORY_UNPARSED_FAILED="1")
         log.debug("running %s", " ".join(cmd))
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
     out = scrub(proc.stdout, secrets)
-    unreachable = {m.group(1): m.group(2)[:500] for m in map(_UNREACHABLE.match, out.splitlines()) if m}
+    unreachable = _unreachable_reasons(out)
     recap = parse_recap(out)
     for host, counts in recap.items():
         if counts.get("unreachable") and host not in unreachable:
             unreachable[host] = "unreachable"
     return PlaybookRun(proc.returncode, out, recap, unreachable)
+
+
+def _unreachable_reasons(stdout: str) -> dict[str, str]:
+    """Host -> why it could not be reached, from each ``fatal: [h]: UNREACHABLE! =>`` result (JSON on
+    its line, or the YAML block below it with ansible.cfg's callback_result_format)."""
+    lines = stdout.splitlines()
+    reasons: dict[str, str] = {}
+    for i, line in enumerate(lines):
+        m = _UNREACHABLE.match(line)
+        if not m:
+            continue
+        body = m.group(2).strip()
+        if not body:
+            block = []
+            for nxt in lines[i + 1:]:
+                if nxt and not nxt[0].isspace():
+                    break
+                block.append(nxt)
+            body = "\n".join(block)
+        try:
+            result = yaml.safe_load(body)
+        except yaml.YAMLError:
+            result = None
+        why = result.get("msg") if isinstance(result, dict) else None
+        reasons[m.group(1)] = " ".join(str(why or body).split())[:500]
+    return reasons
 
 
 def _ansible_playbook() -> str:
@@ -199,30 +285,59 @@ def _split_secrets(serve_flags: dict, extra_vars: dict) -> tuple[dict, dict]:
     return flags, role_vars
 
 
+def _claiming(playbook: str, *, inventory: Path, role_vars: dict, limit: str | None,
+              secrets: list[str] | tuple[str, ...] = (), timeout: float | None = None,
+              experiment: str = "") -> tuple[PlaybookRun, dict[str, dict], dict[str, str]]:
+    """Run a playbook that claims the instances first: its recap, each host's outcome file and
+    the API key each host's servers got (a 0600 file in a folder gone when this returns: the load
+    generator sends the same key, wherever the role found it).
+
+    A lease whose lab process ran on this node and is gone is taken over (one more run naming it:
+    the host cannot check a pid of this node); a live holder raises InstanceBusy.
+    """
+    takeover: list[str] = []
+    while True:
+        with tempfile.TemporaryDirectory(prefix="vllm-lab-serve-") as results:
+            extra = {**role_vars, "vllm_result_dir": results, "vllm_lock_owner": lab_owner(experiment),
+                     "vllm_lock_takeover": takeover}
+            run = run_playbook(playbook, inventory=inventory, extra_vars=extra, limit=limit,
+                               secrets=secrets, timeout=timeout)
+            outcomes = {p.stem: json.loads(p.read_text()) for p in Path(results).glob("*.json")}
+            keys = {p.stem: p.read_text().strip() for p in Path(results).glob("*.key")}
+        busy = {h: o["busy"] for h, o in outcomes.items() if o.get("busy")}
+        dead = sorted({_owner_token(b["holder"]) for bs in busy.values() for b in bs
+                       if _dead_here(b.get("holder", {}))} - set(takeover))
+        if busy and dead and not takeover:
+            log.warning("serving: taking over leases of lab processes that are gone: %s", ", ".join(dead))
+            takeover = dead
+            continue
+        if busy:
+            raise InstanceBusy(inventory, busy)
+        return run, outcomes, keys
+
+
 def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, backend: str = "twin",
           limit: str | None = None, twin_profile: str | None = None,
-          extra_vars: dict | None = None, timeout: float | None = None) -> Instances:
+          extra_vars: dict | None = None, timeout: float | None = None,
+          experiment: str = "") -> Instances:
     """Serve ``serve_flags`` on every host of ``inventory`` (or ``limit``) and wait until /health answers.
 
     Returns the healthy instances; hosts that could not be reached are in ``.unreachable`` and
-    logged. Raises ServeError (cause oom | refused-flag | start-timeout | crashed) when a reached
-    host's server did not come up, or when no host could be reached at all.
+    logged. Raises ServeError (cause oom | refused-flag | start-timeout | crashed, or unreachable
+    when no host answered) when a reached host's server did not come up, and InstanceBusy when
+    another live lab process holds an instance (``experiment`` names this one in the lease).
     """
     if backend not in ("twin", "vllm"):
         raise ValueError(f"backend must be 'twin' or 'vllm', not {backend!r}")
     flags, role_vars = _split_secrets(serve_flags, extra_vars or {})
     secrets = [str(role_vars[v]) for v in SECRET_FLAGS.values() if role_vars.get(v)]
     secrets += [os.environ[e] for e in ("VLLM_API_KEY", "HF_TOKEN") if os.environ.get(e)]
-    with tempfile.TemporaryDirectory(prefix="vllm-lab-serve-") as results:
-        role_vars.update(vllm_backend=backend, vllm_flags=flags, vllm_result_dir=results)
-        if twin_profile:
-            role_vars["vllm_twin_profile"] = twin_profile
-        run = run_playbook("serve.yml", inventory=Path(inventory), extra_vars=role_vars, limit=limit,
-                           secrets=secrets, timeout=timeout)
-        outcomes = {p.stem: json.loads(p.read_text()) for p in Path(results).glob("*.json")}
-        # The key each host's servers got (0600, in this folder, gone when it is): the load
-        # generator sends the same, wherever the role found it.
-        keys = {p.stem: p.read_text().strip() for p in Path(results).glob("*.key")}
+    role_vars.update(vllm_backend=backend, vllm_flags=flags)
+    if twin_profile:
+        role_vars["vllm_twin_profile"] = twin_profile
+    run, outcomes, keys = _claiming("serve.yml", inventory=Path(inventory), role_vars=role_vars,
+                                    limit=limit, secrets=secrets, timeout=timeout,
+                                    experiment=experiment)
     healthy, failures = [], []
     for host, outcome in sorted(outcomes.items()):
         for inst in outcome["instances"]:
@@ -245,9 +360,12 @@ def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, b
         # An assert that failed before the start (preflight) refused the configuration.
         cause = "refused-config" if _ASSERT_FAILED.search(run.stdout) else "crashed"
         raise ServeError(cause, _play_failure(run.stdout), host=missing[0], instances=healthy)
+    if not healthy and run.unreachable:
+        # Why ssh (or the connection) failed, per host: the run's recorded reason.
+        raise ServeError("unreachable", "\n".join(f"{h}: {why}" for h, why in run.unreachable.items()),
+                         host=next(iter(run.unreachable)), instances=[])
     if not healthy:
-        cause = "unreachable" if run.unreachable else "crashed"
-        raise ServeError(cause, _play_failure(run.stdout), instances=[])
+        raise ServeError("crashed", _play_failure(run.stdout), instances=[])
     return Instances(healthy, unreachable=run.unreachable)
 
 
@@ -258,12 +376,16 @@ def _play_failure(stdout: str) -> str:
 
 
 def stop(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
-         extra_vars: dict | None = None, timeout: float | None = None) -> PlaybookRun:
+         extra_vars: dict | None = None, timeout: float | None = None,
+         experiment: str = "", release: bool = True) -> PlaybookRun:
     """Stop every instance on the inventory's hosts (whole process groups) and check the GPUs are free.
 
-    Unreachable hosts are logged and left out; a reached host that fails the stop raises RuntimeError.
+    Instances another live lab process holds are left alone; with ``release`` this process's leases
+    are dropped (a restart between serve groups keeps them). Unreachable hosts are logged and left
+    out; a reached host that fails the stop raises RuntimeError.
     """
-    run = run_playbook("stop.yml", inventory=Path(inventory), extra_vars=extra_vars or {}, limit=limit,
+    vars_ = {**(extra_vars or {}), "vllm_lock_owner": lab_owner(experiment), "vllm_lock_release": release}
+    run = run_playbook("stop.yml", inventory=Path(inventory), extra_vars=vars_, limit=limit,
                        timeout=timeout)
     for host, why in run.unreachable.items():
         log.warning("serving: host %s unreachable during stop: %s", host, why)
@@ -274,10 +396,15 @@ def stop(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
 
 
 def provision(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
-              extra_vars: dict | None = None, timeout: float | None = None) -> PlaybookRun:
-    """Run provision.yml (idempotent: a provisioned host reports no change); raise on failure."""
-    run = run_playbook("provision.yml", inventory=Path(inventory), extra_vars=extra_vars or {},
-                       limit=limit, timeout=timeout)
+              extra_vars: dict | None = None, timeout: float | None = None,
+              experiment: str = "") -> PlaybookRun:
+    """Claim the instances, then run provision.yml (idempotent: a provisioned host reports no change).
+
+    Raises InstanceBusy before anything is installed when another live lab process holds an
+    instance (its venv stays as it is), RuntimeError on a failure.
+    """
+    run, _, _ = _claiming("provision.yml", inventory=Path(inventory), role_vars=extra_vars or {},
+                       limit=limit, timeout=timeout, experiment=experiment)
     for host, why in run.unreachable.items():
         log.warning("serving: host %s unreachable during provision: %s", host, why)
     failed = [h for h, c in run.recap.items() if c.get("failed")]
@@ -287,17 +414,46 @@ def provision(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
     return run
 
 
-def serve_hosts(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_servers") -> list[str]:
-    """The hosts of the inventory's serving group, in inventory order."""
+def check_inventory(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_servers") -> list[str]:
+    """The hosts of the inventory's serving group, in inventory order; InventoryError, one sentence
+    naming the file and what is wrong, when it is missing, malformed or has no such group."""
+    path = Path(inventory)
+    if not path.exists():
+        raise InventoryError(f"{path}: no such inventory file (INVENTORY=path/to/inventory.yml)")
+    if path.is_file() and path.suffix in (".yml", ".yaml"):
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise InventoryError(f"{path}: not valid YAML{where} "
+                                 f"({getattr(e, 'problem', None) or 'cannot be parsed'})") from None
+        except OSError as e:
+            raise InventoryError(f"{path}: cannot be read ({e.strerror})") from None
+        if not isinstance(data, dict):
+            raise InventoryError(f"{path}: not an Ansible inventory (its top level must map group names, "
+                                 f"e.g. all:, to their hosts)")
     exe = str(Path(_ansible_playbook()).with_name("ansible-inventory"))
-    out = subprocess.run([exe, "-i", str(inventory), "--list"], capture_output=True, text=True,
-                         check=False)
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO_ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_INVENTORY_UNPARSED_FAILED="1")
+    out = subprocess.run([exe, "-i", str(path), "--list"], capture_output=True, text=True, check=False,
+                         env=env)
     if out.returncode:
-        raise RuntimeError(f"{inventory}: ansible-inventory failed: {out.stderr.strip()[-500:]}")
+        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Failed to parse" in ln or "error" in ln.lower()),
+                   lines[-1] if lines else "ansible-inventory failed")
+        raise InventoryError(f"{path}: Ansible cannot read it as an inventory ({why[:300]})")
     data = json.loads(out.stdout)
     hosts = list(data.get(group, {}).get("hosts", []))
     for child in data.get(group, {}).get("children", []):
         hosts += [h for h in data.get(child, {}).get("hosts", []) if h not in hosts]
     if not hosts:
-        raise RuntimeError(f"{inventory}: no hosts in group {group}")
+        groups = [g for g in data if g not in ("_meta", "all", "ungrouped")]
+        raise InventoryError(f"{path}: no host in group {group} (the hosts that serve); its groups: "
+                             f"{', '.join(groups) or 'none'}")
     return hosts
+
+
+def serve_hosts(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_servers") -> list[str]:
+    """The hosts of the inventory's serving group, in inventory order (InventoryError when none)."""
+    return check_inventory(inventory, group)

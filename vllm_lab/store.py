@@ -13,8 +13,10 @@ Schema (version 3; ``SCHEMA`` below is the documentation):
 A database written by a newer schema is refused, never altered. An older one is migrated in place:
 version 1 called a run whose client could not keep up ``client-overloaded``; version 2 calls it
 ``client-limited`` and keeps it out of every comparison; version 3 adds ``failed-requests`` (too
-many of the run's requests failed: it measured nothing). Secrets (``flags.is_secret``) are
-redacted from every scenario and experiment before they are written.
+many of the run's requests failed: it measured nothing) and ``unreachable`` (no host answered:
+retried on resume, like a crash), a rebuild of the runs table, whose CHECK SQLite cannot alter.
+Secrets (``flags.is_secret``) are redacted from every scenario and experiment before they are
+written.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from vllm_lab.flags import redact
 SCHEMA_VERSION = 3
 DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
-STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited", "failed-requests")
+STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited", "failed-requests",
+            "unreachable")
 # Runs that ended but measured the client or nothing: recorded with their figures and reason, and,
 # like every status but ok, left out of best points, verdicts, knees and fits.
 LEFT_OUT = ("client-limited", "failed-requests")
-RETRIED_ON_RESUME = ("crashed", "timeout")
+RETRIED_ON_RESUME = ("crashed", "timeout", "unreachable")
 # How long a writer waits for another process's transaction before it gives up with a sentence.
 LOCK_TIMEOUT_S = 30.0
 
@@ -247,7 +250,7 @@ class Store:
         if version == SCHEMA_VERSION:
             return
         if version in (1, 2):
-            self._migrate_runs()
+            self._rebuild_runs()
         # executescript issues its own COMMIT, so it runs outside a transaction; every statement
         # is IF NOT EXISTS, so two processes creating the store at once both succeed.
         self._conn.executescript(SCHEMA)
@@ -255,7 +258,7 @@ class Store:
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
                          (str(SCHEMA_VERSION),))
 
-    def _migrate_runs(self) -> None:
+    def _rebuild_runs(self) -> None:
         """Rebuild the runs table with this version's statuses (SQLite cannot alter a CHECK)."""
         columns = [r[1] for r in self._conn.execute("PRAGMA table_info(runs)")]
         names = ", ".join(columns)
@@ -413,11 +416,13 @@ class Store:
     def finished_keys(self, experiment_id: str) -> set[str]:
         """Run keys a resume skips: every recorded run but those that may pass on a second try.
 
-        A crash or a start timeout can be the machine's doing (a killed server, a slow disk), so
-        a resume measures those again; an OOM or a refused flag would only fail the same way.
+        A crash, a start timeout or an unreachable host can be the machine's doing (a killed
+        server, a slow disk, a host down), so a resume measures those again; an OOM or a refused
+        flag would only fail the same way.
         """
+        marks = ", ".join("?" for _ in RETRIED_ON_RESUME)
         return {r[0] for r in self._conn.execute(
-            "SELECT run_key FROM runs WHERE experiment_id=? AND status NOT IN (?, ?)",
+            f"SELECT run_key FROM runs WHERE experiment_id=? AND status NOT IN ({marks})",
             (experiment_id, *RETRIED_ON_RESUME))}
 
     def samples(self, experiment_id: str, run_key: str) -> pd.DataFrame:
