@@ -48,3 +48,24 @@ def test_the_fill_before_the_first_reply_is_not_averaged_in():
     assert s["warmup_s"] == 5.0 and s["duration_s"] == 8.0  # first reply at 5 s, last send at 13 s
     assert s["output_throughput"] == pytest.approx(200.0)  # 4 users x 100 tokens every 2 s
     # First send -> last send would say 2000 tokens in 13 s: 154 tok/s, 23% low.
+
+
+def test_a_slow_start_after_the_first_reply_is_cut_as_warm_up():
+    # 8 users, 2 s requests of 100 tokens; the server runs at half speed for its first 10 s (a
+    # fresh start: graphs captured lazily), so those requests take 4 s.
+    rows, t = [], {u: 0.0 for u in range(8)}
+    for u in range(8):
+        while t[u] < 60:
+            e2e = 4.0 if t[u] < 10 else 2.0
+            rows.append((f"{u}-{t[u]}", t[u] + u * 0.01, e2e, 100, 0.2))
+            t[u] += e2e
+    df = pd.DataFrame(rows, columns=["request_id", "start_ts", "e2e_s", "output_tokens", "ttft_s"])
+    df = df.assign(tpot_s=(df["e2e_s"] - df["ttft_s"]) / 99, prompt_tokens=50, status="ok",
+                   error="", itl_s=[[] for _ in range(len(df))])
+    s = summarize(df, Slo())
+    assert 8.0 <= s["warmup_s"] <= 14.0
+    assert s["output_throughput"] == pytest.approx(400.0, rel=0.03)  # 8 x 100 tokens / 2 s
+    assert s["output_throughput_rel_ci"] < 0.05
+    assert "MSER" in s["window_reason"]
+    plain = summarize(closed_loop([2, 2, 2, 10], [100, 100, 100, 500]), Slo())
+    assert plain["window_reason"].startswith("from the first reply (2.0 s")

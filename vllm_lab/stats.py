@@ -96,6 +96,30 @@ def mser_truncation(series: Sequence[float], batch: int = 5) -> int:
     return best_d * batch
 
 
+def warmup_cut(series: Sequence[float], batch: int = 5, min_effect: float = 0.05) -> int:
+    """Where the warm-up of ``series`` ends: the first value from which every run of ``batch``
+    values stays in the steady band MSER's rest defines (its mean ± the larger of twice its batch
+    means' spread and ``min_effect``), or 0 when what MSER cut ran no differently from the rest.
+
+    MSER alone can stop late on a periodic series (a closed loop's lockstep waves) and can cut a
+    trough of the waves at the start; the band test keeps only a real warm-up, and all of it.
+    """
+    x = np.asarray(series, dtype=float)
+    cut = mser_truncation(x, batch)
+    if not cut:
+        return 0
+    rest = x[cut:]
+    n = rest.size // batch
+    spread = float(rest[: n * batch].reshape(n, batch).mean(axis=1).std(ddof=1)) if n >= 2 else 0.0
+    centre = float(rest.mean())
+    band = max(2 * spread, min_effect * abs(centre))
+    if abs(float(x[:cut].mean()) - centre) <= band:
+        return 0
+    rolling = np.convolve(x, np.ones(batch) / batch, mode="valid")  # rolling[i]: mean of x[i:i+batch]
+    outside = np.flatnonzero(np.abs(rolling[:cut + 1] - centre) > band)
+    return int(outside[-1]) + 1 if outside.size else 0
+
+
 @dataclass(frozen=True)
 class Effect:
     """``candidate`` against ``reference``: the relative difference of means and its interval."""

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vllm_lab import stats
 from vllm_lab.scenarios import Slo
 
 PERCENTILES = (50, 90, 99)
@@ -98,11 +99,39 @@ def _kv_cache_tokens(metrics: pd.DataFrame) -> float | None:
 
 
 def steady_window(samples: pd.DataFrame, min_sends: int = 10) -> tuple[float, float] | None:
-    """First reply's end to last send: the span the load was on and the server past its fill.
+    """First reply's end to last send, less a warm-up the output rate shows: the span the load
+    was on and the server past its fill.
 
+    The first reply's end is when the load is fully on; a server that was just started (CUDA graphs
+    captured lazily, caches cold) can still run slow for a while after it, so the output rate over
+    the span is cut where MSER-5 says the warm-up ends (``stats.mser_truncation``).
     None for a tiny run, or one whose sends all went out before any reply ended (a closed loop
     with as many users as requests): it has no steady part, and the whole span is used.
     """
+    found = _load_window(samples, min_sends)
+    if found is None:
+        return None
+    t0, t1 = found
+    ok = samples[samples["status"] == "ok"] if "status" in samples else samples
+    edges, rates = output_rate_series(ok, t0, t1)
+    cut = stats.warmup_cut(rates) if len(rates) >= WARMUP_MIN_BINS else 0
+    return (float(edges[cut]), t1) if cut else (t0, t1)
+
+
+def _window_reason(warmup_s: float, cut: bool) -> str:
+    """Why the window starts where it does, for the run's record."""
+    if cut:
+        return (f"from {warmup_s:.1f} s, where the output rate settled (MSER-5 warm-up cut past the "
+                f"first reply), to the last send")
+    return f"from the first reply ({warmup_s:.1f} s after the first send) to the last send"
+
+
+# Bins of the output-rate series a window is judged on: enough for MSER-5 to see a trend.
+RATE_BINS = 40
+WARMUP_MIN_BINS = 20
+
+
+def _load_window(samples: pd.DataFrame, min_sends: int) -> tuple[float, float] | None:
     starts = samples["start_ts"].dropna()
     if len(starts) < min_sends:
         return None
@@ -112,6 +141,15 @@ def steady_window(samples: pd.DataFrame, min_sends: int = 10) -> tuple[float, fl
         return None
     t0, t1 = float(ends.min()), float(starts.max())
     return (t0, t1) if t1 > t0 else None
+
+
+def output_rate_series(ok: pd.DataFrame, t0: float, t1: float,
+                       bins: int = RATE_BINS) -> tuple[np.ndarray, np.ndarray]:
+    """Output tokens per second in ``bins`` equal slices of [t0, t1]: the slices' left edges (and
+    t1 last) and their rates."""
+    edges = np.linspace(t0, t1, bins + 1)
+    emitted = np.array([tokens_by(ok, t) for t in edges])
+    return edges, np.diff(emitted) / np.diff(edges)
 
 
 def tokens_by(ok: pd.DataFrame, t: float) -> float:
@@ -155,7 +193,12 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         finished = (end > t0) & (end <= t1)
         done, good = float(finished.sum()), float((meets & finished).sum())
         out["warmup_s"] = t0 - float(samples["start_ts"].min())
+        loaded = _load_window(samples, 10)
+        out["window_reason"] = _window_reason(out["warmup_s"], loaded is not None and t0 > loaded[0])
         out["drain_s"] = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - t1)
+        # Within-run precision: batch means of the window's output rate (10 batches).
+        _, rates = output_rate_series(ok, t0, t1)
+        out["output_throughput_rel_ci"] = stats.batch_means_ci(rates).relative
     out["duration_s"] = duration_s
     out["request_throughput"] = done / duration_s
     out["output_throughput"] = out_tokens / duration_s
