@@ -149,9 +149,11 @@ async def _serve(args: ServeArgs) -> None:
          f"request: {tokens / max_len:.2f}x", proc="EngineCore")
     _log("INFO", "core.py:348", f"init engine (profile, create kv cache, warmup model) took "
          f"{args.startup_s:.2f} s", proc="EngineCore")
-    tok = load_tokenizer(args.model, shape.vocab_size, flags.get("chat-template"))
+    # vLLM's --tokenizer names the tokenizer's folder when it is not the model's own.
+    tok_source = flags.get("tokenizer") or args.model
+    tok = load_tokenizer(tok_source, shape.vocab_size, flags.get("chat-template"))
     if not tok.exact:
-        _log("INFO", "server.py:0", "twin: no tokenizer.json in the model folder; prompt token "
+        _log("INFO", "server.py:0", f"twin: no tokenizer.json in {tok_source}; prompt token "
              "counts are approximated")
     names = flags.get("served-model-name") or [args.model]
     metrics = TwinMetrics(engine, names[0], max_len, _cache_config(flags, stats, max_len),
@@ -177,7 +179,8 @@ async def _serve(args: ServeArgs) -> None:
     _log("INFO", "api_server.py:677", f"Starting vLLM server on http://{host}:{port}")
     _log("INFO", "launcher.py:37", "Available routes are:")
     for route in ("/health", "/metrics", "/version", "/v1/models", "/v1/completions",
-                  "/v1/chat/completions", "/reset_prefix_cache", "/twin/ground_truth"):
+                  "/v1/chat/completions", "/tokenize", "/detokenize",
+                  "/reset_prefix_cache", "/twin/ground_truth"):
         _log("INFO", "launcher.py:45", f"Route: {route}")
     sys.stdout.write(f"INFO:     Started server process [{os.getpid()}]\nINFO:     Waiting for "
                      "application startup.\nINFO:     Application startup complete.\n")
