@@ -93,6 +93,37 @@ class StepResult:
     kv_cache_usage: float = 0.0
 
 
+@dataclass(slots=True)
+class FinishedRequest:
+    """A request that finished, with the counts the predictor books for it."""
+
+    request_id: Any
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class StepSummary:
+    """One step told in counts, not tokens: the predictor's cheaper view of ``step``."""
+
+    duration_s: float
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    first_token_ids: list            # requests whose first token this step made
+    finished: list[FinishedRequest]
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """Consecutive pure-decode steps computed in one go by ``Engine.fast_forward``."""
+
+    step_times: np.ndarray           # each step's modelled duration, in order
+    batch_size: int                  # requests decoding in every one of them
+    finished: list[FinishedRequest]  # those that finished with the last step
+
+
 @dataclass
 class EngineStats:
     """The engine's gauges and counters, the numbers vLLM's /metrics shows."""
@@ -307,6 +338,11 @@ class _Req:
         self.preemptions = 0
 
 
+def _finished(r: _Req) -> FinishedRequest:
+    return FinishedRequest(r.id, r.num_prompt, r.num_tokens - r.num_prompt, r.cached_tokens,
+                           r.preemptions)
+
+
 class Engine:
     """vLLM V1's engine core as a simulation: add requests, step, read outputs and stats."""
 
@@ -400,6 +436,11 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; False while requests hold blocks, as vLLM answers."""
         return self.kv.reset()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks in use now (vLLM's kv_cache_usage_perc)."""
+        return self.kv.usage
 
     # -- the decoding group ------------------------------------------------------------------
     def _join(self, r: _Req) -> None:
@@ -679,13 +720,21 @@ class Engine:
         return StepResult(dur, list(outputs.values()), tokens, tokens - n_prefill, n_prefill,
                           preempted, len(self.running), len(self.waiting), self.kv.usage)
 
-    # -- fast path for the predictor -----------------------------------------------------------
-    def _fast_forward(self, now: float, horizon: float, max_steps: int = 4096):
+    # -- the predictor's API: counts instead of tokens, and a fast path ------------------------
+    def step_summary(self, now: float) -> StepSummary:
+        """Schedule and run one step starting at ``now`` as ``step`` does, reporting counts only."""
+        dur, tokens, first, finished, _d, _p, chunks = self._run_step(now, False)
+        n_prefill = sum(q for _r, q, _c in chunks)
+        return StepSummary(dur, tokens - n_prefill, n_prefill, [r.id for r in first],
+                           [_finished(r) for r in finished])
+
+    def fast_forward(self, now: float, horizon: float, max_steps: int = 4096) -> DecodeRun | None:
         """Run consecutive pure-decode steps in one computation while nothing else can happen.
 
         Nothing can change while no request prefills, no waiting request can be admitted, no
         request finishes and the free blocks cover every block the group may need. Stops at the
-        step during which ``horizon`` (the next arrival) passes. Returns the step times or None.
+        step during which ``horizon`` (the next arrival) passes. None when no such run of two or
+        more steps exists now: then ``step_summary`` (or ``step``) takes the next step.
         """
         B = self.B
         if not B or self.partials or B > self.cfg.max_num_batched_tokens:
@@ -722,7 +771,7 @@ class Engine:
         self._pop_finished(finished)
         total = float(times.sum())
         self._account(now, total)
-        return times, finished
+        return DecodeRun(times, B, [_finished(r) for r in finished])
 
     # -- stats -------------------------------------------------------------------------------
     def gpu_utilization(self, now: float | None = None, window_s: float = 1.0) -> float:
