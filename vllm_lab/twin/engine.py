@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_lab.flags import engine_defaults
 from vllm_lab.twin.kvcache import KVCache, block_hashes
 from vllm_lab.twin.profile import Profile
 from vllm_lab.twin.steptime import StepTimeModel
@@ -32,12 +33,13 @@ _WEIGHT_DTYPES = {"float32": (4, "fp32"), "float": (4, "fp32"), "float16": (2, "
 _KV_DTYPES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "bfloat16": 2, "float16": 2,
               "half": 2}
 _BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-_FALLBACK_DEFAULTS: dict[str, Any] = {
-    "max-num-seqs": 1024, "max-num-batched-tokens": 8192, "gpu-memory-utilization": 0.92,
-    "block-size": 16, "max-model-len": None, "enforce-eager": False, "dtype": "auto",
-    "kv-cache-dtype": "auto", "tensor-parallel-size": 1, "enable-prefix-caching": True,
-    "long-prefill-token-threshold": 0, "max-num-partial-prefills": 1, "num-gpu-blocks-override": None,
-}
+# The flags the engine reads; every other flag it is given changes nothing in it. Their defaults
+# come from the flag catalog (vllm_lab.flags), the GPU-dependent ones sized for the profile's GPU.
+ENGINE_FLAGS = frozenset({
+    "max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "block-size",
+    "max-model-len", "enforce-eager", "dtype", "kv-cache-dtype", "tensor-parallel-size",
+    "enable-prefix-caching", "long-prefill-token-threshold", "num-gpu-blocks-override",
+})
 WAITING, RUNNING, FINISHED = 0, 1, 2
 
 
@@ -184,12 +186,8 @@ def _norm_key(key: str) -> str:
 
 def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfig:
     """Merge ``flags`` over vLLM's defaults for this GPU and check them as vLLM would."""
-    try:
-        from vllm_lab.flags import engine_defaults
-        defaults = engine_defaults(profile.hardware.memory_gib, profile.hardware.name)
-    except ImportError:
-        defaults = dict(_FALLBACK_DEFAULTS)
-    merged = {**_FALLBACK_DEFAULTS, **defaults, **{_norm_key(k): v for k, v in flags.items()}}
+    defaults = engine_defaults(profile.hardware.memory_gib, profile.hardware.name, ENGINE_FLAGS)
+    merged = {**defaults, **{_norm_key(k): v for k, v in flags.items()}}
 
     def refuse(msg: str):
         raise EngineStartError("refused-flag", msg)

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from vllm_lab import flags as flag_catalog
 from vllm_lab.twin.cli_args import FRONTEND_FLAGS, ServeArgs, build_parser, parse_serve_args
 from vllm_lab.twin.engine import Engine, EngineStartError
 from vllm_lab.twin.engine_loop import EngineLoop, _Req
@@ -90,19 +91,23 @@ def _load_profile(name: str) -> Any:
 def _cache_config(flags: dict[str, Any], stats: Any, max_model_len: int) -> dict[str, Any]:
     """The labels of vllm:cache_config_info: vLLM's CacheConfig fields as strings."""
     tokens = stats.num_gpu_blocks * stats.block_size
+
+    def value(name: str) -> Any:
+        return flags.get(name, flag_catalog.default(name))
+
     return {
-        "block_size": stats.block_size, "cache_dtype": flags.get("kv-cache-dtype", "auto"),
-        "calculate_kv_scales": False, "cpu_offload_gb": flags.get("cpu-offload-gb", 0),
-        "enable_prefix_caching": flags.get("enable-prefix-caching", True),
-        "gpu_memory_utilization": flags.get("gpu-memory-utilization", 0.92),
+        "block_size": stats.block_size, "cache_dtype": value("kv-cache-dtype"),
+        "calculate_kv_scales": False, "cpu_offload_gb": value("cpu-offload-gb"),
+        "enable_prefix_caching": value("enable-prefix-caching"),
+        "gpu_memory_utilization": value("gpu-memory-utilization"),
         "is_attention_free": False,
         "kv_cache_max_concurrency": round(tokens / max_model_len, 2),
-        "kv_cache_memory_bytes": flags.get("kv-cache-memory-bytes"),
+        "kv_cache_memory_bytes": value("kv-cache-memory-bytes"),
         "kv_cache_size_tokens": tokens,
-        "kv_offloading_backend": flags.get("kv-offloading-backend", "native"),
-        "kv_offloading_size": flags.get("kv-offloading-size"),
+        "kv_offloading_backend": value("kv-offloading-backend"),
+        "kv_offloading_size": value("kv-offloading-size"),
         "num_cpu_blocks": None, "num_gpu_blocks": stats.num_gpu_blocks,
-        "num_gpu_blocks_override": flags.get("num-gpu-blocks-override"),
+        "num_gpu_blocks_override": value("num-gpu-blocks-override"),
         "prefix_caching_hash_algo": "sha256", "sliding_window": None,
     }
 
@@ -112,7 +117,7 @@ def _gpu_info(profile: Any, flags: dict[str, Any]) -> dict[str, Any]:
     name = getattr(hw, "name", None) if hw is not None else None
     if isinstance(hw, str):
         name = hw
-    return {"name": name or "NVIDIA H200", "count": int(flags.get("tensor-parallel-size", 1)),
+    return {"name": name or "NVIDIA H200", "count": int(flags.get("tensor-parallel-size", flag_catalog.default("tensor-parallel-size"))),
             "power_idle_w": float(getattr(hw, "power_idle_w", 75.0) or 75.0),
             "power_max_w": float(getattr(hw, "power_max_w", getattr(hw, "tdp_w", 700.0)) or 700.0)}
 
@@ -165,7 +170,7 @@ async def _serve(args: ServeArgs) -> None:
         access_log=None if flags.get("disable-uvicorn-access-log") else _AccessSink())
     await runner.setup()
     host = flags.get("host") or "0.0.0.0"
-    port = int(flags.get("port", 8000))
+    port = int(flags.get("port", flag_catalog.default("port")))
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
         await site.start()
