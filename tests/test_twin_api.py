@@ -169,10 +169,11 @@ def test_tokenize_and_detokenize(twin, env):
 
 
 def test_cancelled_stream_leaves_no_traceback(client, twin):
-    stream = client.completions.create(model=twin.model, prompt="long", max_tokens=500,
-                                       stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))
-    stream.close()  # the client goes away after the first event
+    for n in (1, 3):
+        stream = client.completions.create(model=twin.model, prompt="long", max_tokens=500, n=n,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()  # the client goes away after the first event
     # The server still answers, and said nothing about the disconnect.
     status, _body = _post(twin.url + "/v1/completions",
                           {"model": twin.model, "prompt": "after", "max_tokens": 2})

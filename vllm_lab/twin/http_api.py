@@ -255,11 +255,13 @@ class TwinServer:
                 raise _Invalid("when using `top_logprobs`, `logprobs` must be set to true.",
                                "top_logprobs", body)
             logprobs = (top or 0) if body.get("logprobs") else -1
+            if top == -1 and body.get("logprobs"):
+                logprobs = self.tok.vocab_size  # vLLM's -1: the whole vocabulary
         else:
             lp = body.get("logprobs")
             if lp is not None and (not _is_int(lp) or (lp < 0 and lp != -1)):
                 raise _Invalid("`logprobs` must be a positive value or -1.", "logprobs", body)
-            logprobs = -1 if lp is None else lp
+            logprobs = -1 if lp is None else (self.tok.vocab_size if lp == -1 else lp)
         n = body.get("n", 1)
         if n is not None and (not _is_int(n) or n < 1):
             raise _BadRequest(_vllm_value_error(f"n must be at least 1, got {n}.", "n", n), "n")
@@ -524,7 +526,15 @@ class TwinServer:
             if len(choices) == 1:
                 sent = [await self._stream_choice(choices[0], *args)]
             else:
-                sent = await asyncio.gather(*(self._stream_choice(c, *args) for c in choices))
+                tasks = [asyncio.ensure_future(self._stream_choice(c, *args)) for c in choices]
+                try:
+                    sent = await asyncio.gather(*tasks)
+                finally:
+                    # One choice's failed write ends the response: stop the others and collect
+                    # their outcomes, so none waits on its request forever or warns unretrieved.
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
             tail = ""
             if include_usage:
                 tail = (f'data: {{"id":"{rid}","object":"{obj}","created":{created},'
