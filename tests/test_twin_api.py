@@ -62,6 +62,15 @@ def test_completion_usage_and_finish_reasons(client, twin):
             assert choice.finish_reason == "length"
         reasons.append(choice.finish_reason)
     assert reasons.count("length") >= 20  # replies run ~200 tokens: most are cut at 24
+    # /metrics counts finish reasons the same way (this test runs first on its server).
+    text = urllib.request.urlopen(twin.url + "/metrics").read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            reason = line.split('finished_reason="')[1].split('"')[0]
+            counts[reason] = float(line.rsplit(" ", 1)[1])
+    assert counts.get("length", 0) == reasons.count("length")
+    assert counts.get("stop", 0) == reasons.count("stop")
 
 
 def test_ignore_eos_always_runs_to_length(client, twin):
