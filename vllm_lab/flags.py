@@ -87,7 +87,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("max-num-partial-prefills", "int", 1, "Concurrent partial prefills.", min=1, tuning=True, twin_models=False),
     _f("num-gpu-blocks-override", "int", None, "Force the number of KV blocks.", min=1),
     _f("kv-cache-memory-bytes", "int", None, "KV cache size in bytes (overrides utilization).", min=1, twin_models=False),
-    _f("cpu-offload-gb", "float", 0.0, "Weights offloaded to CPU per GPU, GiB.", min=0, twin_models=False),
+    _f("cpu-offload-gb", "float", 0, "Weights offloaded to CPU per GPU, GiB.", min=0, twin_models=False),
     _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True, twin_models=False),
     _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache"), twin_models=False),
     _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True, twin_models=False),

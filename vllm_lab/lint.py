@@ -134,7 +134,7 @@ def _shape(scenario: Scenario):
 
 
 def _check_parallel(scenario: Scenario, where) -> list[Finding]:
-    tp = scenario.serve.get("tensor-parallel-size", 1)
+    tp = scenario.serve.get("tensor-parallel-size", FLAGS["tensor-parallel-size"].default)
     if not isinstance(tp, int):
         return []
     out = []
@@ -161,7 +161,7 @@ def _check_memory(scenario: Scenario, where) -> list[Finding]:
         out.append(Finding("error", where("max-model-len"), "max-model-len",
                            f"{max_len} is longer than the model's max_position_embeddings "
                            f"({shape.max_position_embeddings}); vLLM refuses it: use at most that"))
-    dtype = serve.get("dtype", "auto")
+    dtype = serve.get("dtype", FLAGS["dtype"].default)
     dtype = shape.torch_dtype if dtype == "auto" else dtype
     tp_default = FLAGS["tensor-parallel-size"].default
     tp = serve.get("tensor-parallel-size", tp_default)
