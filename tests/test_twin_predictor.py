@@ -46,7 +46,7 @@ def test_every_request_completes_and_tpot_is_bench_definition():
 def test_fast_forward_changes_nothing(monkeypatch):
     reqs = sharegpt_like(200, seed=5)
     fast = _p({}, reqs, users=16)
-    monkeypatch.setattr(Engine, "_fast_forward", lambda self, now, horizon: None)
+    monkeypatch.setattr(Engine, "fast_forward", lambda self, now, horizon: None)
     slow = _p({}, reqs, users=16)
     assert np.allclose(fast.requests.e2e_s, slow.requests.e2e_s, rtol=1e-9, atol=1e-9)
     assert np.allclose(fast.requests.ttft_s, slow.requests.ttft_s, rtol=1e-9, atol=1e-9)

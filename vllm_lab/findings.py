@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_lab import flags as flag_catalog
+
 # Thresholds named once, so the report can say what triggered a finding.
 GPU_UTIL_LOW = 80.0          # percent: the guide's "GPU utilization under 80%"
 QUEUE_WAITING_MIN = 1.0      # mean requests waiting: the server had work it did not schedule
@@ -34,10 +36,12 @@ HIGH_GPU_MEMORY = 0.90       # gpu-memory-utilization at or above this counts as
 PREEMPTIONS_PER_REQUEST = 0.1
 KV_FULL = 0.95
 
-# vLLM 0.26's defaults, used when a run's serve flags leave a flag unset.
-VLLM_DEFAULTS = {"max-num-batched-tokens": 8192, "max-num-seqs": 256,
-                 "gpu-memory-utilization": 0.9, "long-prefill-token-threshold": 0,
-                 "max-num-partial-prefills": 1}
+# vLLM 0.26's defaults from the flag catalog, used when a run's serve flags leave a flag unset;
+# the batch sizes are those vLLM picks on the large GPUs (70 GiB or more) the lab's presets name.
+VLLM_DEFAULTS = flag_catalog.engine_defaults(
+    flag_catalog.LARGE_GPU_GIB, names=("max-num-batched-tokens", "max-num-seqs",
+                                       "gpu-memory-utilization", "long-prefill-token-threshold",
+                                       "max-num-partial-prefills"))
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """vLLM's serve flags as data: types, ranges, defaults, and what changed between releases.
 
-The lint (``vllm_lab.lint``) and the twin's argument parser both read this catalog, so the twin
-accepts exactly what the lab lets through. Where a real ``vllm`` is importable, the lint checks flag
+The lint (``vllm_lab.lint``), the twin (its argument parser, engine and server) and the findings
+all read this catalog, the one place vLLM's defaults are written, so the twin accepts exactly what
+the lab lets through. ``twin_models=False`` marks a flag the twin accepts but does not model. Where a real ``vllm`` is importable, the lint checks flag
 names against vLLM's own parser instead (``real_vllm_flag_names``), so a new release needs no code
 change here; the catalog then only adds ranges and advice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,9 @@ class Flag:
     min_exclusive: bool = False
     tuning: bool = False  # an engine knob the lab sweeps; frontend flags are not
     secret: bool = False  # a credential: redacted in the store, reports and logs, never in argv
+    # False where the twin accepts the flag but behaves the same whatever its value: its effect
+    # is then known only from runs on real vLLM ("not modelled: measured only").
+    twin_models: bool = True
 
     def describe_range(self) -> str:
         """The allowed values in words, for error messages."""
@@ -73,22 +78,22 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("dtype", "str", "auto", "Weights and activations dtype.", choices=_DTYPES, tuning=True),
     _f("kv-cache-dtype", "str", "auto", "KV cache dtype.", choices=_KV_DTYPES, tuning=True),
     _f("tensor-parallel-size", "int", 1, "GPUs one model is split over.", min=1, tuning=True),
-    _f("pipeline-parallel-size", "int", 1, "Pipeline stages.", min=1),
-    _f("data-parallel-size", "int", 1, "Engine replicas behind one server.", min=1),
+    _f("pipeline-parallel-size", "int", 1, "Pipeline stages.", min=1, twin_models=False),
+    _f("data-parallel-size", "int", 1, "Engine replicas behind one server.", min=1, twin_models=False),
     _f("enable-prefix-caching", "bool", True, "Reuse KV blocks of shared prefixes.", tuning=True),
-    _f("enable-chunked-prefill", "bool", True, "Split long prefills over steps (always on in V1)."),
+    _f("enable-chunked-prefill", "bool", True, "Split long prefills over steps (always on in V1).", twin_models=False),
     _f("long-prefill-token-threshold", "int", 0, "Prefill chunk cap per request (0: none).", min=0,
        tuning=True),
-    _f("max-num-partial-prefills", "int", 1, "Concurrent partial prefills.", min=1, tuning=True),
+    _f("max-num-partial-prefills", "int", 1, "Concurrent partial prefills.", min=1, tuning=True, twin_models=False),
     _f("num-gpu-blocks-override", "int", None, "Force the number of KV blocks.", min=1),
-    _f("kv-cache-memory-bytes", "int", None, "KV cache size in bytes (overrides utilization).", min=1),
-    _f("cpu-offload-gb", "float", 0.0, "Weights offloaded to CPU per GPU, GiB.", min=0),
-    _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True),
-    _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache")),
-    _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True),
-    _f("async-scheduling", "bool", False, "Overlap scheduling with the model step.", tuning=True),
+    _f("kv-cache-memory-bytes", "int", None, "KV cache size in bytes (overrides utilization).", min=1, twin_models=False),
+    _f("cpu-offload-gb", "float", 0, "Weights offloaded to CPU per GPU, GiB.", min=0, twin_models=False),
+    _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True, twin_models=False),
+    _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache"), twin_models=False),
+    _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True, twin_models=False),
+    _f("async-scheduling", "bool", False, "Overlap scheduling with the model step.", tuning=True, twin_models=False),
     _f("stream-interval", "int", 1, "Tokens per streamed chunk.", min=1),
-    _f("quantization", "str", None, "Weight quantization method."),
+    _f("quantization", "str", None, "Weight quantization method.", twin_models=False),
     _f("seed", "int", 0, "Random seed."),
     # Model loading.
     _f("model", "str", None, "Model name or folder."),
@@ -96,23 +101,23 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("served-model-name", "str", None, "Name the API answers to."),
     _f("load-format", "str", "auto", "How weights load.",
        choices=("auto", "pt", "safetensors", "npcache", "dummy", "tensorizer", "runai_streamer",
-                "bitsandbytes", "sharded_state", "gguf", "mistral", "fastsafetensors")),
-    _f("download-dir", "str", None, "Where weights download."),
-    _f("revision", "str", None, "Model revision."),
-    _f("trust-remote-code", "bool", False, "Run the model's own code."),
-    _f("generation-config", "str", "auto", "Where default sampling parameters come from."),
+                "bitsandbytes", "sharded_state", "gguf", "mistral", "fastsafetensors"), twin_models=False),
+    _f("download-dir", "str", None, "Where weights download.", twin_models=False),
+    _f("revision", "str", None, "Model revision.", twin_models=False),
+    _f("trust-remote-code", "bool", False, "Run the model's own code.", twin_models=False),
+    _f("generation-config", "str", "auto", "Where default sampling parameters come from.", twin_models=False),
     _f("max-logprobs", "int", 20, "Most logprobs per token.", min=-1),
-    _f("disable-log-stats", "bool", False, "Do not log engine stats."),
-    _f("enable-log-requests", "bool", False, "Log each request."),
-    _f("distributed-executor-backend", "str", None, "Executor.", choices=("ray", "mp", "uni", "external_launcher")),
-    _f("compilation-config", "str", None, "torch.compile and CUDA-graph settings, as JSON."),
+    _f("disable-log-stats", "bool", False, "Do not log engine stats.", twin_models=False),
+    _f("enable-log-requests", "bool", False, "Log each request.", twin_models=False),
+    _f("distributed-executor-backend", "str", None, "Executor.", choices=("ray", "mp", "uni", "external_launcher"), twin_models=False),
+    _f("compilation-config", "str", None, "torch.compile and CUDA-graph settings, as JSON.", twin_models=False),
     # Frontend.
     _f("host", "str", None, "Address to listen on."),
     _f("port", "int", 8000, "Port to listen on.", min=1, max=65535),
     _f("api-key", "str", None, "Key clients must send (on /v1 routes).", secret=True),
     _f("uvicorn-log-level", "str", "info", "Server log level.",
        choices=("critical", "error", "warning", "info", "debug", "trace")),
-    _f("max-log-len", "int", None, "Longest prompt logged.", min=0),
+    _f("max-log-len", "int", None, "Longest prompt logged.", min=0, twin_models=False),
     _f("chat-template", "str", None, "Chat template file or string."),
     _f("disable-uvicorn-access-log", "bool", False, "No per-request access log."),
 ]}
@@ -169,17 +174,46 @@ def changes_for(version: str) -> dict[str, Change]:
     return {c.flag: c for c in CHANGES if version_tuple(c.since) <= v}
 
 
-def engine_defaults(gpu_memory_gib: float, gpu_name: str = "") -> dict[str, Any]:
-    """vLLM's defaults for the flags that depend on the GPU (``vllm serve``, V1 engine).
+# vLLM's batch defaults under `vllm serve` (EngineArgs.get_batch_defaults, usage context
+# OPENAI_API_SERVER): larger on GPUs with 70 GiB or more, A100s excepted (vLLM PR 17885).
+LARGE_GPU_GIB = 70
+BATCH_DEFAULTS = {
+    "large": {"max-num-batched-tokens": 8192, "max-num-seqs": 1024},
+    "small": {"max-num-batched-tokens": 2048, "max-num-seqs": 256},
+}
 
-    vLLM picks a larger batch on GPUs with 70 GiB or more, A100s excepted
-    (``EngineArgs._set_default_args``: 8192 tokens / 1024 sequences against 2048 / 256).
+
+def is_large_gpu(gpu_memory_gib: float, gpu_name: str = "") -> bool:
+    """Whether vLLM gives this GPU its larger batch defaults."""
+    return gpu_memory_gib >= LARGE_GPU_GIB and "a100" not in gpu_name.lower()
+
+
+def engine_defaults(gpu_memory_gib: float, gpu_name: str = "",
+                    names: Iterable[str] | None = None) -> dict[str, Any]:
+    """vLLM's defaults for ``names`` (default: the tuning flags) on this GPU (``vllm serve``, V1).
+
+    The catalog's defaults, with max-num-batched-tokens and max-num-seqs as vLLM sizes them for
+    the GPU: 8192 tokens / 1024 sequences at 70 GiB or more (A100s excepted), else 2048 / 256.
     """
-    big = gpu_memory_gib >= 70 and "a100" not in gpu_name.lower()
-    defaults = {name: flag.default for name, flag in FLAGS.items() if flag.tuning}
-    defaults["max-num-batched-tokens"] = 8192 if big else 2048
-    defaults["max-num-seqs"] = 1024 if big else 256
+    wanted = [n for n, f in FLAGS.items() if f.tuning] if names is None else list(names)
+    defaults = {name: FLAGS[name].default for name in wanted}
+    batch = BATCH_DEFAULTS["large" if is_large_gpu(gpu_memory_gib, gpu_name) else "small"]
+    defaults.update({k: v for k, v in batch.items() if k in defaults})
     return defaults
+
+
+NOT_MODELLED = "not modelled: measured only"
+
+
+def twin_note(name: str) -> str | None:
+    """What to say beside a flag's twin or predictor figures: None where the twin models it."""
+    flag = FLAGS.get(name)
+    return NOT_MODELLED if flag is not None and not flag.twin_models else None
+
+
+def default(name: str) -> Any:
+    """vLLM's default for one flag that does not depend on the GPU (the catalog's)."""
+    return FLAGS[name].default
 
 
 def real_vllm_flag_names() -> set[str] | None:

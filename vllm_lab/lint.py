@@ -111,7 +111,8 @@ def _check_block_size(scenario: Scenario, where) -> list[Finding]:
     # CUDA GPUs run FlashAttention (block sizes in multiples of 16) or FlashInfer (16/32/64).
     return [Finding("error", where("block-size"), "block-size",
                     f"{block} is refused on {scenario.hardware.name} by the FlashAttention backends "
-                    f"(multiples of 16) and FlashInfer (16, 32, 64); write 16 (vLLM's default), "
+                    f"(multiples of 16) and FlashInfer (16, 32, 64); write "
+                    f"{FLAGS['block-size'].default} (vLLM's default), "
                     f"or 32 to cut per-block overhead on long generations")]
 
 
@@ -133,7 +134,7 @@ def _shape(scenario: Scenario):
 
 
 def _check_parallel(scenario: Scenario, where) -> list[Finding]:
-    tp = scenario.serve.get("tensor-parallel-size", 1)
+    tp = scenario.serve.get("tensor-parallel-size", FLAGS["tensor-parallel-size"].default)
     if not isinstance(tp, int):
         return []
     out = []
@@ -160,12 +161,16 @@ def _check_memory(scenario: Scenario, where) -> list[Finding]:
         out.append(Finding("error", where("max-model-len"), "max-model-len",
                            f"{max_len} is longer than the model's max_position_embeddings "
                            f"({shape.max_position_embeddings}); vLLM refuses it: use at most that"))
-    dtype = serve.get("dtype", "auto")
+    dtype = serve.get("dtype", FLAGS["dtype"].default)
     dtype = shape.torch_dtype if dtype == "auto" else dtype
-    tp = serve.get("tensor-parallel-size", 1) if isinstance(serve.get("tensor-parallel-size", 1), int) else 1
+    tp_default = FLAGS["tensor-parallel-size"].default
+    tp = serve.get("tensor-parallel-size", tp_default)
+    tp = tp if isinstance(tp, int) else tp_default
     util = serve.get("gpu-memory-utilization", FLAGS["gpu-memory-utilization"].default)
     weights = shape.num_params * DTYPE_BYTES.get(dtype, 2) / max(tp, 1)
-    budget = scenario.hardware.memory_gib * GIB * (util if isinstance(util, (int, float)) else 0.92)
+    if not isinstance(util, (int, float)):
+        util = FLAGS["gpu-memory-utilization"].default
+    budget = scenario.hardware.memory_gib * GIB * util
     if weights >= budget:
         out.append(Finding("error", where("gpu-memory-utilization"), "gpu-memory-utilization",
                            f"the model's weights ({weights / GIB:.1f} GiB in {dtype}) do not fit in "

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_lab.flags import engine_defaults
 from vllm_lab.twin.kvcache import KVCache, block_hashes
 from vllm_lab.twin.profile import Profile
 from vllm_lab.twin.steptime import StepTimeModel
@@ -32,12 +33,13 @@ _WEIGHT_DTYPES = {"float32": (4, "fp32"), "float": (4, "fp32"), "float16": (2, "
 _KV_DTYPES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "bfloat16": 2, "float16": 2,
               "half": 2}
 _BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-_FALLBACK_DEFAULTS: dict[str, Any] = {
-    "max-num-seqs": 1024, "max-num-batched-tokens": 8192, "gpu-memory-utilization": 0.92,
-    "block-size": 16, "max-model-len": None, "enforce-eager": False, "dtype": "auto",
-    "kv-cache-dtype": "auto", "tensor-parallel-size": 1, "enable-prefix-caching": True,
-    "long-prefill-token-threshold": 0, "max-num-partial-prefills": 1, "num-gpu-blocks-override": None,
-}
+# The flags the engine reads; every other flag it is given changes nothing in it. Their defaults
+# come from the flag catalog (vllm_lab.flags), the GPU-dependent ones sized for the profile's GPU.
+ENGINE_FLAGS = frozenset({
+    "max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "block-size",
+    "max-model-len", "enforce-eager", "dtype", "kv-cache-dtype", "tensor-parallel-size",
+    "enable-prefix-caching", "long-prefill-token-threshold", "num-gpu-blocks-override",
+})
 WAITING, RUNNING, FINISHED = 0, 1, 2
 
 
@@ -91,6 +93,37 @@ class StepResult:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """A request that finished, with the counts the predictor books for it."""
+
+    request_id: Any
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class StepSummary:
+    """One step told in counts, not tokens: the predictor's cheaper view of ``step``."""
+
+    duration_s: float
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    first_token_ids: list            # requests whose first token this step made
+    finished: list[FinishedRequest]
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """Consecutive pure-decode steps computed in one go by ``Engine.fast_forward``."""
+
+    step_times: np.ndarray           # each step's modelled duration, in order
+    batch_size: int                  # requests decoding in every one of them
+    finished: list[FinishedRequest]  # those that finished with the last step
 
 
 @dataclass
@@ -153,12 +186,8 @@ def _norm_key(key: str) -> str:
 
 def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfig:
     """Merge ``flags`` over vLLM's defaults for this GPU and check them as vLLM would."""
-    try:
-        from vllm_lab.flags import engine_defaults
-        defaults = engine_defaults(profile.hardware.memory_gib, profile.hardware.name)
-    except ImportError:
-        defaults = dict(_FALLBACK_DEFAULTS)
-    merged = {**_FALLBACK_DEFAULTS, **defaults, **{_norm_key(k): v for k, v in flags.items()}}
+    defaults = engine_defaults(profile.hardware.memory_gib, profile.hardware.name, ENGINE_FLAGS)
+    merged = {**defaults, **{_norm_key(k): v for k, v in flags.items()}}
 
     def refuse(msg: str):
         raise EngineStartError("refused-flag", msg)
@@ -307,6 +336,11 @@ class _Req:
         self.preemptions = 0
 
 
+def _finished(r: _Req) -> FinishedRequest:
+    return FinishedRequest(r.id, r.num_prompt, r.num_tokens - r.num_prompt, r.cached_tokens,
+                           r.preemptions)
+
+
 class Engine:
     """vLLM V1's engine core as a simulation: add requests, step, read outputs and stats."""
 
@@ -400,6 +434,11 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; False while requests hold blocks, as vLLM answers."""
         return self.kv.reset()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks in use now (vLLM's kv_cache_usage_perc)."""
+        return self.kv.usage
 
     # -- the decoding group ------------------------------------------------------------------
     def _join(self, r: _Req) -> None:
@@ -679,13 +718,21 @@ class Engine:
         return StepResult(dur, list(outputs.values()), tokens, tokens - n_prefill, n_prefill,
                           preempted, len(self.running), len(self.waiting), self.kv.usage)
 
-    # -- fast path for the predictor -----------------------------------------------------------
-    def _fast_forward(self, now: float, horizon: float, max_steps: int = 4096):
+    # -- the predictor's API: counts instead of tokens, and a fast path ------------------------
+    def step_summary(self, now: float) -> StepSummary:
+        """Schedule and run one step starting at ``now`` as ``step`` does, reporting counts only."""
+        dur, tokens, first, finished, _d, _p, chunks = self._run_step(now, False)
+        n_prefill = sum(q for _r, q, _c in chunks)
+        return StepSummary(dur, tokens - n_prefill, n_prefill, [r.id for r in first],
+                           [_finished(r) for r in finished])
+
+    def fast_forward(self, now: float, horizon: float, max_steps: int = 4096) -> DecodeRun | None:
         """Run consecutive pure-decode steps in one computation while nothing else can happen.
 
         Nothing can change while no request prefills, no waiting request can be admitted, no
         request finishes and the free blocks cover every block the group may need. Stops at the
-        step during which ``horizon`` (the next arrival) passes. Returns the step times or None.
+        step during which ``horizon`` (the next arrival) passes. None when no such run of two or
+        more steps exists now: then ``step_summary`` (or ``step``) takes the next step.
         """
         B = self.B
         if not B or self.partials or B > self.cfg.max_num_batched_tokens:
@@ -722,7 +769,7 @@ class Engine:
         self._pop_finished(finished)
         total = float(times.sum())
         self._account(now, total)
-        return times, finished
+        return DecodeRun(times, B, [_finished(r) for r in finished])
 
     # -- stats -------------------------------------------------------------------------------
     def gpu_utilization(self, now: float | None = None, window_s: float = 1.0) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vllm_lab.twin.engine import Engine, EngineRequest
+from vllm_lab.twin.engine import Engine, EngineRequest, FinishedRequest
 from vllm_lab.twin.frontend import Frontend
 from vllm_lab.twin.profile import Profile
 
@@ -164,13 +164,13 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         eng.add_request(EngineRequest(i, ids, int(r.output_tokens), ignore_eos=True,
                                       arrival_time=t, num_prompt_tokens=int(prompt_n[i])))
 
-    def done(r, t: float) -> None:
+    def done(r: FinishedRequest, t: float) -> None:
         nonlocal nxt, in_flight
-        i = r.id
+        i = r.request_id
         finish[i] = t
-        outs[i] = r.num_tokens - r.num_prompt
-        cached[i] = r.cached_tokens
-        preempt[i] = r.preemptions
+        outs[i] = r.num_output_tokens
+        cached[i] = r.num_cached_tokens
+        preempt[i] = r.num_preemptions
         if isinstance(arrivals, Closed):
             if nxt < n:
                 send[nxt] = t + think
@@ -201,7 +201,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         while pending and pending[0][0] <= now:
             t, i = heapq.heappop(pending)
             submit(i, t)
-        if not eng.reqs:
+        if not eng.has_unfinished_requests():
             nexts = [pending[0][0]] if pending else []
             if arrival_times is not None and ai < n:
                 nexts.append(float(arrival_times[ai]))
@@ -212,10 +212,9 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         horizon = pending[0][0] if pending else math.inf
         if arrival_times is not None and ai < n:
             horizon = min(horizon, float(arrival_times[ai]))
-        ff = eng._fast_forward(now, horizon)
-        if ff is not None:
-            times, finished = ff
-            nb = eng.B + len(finished)
+        run = eng.fast_forward(now, horizon)
+        if run is not None:
+            times, nb = run.step_times, run.batch_size
             ends = now + np.cumsum(times)
             if frontend.token_cost_s:
                 vis = np.array([frontend.release(e, nb) for e in ends])
@@ -225,31 +224,33 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
             seen = last_seen = float(vis[-1])
             itl_t.append(gaps)
             itl_w.append(np.full(times.size, nb, dtype=np.int64))
-            usage = eng.kv.usage
+            usage = eng.kv_cache_usage
             dur = float(times.sum())
             now += dur
             usage_area += usage * dur
             usage_peak = max(usage_peak, usage)
-            for r in finished:
+            for r in run.finished:
                 done(r, seen)
             continue
-        dur, tokens, firsts, finished, _d, _p, chunks = eng._run_step(now, False)
+        step = eng.step_summary(now)
+        dur = step.duration_s
         if dur <= 0.0:
             now = horizon if horizon < math.inf else now + 1e-3
             continue
-        ndec = tokens - sum(q for _r, q, _c in chunks)
+        ndec = step.num_decode_tokens
+        firsts = step.first_token_ids
         now += dur
         seen = frontend.release(now, ndec + len(firsts))
         if ndec:     # a decoder's previous token became visible with the previous step's
             step_t.append(seen - max(last_seen, now - dur))
             step_w.append(ndec)
         last_seen = seen
-        usage = eng.kv.usage
+        usage = eng.kv_cache_usage
         usage_area += usage * dur
         usage_peak = max(usage_peak, usage)
-        for r in firsts:
-            first[r.id] = seen
-        for r in finished:
+        for i in firsts:
+            first[i] = seen
+        for r in step.finished:
             done(r, seen)
 
     ok = ~np.isnan(finish)

@@ -52,12 +52,15 @@ def draw_eos_after(prompt_token_ids: list[int], seed: int, min_tokens: int, max_
     """How many tokens the simulated model writes before its end-of-sequence token.
 
     Drawn from a lognormal seeded by the prompt and the server's --seed, so the same request gets
-    the same length (as greedy decoding would); kept within [max(1, min_tokens), max_tokens].
+    the same length (as greedy decoding would); at least max(1, min_tokens). A draw past
+    ``max_tokens`` is returned as it is: the reply is cut by max_tokens first, and vLLM then
+    finishes it with "length", not "stop" (only an EOS at or before the cap is a stop).
     """
+    del max_tokens  # kept in the signature: callers pass the cap, the engine applies it
     key = zlib.crc32(json.dumps(prompt_token_ids[-256:]).encode(), seed & 0xFFFFFFFF)
     rng = random.Random(key)
     n = round(math.exp(rng.gauss(math.log(EOS_MEDIAN_TOKENS), EOS_SIGMA)))
-    return max(max(1, min_tokens), min(n, max_tokens))
+    return max(max(1, min_tokens), n)
 
 
 @dataclass
@@ -82,15 +85,30 @@ class TwinTokenizer:
                 ids.append(zlib.crc32(piece[i:i + 4].encode()) % self.vocab_size)
         return ids
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of a chat request, through the chat template."""
         template = _compile(self.chat_template)
         return template.render(messages=messages, bos_token=self.bos_token,
-                               eos_token=self.eos_token, add_generation_prompt=True)
+                               eos_token=self.eos_token,
+                               add_generation_prompt=add_generation_prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat request; vLLM encodes the rendered template without special tokens."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt),
+                           add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids``: the tokenizer's own decoding, or pseudo-words when approximated
+        (the approximation hashes text pieces, so it cannot be inverted)."""
+        if self._hf is not None:
+            return self._hf.decode(token_ids, skip_special_tokens=False)
+        return "".join(pseudo_word(t, i) for i, t in enumerate(token_ids))
+
+    def token_str(self, token_id: int, position: int) -> str:
+        """The text of one token, as /tokenize's token_strs and logprobs show it."""
+        if self._hf is not None:
+            return self._hf.id_to_token(token_id) or ""
+        return pseudo_word(token_id, position)
 
 
 _TEMPLATES: dict[str, jinja2.Template] = {}
