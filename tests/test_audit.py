@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import TwinProcess
 
+from tests.support.processes import TwinProcess
 from vllm_lab import audit
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic.scrape import frame

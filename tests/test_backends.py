@@ -7,10 +7,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.support.scripted_server import running
 from vllm_lab import scenarios, serving
 from vllm_lab.backends import LiveBackend
 from vllm_lab.traffic.runner import LoadResult
-from vllm_lab.traffic.scripted_server import running
 
 
 @pytest.fixture

@@ -11,14 +11,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from fleet_support import (
+
+from tests.support.fleet import (
     TWIN_MODEL,
     NetnsFleet,
     fleet_unavailable_reason,
     lab_source_snapshot,
     shared_site_vars,
 )
-
 from vllm_lab import serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

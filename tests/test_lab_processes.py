@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, private_inventory
 
+from tests.support.processes import free_port, private_inventory
 from vllm_lab import serving
 from vllm_lab.store import Store
 

@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TwinProcess, free_port
 
+from tests.support.processes import TwinProcess, free_port
 from vllm_lab import monitor
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TWIN_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
@@ -228,7 +228,7 @@ class NetnsFleet:
             _ip("netns", "del", host.netns, check=False)
 
 
-# --- additions for load generators on the fleet (tests/test_traffic_distributed.py) ------------
+# --- load generators on the fleet (tests/test_traffic_distributed.py) -------------------------
 
 def host_side_address(host: FleetHost) -> str:
     """This machine's address on the host's link (10.77.<k>.1)."""
