@@ -63,6 +63,7 @@ def stop_by_pid_file(path: Path) -> None:
     os.killpg(pid, signal.SIGKILL)
 
 
+@pytest.mark.integration
 def test_scrape_targets_from_the_example_fleet():
     targets = monitor.scrape_targets(REPO / "inventory/example-fleet.yml")
     gpu1 = [t for t in targets if t.host == "gpu-1.lab.example"]
