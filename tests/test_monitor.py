@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import require
 from tests.support.processes import TwinProcess, free_port
 from vllm_lab import monitor
 
@@ -85,8 +86,8 @@ def test_dashboard_covers_what_the_method_watches():
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     """The twin, then monitor.yml on a one-host inventory: node exporter, Prometheus, Grafana skipped."""
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus package is not installed (scripts/install-system-deps.sh)")
+    require(None if shutil.which("prometheus") else
+            "Debian's prometheus package is not installed (scripts/install-system-deps.sh)")
     tmp = tmp_path_factory.mktemp("monitor")
     twin = TwinProcess(tmp)
     prom_port, node_port = free_port(), free_port()

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from tests.support import require
 from tests.support.fleet import (
     REPO,
     TWIN_MODEL,
@@ -73,9 +74,7 @@ def test_loadgen_hosts_run_the_provisioned_venv(tmp_path):
 
 @pytest.fixture(scope="module")
 def loadgen_fleet(tmp_path_factory):
-    why = fleet_unavailable_reason()
-    if why:
-        pytest.skip(why)
+    require(fleet_unavailable_reason())
     tmp = tmp_path_factory.mktemp("loadgen-fleet")
     fleet = NetnsFleet(tmp, size=2)
     try:

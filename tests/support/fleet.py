@@ -30,7 +30,7 @@ TWIN_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 def fleet_unavailable_reason() -> str | None:
     """Why the namespace fleet cannot run here, or None when it can."""
     if os.geteuid() != 0:
-        return "needs root for ip netns"
+        return "the network-namespace fleet needs root (ip netns): run the tests as root"
     if not shutil.which("ip"):
         return "iproute2 (ip) is missing: run scripts/install-system-deps.sh"
     if not Path(SSHD).exists() or not shutil.which("ssh-keygen"):
