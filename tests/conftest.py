@@ -20,6 +20,15 @@ class _ProcessStarted(Exception):
 _STARTED = pytest.StashKey[list]()
 
 
+def pytest_sessionstart(session):
+    """Load matplotlib's font list before any test: on a machine without its cache it runs fc-list
+    once, which is matplotlib setting itself up, not a test starting a process."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager
+
+
 def _starts(item: pytest.Item) -> list[str]:
     return item.stash.setdefault(_STARTED, [])
 
