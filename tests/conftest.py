@@ -1,4 +1,4 @@
-"""Fixtures and hooks for every test; shared helpers are modules in tests/support/.
+"""Hooks for every test (fixtures go here too); shared helpers are modules in tests/support/.
 
 The ``integration`` marker is kept honest here: a test without it may not start a process (a
 server, Locust, ssh, ansible-playbook, make, or any other program), so `make test-fast`
@@ -58,7 +58,6 @@ def _no_processes(item: pytest.Item):
     real = subprocess.Popen._execute_child
     saved = {name: getattr(os, name) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp",
                                                   "system", "execv", "execve")}
-
     subprocess.Popen._execute_child = _refuse(item, "subprocess")
     for name in saved:
         setattr(os, name, _refuse(item, f"os.{name}"))

@@ -24,6 +24,7 @@ from vllm_lab import serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
+
 @pytest.fixture
 def fleet(tmp_path):
     require(fleet_unavailable_reason())
