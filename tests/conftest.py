@@ -20,7 +20,7 @@ class _ProcessStarted(Exception):
 _STARTED = pytest.StashKey[list]()
 
 
-def pytest_sessionstart(session):
+def pytest_configure(config):
     """Load matplotlib's font list before any test: on a machine without its cache it runs fc-list
     once, which is matplotlib setting itself up, not a test starting a process."""
     import matplotlib
