@@ -138,10 +138,11 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 
 ##@ Development
 .PHONY: test test-fast check clean
-test: venv ## Run the whole test suite (unit + integration; about 12 min on 2 cores)
-	@"$$LAB_MAKE_PY" -m pytest -q
+test: venv ## Every test (about 13 min on 2 cores); installs the system packages it needs first, or says what is missing
+	@bash scripts/test-setup.sh
+	@LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q --durations=15
 
-test-fast: venv ## Run the tests that start no processes
+test-fast: venv ## The tests that start no process (seconds; no set-up needed)
 	@"$$LAB_MAKE_PY" -m pytest -q -m "not integration"
 
 check: venv ## Static checks: ruff on the package, ansible-lint on the playbooks

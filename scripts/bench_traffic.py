@@ -25,10 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+# The scripted server is a test fixture in tests/support/: put the checkout on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import numpy as np
 
+from tests.support.scripted_server import running
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
-from vllm_lab.traffic.scripted_server import running
 
 
 def _pin(cores: str | None) -> tuple[str, ...]:

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TwinProcess
 
+from tests.support.processes import TwinProcess
 from vllm_lab import report, scenarios, serving
 from vllm_lab.backends import LiveBackend
 from vllm_lab.plans import Plan, Point, _record

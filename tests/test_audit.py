@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import TwinProcess
 
+from tests.support.processes import TwinProcess
 from vllm_lab import audit
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic.scrape import frame
@@ -65,6 +65,7 @@ def test_a_client_that_reads_its_streams_late_is_client_limited():
     assert late.client_limited and "later than vLLM's API server" in late.reason
 
 
+@pytest.mark.integration
 def test_the_lab_client_agrees_with_the_twin_server(tmp_path: Path):
     """A real run against the twin: the same requests and tokens on both sides, and the decode
     span within the audit's tolerance."""

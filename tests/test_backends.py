@@ -1,26 +1,32 @@
-"""LiveBackend.measure_on: a client-limited run is run again once with more Locust processes,
-and recorded as client-limited (kept out of every comparison) if it still is; a run whose requests
-failed is failed-requests, with no second run."""
+"""vllm_lab.backends without a server: how LiveBackend.measure_on maps a run to a status (a
+client-limited run is run again once with more Locust processes, and recorded as client-limited,
+kept out of every comparison, if it still is; a run whose requests failed is failed-requests, with
+no second run; a server gone silent is crashed), how a failed start is recorded, and PredictBackend
+on a small scenario. Runs against real servers are in test_api_key.py and test_sweep_e2e.py."""
 
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from vllm_lab import scenarios, serving
-from vllm_lab.backends import LiveBackend
+from vllm_lab import backends, scenarios, serving
+from vllm_lab.backends import START_STATUS, LiveBackend, PredictBackend
+from vllm_lab.scenarios import ScenarioError
 from vllm_lab.traffic.runner import LoadResult
-from vllm_lab.traffic.scripted_server import running
+
+URL = "http://127.0.0.1:8000"
 
 
 @pytest.fixture
-def scripted_server_url():
-    with running() as url:
-        yield url
+def health(monkeypatch):
+    """The server's /health status as measure_on sees it (200 unless a test says otherwise)."""
+    answers = {"status": 200}
+    monkeypatch.setattr(backends, "_get", lambda url, timeout=5.0: answers["status"])
+    return answers
 
 
 class Scripted(LiveBackend):
-    """A backend whose runs say what the test wants; the server is a real /health answer away."""
+    """A backend whose runs say what the test wants, on a server whose /health is stubbed."""
 
     def __init__(self, limited_with: set[int], cores: int = 8, samples: pd.DataFrame | None = None):
         super().__init__("twin", Path("inventory/local.yml"))
@@ -45,44 +51,109 @@ def _samples(ok: int, failed: int = 0, error: str = "http_error", http_status: i
                          "http_status": [200] * ok + [http_status] * failed})
 
 
-def _instance(url: str) -> serving.Instance:
+def _instance(url: str = URL) -> serving.Instance:
     return serving.Instance(host="localhost", url=url, port=int(url.rsplit(":", 1)[1]), log_path="")
 
 
-def test_a_limited_run_is_run_again_with_twice_the_processes(tmp_path, scripted_server_url):
+def test_a_limited_run_is_run_again_with_twice_the_processes(tmp_path, health):
     s = scenarios.resolve("default", overrides=["load.shape.level=64"])
     b = Scripted(limited_with={3})
-    m = b.measure_on(s, _instance(scripted_server_url), tmp_path)
+    m = b.measure_on(s, _instance(), tmp_path)
     assert b.calls == [3, 6] and m.status == "ok" and m.summary["loadgen_rerun_of"] == 3
 
 
-def test_a_run_still_limited_is_recorded_as_client_limited(tmp_path, scripted_server_url):
+def test_a_run_still_limited_is_recorded_as_client_limited(tmp_path, health):
     s = scenarios.resolve("default", overrides=["load.shape.level=64"])
     b = Scripted(limited_with={3, 6})
-    m = b.measure_on(s, _instance(scripted_server_url), tmp_path)
+    m = b.measure_on(s, _instance(), tmp_path)
     assert b.calls == [3, 6] and m.status == "client-limited"
     assert "could not keep up" in m.error and "99% CPU" in m.error
 
 
-def test_a_run_whose_requests_were_refused_is_failed_requests_and_not_run_again(tmp_path,
-                                                                               scripted_server_url):
+def test_a_run_whose_requests_were_refused_is_failed_requests_and_not_run_again(tmp_path, health):
     s = scenarios.resolve("default", overrides=["load.shape.level=64"])
     b = Scripted(limited_with={3, 6}, samples=_samples(ok=0, failed=40))
-    m = b.measure_on(s, _instance(scripted_server_url), tmp_path)
+    m = b.measure_on(s, _instance(), tmp_path)
     assert b.calls == [3] and m.status == "failed-requests"
     assert m.error.startswith("40 of 40 requests failed (100%); most: HTTP 401 (40)")
     assert "serve.api-key" in m.error and m.summary["failed_requests_rate"] == 1.0
 
 
 @pytest.mark.parametrize("threshold,status", [(None, "ok"), ("0.01", "failed-requests")])
-def test_the_threshold_is_the_scenarios(tmp_path, scripted_server_url, threshold, status):
+def test_the_threshold_is_the_scenarios(tmp_path, health, threshold, status):
     over = [f"load.failed_requests_threshold={threshold}"] if threshold else []
     s = scenarios.resolve("default", overrides=["load.shape.level=64", *over])
     b = Scripted(limited_with=set(), samples=_samples(ok=97, failed=3, http_status=400))
-    assert b.measure_on(s, _instance(scripted_server_url), tmp_path).status == status
+    assert b.measure_on(s, _instance(), tmp_path).status == status
 
 
-def test_timeouts_alone_leave_the_run_ok(tmp_path, scripted_server_url):
+def test_timeouts_alone_leave_the_run_ok(tmp_path, health):
     s = scenarios.resolve("default", overrides=["load.shape.level=64"])
     b = Scripted(limited_with=set(), samples=_samples(ok=10, failed=30, error="timeout", http_status=0))
-    assert b.measure_on(s, _instance(scripted_server_url), tmp_path).status == "ok"
+    assert b.measure_on(s, _instance(), tmp_path).status == "ok"
+
+
+def test_a_server_that_stops_answering_health_is_crashed_even_when_requests_failed(tmp_path, health):
+    health["status"] = 503
+    s = scenarios.resolve("default", overrides=["load.shape.level=64"])
+    b = Scripted(limited_with=set(), samples=_samples(ok=0, failed=40))
+    m = b.measure_on(s, _instance(), tmp_path)
+    assert m.status == "crashed" and "stopped answering /health" in m.error
+
+
+@pytest.mark.parametrize("cause, status", [
+    ("oom", "oom"), ("refused-flag", "failed-start"), ("start-timeout", "timeout"), ("crashed", "crashed"),
+    ("unreachable", "unreachable"), ("refused-config", "failed-start"), ("something-new", "failed-start"),
+])
+def test_a_failed_start_is_recorded_with_the_stores_status(tmp_path, monkeypatch, cause, status):
+    """Every cause serving can report becomes one of the store's statuses, the log's evidence kept."""
+    b = LiveBackend("twin", Path("inventory/local.yml"))
+
+    def refuse(scenario, host):
+        raise serving.ServeError(cause, "EngineCore failed to start.\nthe last line", host="gpu-1")
+
+    monkeypatch.setattr(b, "_ensure_server", refuse)
+    m = b.measure(scenarios.resolve("default"), "gpu-1", tmp_path)
+    assert m.status == status and m.host == "gpu-1"
+    assert m.error.startswith(f"{cause}: ") and "the last line" in m.error
+    assert m.samples is None and m.summary == {}
+
+
+def test_every_start_status_is_one_the_store_knows():
+    from vllm_lab.store import STATUSES
+
+    assert {*serving.CAUSES, "unreachable", "refused-config"} <= set(START_STATUS)
+    assert set(START_STATUS.values()) <= set(STATUSES)
+
+
+def _tiny(*overrides: str) -> scenarios.Scenario:
+    return scenarios.resolve("default", hardware="cpu-demo", overrides=["load.shape.level=2", *overrides])
+
+
+def test_predict_backend_predicts_a_closed_loop_run():
+    s = _tiny()
+    m = PredictBackend().measure(s, None, Path("unused"))
+    assert m.status == "ok" and m.host == "predictor" and m.error == ""
+    assert len(m.samples) == 2 * PredictBackend.REQUESTS_PER_USER == m.summary["requests"]
+    assert set(m.samples["status"]) == {"ok"} and (m.samples["ttft_s"] > 0).all()
+    assert (m.samples["e2e_s"] >= m.samples["ttft_s"]).all()
+    assert m.summary["output_throughput"] > 0 and 0 <= m.summary["kv_usage_max"] <= 1
+    assert m.ended >= m.started
+    # The same scenario (and seed) predicts the same run.
+    again = PredictBackend().measure(s, None, Path("unused"))
+    assert again.summary["ttft_p50"] == m.summary["ttft_p50"]
+
+
+@pytest.mark.parametrize("override, status, says", [
+    ("serve.gpu-memory-utilization=0.01", "oom", "oom: No available memory for the cache blocks"),
+    ("serve.dtype=float8", "failed-start", "refused-flag: argument --dtype: invalid choice: 'float8'"),
+])
+def test_predict_backend_records_what_vllm_would_refuse(override, status, says):
+    m = PredictBackend().measure(_tiny(override), None, Path("unused"))
+    assert m.status == status and m.error.startswith(says) and m.samples is None
+
+
+def test_predict_backend_refuses_a_level_it_cannot_simulate():
+    with pytest.raises(ScenarioError, match="the predictor would simulate 8,000,000,000,000 requests"):
+        PredictBackend.check(_tiny("load.shape.level=1e12"))
+    assert PredictBackend.check(_tiny("load.mode=open", "load.stop.duration_s=10")) == 20

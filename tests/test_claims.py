@@ -1,16 +1,14 @@
 """The guide's claims: plans built from arms, verdicts from evidence, and `lab claims` end to end
-(on the twin's predictor for all nine, and on the live twin for one)."""
+(all nine on the twin's predictor, in this process: no server)."""
 
-import subprocess
-import sys
-from pathlib import Path
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
-from vllm_lab import claims, scenarios
-
-REPO = Path(__file__).resolve().parent.parent
+from vllm_lab import claims, cli, scenarios
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +93,11 @@ def test_tensor_parallel_claim_on_eight_gpus(base):
 
 
 def lab(*args):
-    return subprocess.run([sys.executable, str(REPO / "scripts/lab.py"), "claims", *args],
-                          check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
+    """`lab claims` in this process (the predictor needs no server): exit status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = cli.main(["claims", *args])
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_all_nine_claims_on_the_predictor(tmp_path):

@@ -11,25 +11,23 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from fleet_support import (
+
+from tests.support import require
+from tests.support.fleet import (
     TWIN_MODEL,
     NetnsFleet,
     fleet_unavailable_reason,
     lab_source_snapshot,
     shared_site_vars,
 )
-
 from vllm_lab import serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-_WHY = fleet_unavailable_reason()
-
 
 @pytest.fixture
 def fleet(tmp_path):
-    if _WHY:
-        pytest.skip(_WHY)
+    require(fleet_unavailable_reason())
     fleet = NetnsFleet(tmp_path, size=3)
     try:
         fleet.up({**shared_site_vars(),

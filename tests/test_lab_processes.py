@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, private_inventory
 
+from tests.support.processes import free_port, private_inventory
 from vllm_lab import serving
 from vllm_lab.store import Store
 
@@ -59,6 +59,7 @@ def lease(path: Path, state: str = "claimed", owner: dict | None = None, takeove
     return json.loads(out.stdout)
 
 
+@pytest.mark.integration
 def test_lease_claim_busy_takeover_release(tmp_path):
     path = tmp_path / "run" / "main.lock"
     me = serving.lab_owner("exp-a")
@@ -83,6 +84,7 @@ def test_lease_claim_busy_takeover_release(tmp_path):
     assert lease(path, state="status", owner=other)["status"] == "free"
 
 
+@pytest.mark.integration
 def test_lease_of_a_dead_process_is_taken_over(tmp_path):
     path = tmp_path / "main.lock"
     gone = {"experiment": "crashed-sweep", "pid": dead_pid(), "pid_start": "1", "node": socket.gethostname()}
@@ -101,6 +103,7 @@ def test_lease_of_a_dead_process_is_taken_over(tmp_path):
     assert lease(path, owner=serving.lab_owner("next"), takeover=[token])["status"] == "claimed"
 
 
+@pytest.mark.integration
 def test_serving_takes_over_a_lease_its_node_finds_dead(tmp_path, monkeypatch):
     """A remote host cannot check a pid of this node: serving checks it and runs once more naming it."""
     gone = {"experiment": "old", "pid": dead_pid(), "pid_start": "1", "node": socket.gethostname()}
@@ -136,6 +139,7 @@ BAD_INVENTORIES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", BAD_INVENTORIES)
 def test_bad_inventory_is_one_sentence_naming_the_file(tmp_path, case):
     text, why = BAD_INVENTORIES[case]
@@ -148,6 +152,7 @@ def test_bad_inventory_is_one_sentence_naming_the_file(tmp_path, case):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("spread", [False, True], ids=["one-host", "spread"])
 @pytest.mark.parametrize("case", ["missing", "malformed", "no-group"])
 def test_lab_refuses_a_bad_inventory_before_anything_runs(tmp_path, case, spread):

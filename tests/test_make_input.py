@@ -49,6 +49,7 @@ def no_f():
 
 # -- 1. shell injection through make variables -------------------------------------------------
 
+@pytest.mark.integration
 @pytest.mark.parametrize("target, variables", [
     ("baseline", ["EXPERIMENT=x; touch F"]),
     ("sweep", ["PARAM=$(touch F)…"]),
@@ -64,6 +65,7 @@ def test_injection_payloads_run_nothing(tmp_path, no_f, target, variables):
     one_sentence(out.stderr)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["my run", "it's", 'say "x"'])
 def test_a_name_with_a_space_or_quote_gets_a_sentence(tmp_path, name):
     out = make("baseline", "BACKEND=predict", f"OUT={tmp_path}", f"EXPERIMENT={name}")
@@ -71,6 +73,7 @@ def test_a_name_with_a_space_or_quote_gets_a_sentence(tmp_path, name):
     assert one_sentence(out.stderr).startswith(f"lab: EXPERIMENT={name!r} is not an experiment name")
 
 
+@pytest.mark.integration
 def test_make_help_still_lists_every_variable():
     out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True)
     for name in ("sweep", "EXPERIMENT", "SET", "PDF", "LAB_PYTHON"):
@@ -197,6 +200,7 @@ def test_store_and_pdf_errors_name_what_make_passes(tmp_path, monkeypatch):
 
 # -- 8/9. numbers, the predictor, Ansible ------------------------------------------------------
 
+@pytest.mark.integration
 @pytest.mark.parametrize("variables, says", [
     (["REPEATS=-2"], "REPEATS='-2' is not allowed: a whole number, 1 or more"),
     (["REPEATS=0"], "REPEATS='0' is not allowed: a whole number, 1 or more"),

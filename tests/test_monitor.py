@@ -14,8 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TwinProcess, free_port
 
+from tests.support import require
+from tests.support.processes import TwinProcess, free_port
 from vllm_lab import monitor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,6 +64,7 @@ def stop_by_pid_file(path: Path) -> None:
     os.killpg(pid, signal.SIGKILL)
 
 
+@pytest.mark.integration
 def test_scrape_targets_from_the_example_fleet():
     targets = monitor.scrape_targets(REPO / "inventory/example-fleet.yml")
     gpu1 = [t for t in targets if t.host == "gpu-1.lab.example"]
@@ -84,8 +86,8 @@ def test_dashboard_covers_what_the_method_watches():
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     """The twin, then monitor.yml on a one-host inventory: node exporter, Prometheus, Grafana skipped."""
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus package is not installed (scripts/install-system-deps.sh)")
+    require(None if shutil.which("prometheus") else
+            "Debian's prometheus package is not installed (scripts/install-system-deps.sh)")
     tmp = tmp_path_factory.mktemp("monitor")
     twin = TwinProcess(tmp)
     prom_port, node_port = free_port(), free_port()
@@ -165,12 +167,31 @@ def test_every_alert_is_loaded_and_healthy(deployed):
 
 
 @pytest.mark.integration
-def test_dashboard_queries_run_on_prometheus(deployed):
+def test_dashboard_panels_show_the_twins_series(deployed):
+    """Every panel's query is valid PromQL (a bad one raises MonitorError) and finds the twin's
+    series, labelled with its instance; the gauges hold values they can hold."""
+    prom, instance = deployed["prom"], f"127.0.0.1:{deployed['twin'].port}"
     dash = json.loads(DASHBOARD.read_text())
-    for panel in dash["panels"]:
-        for target in panel["targets"]:
-            expr = target["expr"].replace("$__rate_interval", "1m")
-            deployed["prom"].query(expr)  # raises MonitorError on a bad query
+    exprs = {t["expr"].replace("$__rate_interval", "1m") for p in dash["panels"] for t in p["targets"]}
+    deadline = time.monotonic() + 30  # a rate() needs two scrapes inside its window
+    while True:
+        results = {expr: prom.query(expr) for expr in exprs}
+        empty = sorted(expr for expr, series in results.items() if not series)
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not empty, f"panels with no data from the twin: {empty}"
+
+    def values(fragment: str) -> list[float]:
+        return [v for expr, series in results.items() if fragment in expr for _, v in series]
+
+    assert values('up{job="vllm"}') == [1.0]
+    assert values("DCGM_FI_DEV_GPU_UTIL") and all(0 <= v <= 100 for v in values("DCGM_FI_DEV_GPU_UTIL"))
+    assert all(0 <= v <= 1 for v in values("vllm:kv_cache_usage_perc"))
+    assert all(v >= 0 for v in values("vllm:num_requests_") + values("vllm:num_preemptions_total"))
+    per_instance = {labels.get("instance") for expr, series in results.items()
+                    if "by (instance)" in expr for labels, _ in series}
+    assert per_instance == {instance}
 
 
 @pytest.mark.integration

@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import PostgresServer
 
+from tests.support.processes import PostgresServer
 from vllm_lab import plans, report, search
 from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import ScenarioError, resolve

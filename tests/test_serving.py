@@ -11,18 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fleet import TWIN_MODEL, kill_instances, lab_source_snapshot, shared_site_vars
 from vllm_lab import serving
 from vllm_lab.serving import ServeError, classify_failure
-
-try:
-    from fleet_support import TWIN_MODEL, kill_instances, lab_source_snapshot, shared_site_vars
-except ImportError:
-    from tests.fleet_support import (
-        TWIN_MODEL,
-        kill_instances,
-        lab_source_snapshot,
-        shared_site_vars,
-    )
 
 LOCAL = serving.REPO_ROOT / "inventory" / "local.yml"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import private_inventory
 
+from tests.support.processes import private_inventory
 from vllm_lab import plans, report, stress
 from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import ScenarioError, resolve

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import private_inventory
 
+from tests.support.processes import private_inventory
 from vllm_lab import scenarios
 from vllm_lab.store import Store
 from vllm_lab.summary import summarize

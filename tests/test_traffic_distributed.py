@@ -1,5 +1,5 @@
 """Distributed load over SSH: a Locust master here, workers on two hosts of the network-namespace
-fleet (tests/fleet_support.py) provisioned as load generators by provision.yml, against a twin
+fleet (tests/support/fleet.py) provisioned as load generators by provision.yml, against a twin
 served here. Every worker's raw samples come back, are merged, and the percentiles are the pooled
 samples' own."""
 
@@ -16,8 +16,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from conftest import TwinProcess
-from fleet_support import (
+
+from tests.support import require
+from tests.support.fleet import (
     REPO,
     TWIN_MODEL,
     NetnsFleet,
@@ -28,7 +29,7 @@ from fleet_support import (
     route_to_this_machine,
     shared_site_vars,
 )
-
+from tests.support.processes import TwinProcess
 from vllm_lab import serving
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic import samples as samples_mod
@@ -73,9 +74,7 @@ def test_loadgen_hosts_run_the_provisioned_venv(tmp_path):
 
 @pytest.fixture(scope="module")
 def loadgen_fleet(tmp_path_factory):
-    why = fleet_unavailable_reason()
-    if why:
-        pytest.skip(why)
+    require(fleet_unavailable_reason())
     tmp = tmp_path_factory.mktemp("loadgen-fleet")
     fleet = NetnsFleet(tmp, size=2)
     try:

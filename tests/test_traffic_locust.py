@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.support.scripted_server import running
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic.arrivals import InFlightMeter, client_overloaded
-from vllm_lab.traffic.scripted_server import running
 
 # Every test here but the InFlightMeter unit tests starts Locust and a server.
 integration = pytest.mark.integration

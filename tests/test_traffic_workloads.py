@@ -18,6 +18,8 @@ from vllm_lab.traffic.shapes import level_at, saturated
 from vllm_lab.traffic.spec import Lengths, Load, Shape, Workload
 from vllm_lab.traffic.workloads import WorkloadGenerator, sample_lengths
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
@@ -52,16 +54,20 @@ def test_spec_is_strict_with_defaults():
 
 
 def test_lab_scenarios_validate():
-    import pathlib
-
     import yaml
 
-    for path in pathlib.Path("scenarios").glob("*.yaml"):
+    # Anchored to the checkout, not the working directory: run from elsewhere it must still check.
+    paths = sorted((REPO / "scenarios").glob("*.yaml")) + sorted((REPO / "scenarios/guide").glob("*.yaml"))
+    assert len(paths) >= 4, f"no scenario files found under {REPO / 'scenarios'}"
+    checked = 0
+    for path in paths:
         doc = yaml.safe_load(path.read_text())
         if "workload" in doc:
             Workload.model_validate(doc["workload"])
+            checked += 1
         if "load" in doc:
             Load.model_validate(doc["load"])
+    assert checked >= 4  # the shipped scenarios and the guide's each say their traffic
 
 
 @pytest.mark.parametrize(("preset", "mean_in", "mean_out"),

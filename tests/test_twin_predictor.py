@@ -23,7 +23,9 @@ from vllm_lab.twin.profile import load_profile
 
 MODEL = load_model_shape("llama-3-8b")
 H200 = load_profile("h200-llama-3-8b")
-REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference/h200-vllm0.26"
+# `vllm bench serve` results of vLLM 0.26 on one H200 (Llama-3-8B), the ones the shipped profile is
+# fitted to: kept with the tests so the fidelity check runs on every machine.
+REFERENCE = Path(__file__).resolve().parent / "data" / "h200-vllm0.26"
 WORK = sharegpt_like(800, seed=3)
 
 
@@ -75,9 +77,9 @@ def test_shared_prefixes_hit_the_cache():
     assert off.ttft["p50"] > p.ttft["p50"]
 
 
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason="reference measurements not present")
 def test_fidelity_on_reference_files():
     points = [load_point(f) for f in sorted(REFERENCE.glob("*.json"))]
+    assert len(points) == 8, f"the reference measurements are missing from {REFERENCE}"
     rows = compare(points, H200, MODEL)
     for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
         errs = sorted(abs(r["error"]) for r in rows if r["metric"] == metric)

@@ -10,7 +10,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TwinProcess
+
+from tests.support.processes import TwinProcess
 
 pytestmark = pytest.mark.integration
 

@@ -39,7 +39,7 @@ def test_judge_needs_a_baseline():
 
 @pytest.mark.integration
 def test_probe_on_slower_flags_is_flagged_and_same_flags_are_not(tmp_path):
-    from conftest import TwinProcess
+    from tests.support.processes import TwinProcess
 
     store = tmp_path / "lab.db"
     short = ["load.stop.duration_s=6"]

@@ -12,8 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import private_inventory
 
+from tests.support.processes import private_inventory
 from vllm_lab import serving
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TWIN_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
@@ -30,7 +30,7 @@ TWIN_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 def fleet_unavailable_reason() -> str | None:
     """Why the namespace fleet cannot run here, or None when it can."""
     if os.geteuid() != 0:
-        return "needs root for ip netns"
+        return "the network-namespace fleet needs root (ip netns): run the tests as root"
     if not shutil.which("ip"):
         return "iproute2 (ip) is missing: run scripts/install-system-deps.sh"
     if not Path(SSHD).exists() or not shutil.which("ssh-keygen"):
@@ -228,7 +228,7 @@ class NetnsFleet:
             _ip("netns", "del", host.netns, check=False)
 
 
-# --- additions for load generators on the fleet (tests/test_traffic_distributed.py) ------------
+# --- load generators on the fleet (tests/test_traffic_distributed.py) -------------------------
 
 def host_side_address(host: FleetHost) -> str:
     """This machine's address on the host's link (10.77.<k>.1)."""

@@ -1,4 +1,5 @@
-"""A small OpenAI-compatible streaming server with scripted, known timing, for tests and benchmarks.
+"""A small OpenAI-compatible streaming server with scripted, known timing, for tests and benchmarks
+(a fixture, not part of the lab: scripts/bench_traffic.py imports it from here too).
 
 Modes (the request's `model` name picks one, else `--mode`, or `--cycle` deals them in turn):
 ok (first token after --ttft-ms, then one token every --itl-ms), broken (closes the connection
@@ -21,7 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 from aiohttp import web
 
@@ -226,7 +229,8 @@ def running(*flags: str, wrap: tuple[str, ...] = ()) -> Iterator[str]:
     `wrap` prefixes the command (e.g. ("taskset", "-c", "2-7") to keep it off the client's cores).
     """
     proc = subprocess.Popen(
-        [*wrap, sys.executable, "-m", "vllm_lab.traffic.scripted_server", *flags],
+        # Run by path: the child needs only aiohttp, not the tests package on its sys.path.
+        [*wrap, sys.executable, str(Path(__file__).resolve()), *flags],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -234,8 +238,6 @@ def running(*flags: str, wrap: tuple[str, ...] = ()) -> Iterator[str]:
         if not line.startswith("port "):
             raise RuntimeError(f"scripted server did not start: {line!r}")
         url = f"http://127.0.0.1:{int(line.split()[1])}"
-        import urllib.request
-
         for _ in range(100):
             try:
                 urllib.request.urlopen(url + "/health", timeout=1).read()

@@ -1,0 +1,23 @@
+"""What the tests share that is not a fixture: processes they start (``processes``), the
+network-namespace fleet (``fleet``) and the scripted OpenAI-compatible server (``scripted_server``).
+
+Fixtures live in tests/conftest.py; these are plain modules, imported as ``tests.support.<name>``
+(pytest puts the repository root on sys.path because tests/ is a package).
+"""
+
+import os
+
+import pytest
+
+# `make test` sets it: there a missing system dependency fails the test instead of skipping it, so
+# a suite that ran green ran everything (scripts/test-setup.sh installs the dependencies first).
+REQUIRE_ALL = "LAB_TESTS_REQUIRE_ALL"
+
+
+def require(missing: str | None) -> None:
+    """Skip the test for ``missing`` (why it cannot run here), or fail it under `make test`."""
+    if not missing:
+        return
+    if os.environ.get(REQUIRE_ALL) == "1":
+        pytest.fail(f"{missing} ({REQUIRE_ALL}=1: make test runs every test)", pytrace=False)
+    pytest.skip(missing)
