@@ -11,8 +11,9 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import TwinProcess
-from test_twin_server import _model_folder, _profile
+
+from tests.support.processes import TwinProcess
+from tests.test_twin_server import _model_folder, _profile
 
 pytestmark = pytest.mark.integration
 
