@@ -209,12 +209,14 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
         blocks.append(Block(f"<p>{e(text)}</p>\n", [text, ""]))
     blocks += [
         page.table(table, "text"),
-        Block(page.img(fig, figure=False) + "\n" if fig else "\n"),
+        Block(page.img(fig) + "\n" if fig else "\n"),
         Block("<h2>Arms (medians over their runs)</h2>\n", ["", "## Arms (medians over their runs)", ""]),
-        page.table(arms, "text"),
+        page.table(arms, "text", groups=["arm" if c in ("arm", "runs", "status") else
+                                         "twin predicts (recorded)" if c.startswith("twin ") else
+                                         "measured (median over runs)" for c in arms.columns]),
     ]
     if fig:
-        blocks.append(Block(md=["", page.md_img(fig)]))
+        blocks.append(Block(md=["", *page.md_img(fig)]))
     blocks += [Block(md=[""]), page.footer(f"make report EXPERIMENT={exp['id']}", md=True)]
     return page.Page(exp["id"], blocks, CSS)
 

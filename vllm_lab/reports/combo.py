@@ -132,9 +132,10 @@ def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pa
     best = best_point(table)
     headline = sweep.headline(table, best, params)
     best_path = _best_file(runs, params, best, folder, f"best of {exp['id']} under the SLO: {headline}")
-    return page.write_page(sweep.experiment_page(exp, ctx, headline, sweep.display_table(table, params),
-                                                 sweep.warnings(table), figures,
-                                                 _yaml_section(best_path)), folder)
+    shown = sweep.display_table(table, params)
+    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, sweep.warnings(table), figures,
+                                                 _yaml_section(best_path),
+                                                 sweep.column_groups(shown, params)), folder)
 
 
 # -- the search -----------------------------------------------------------------------------------
@@ -227,8 +228,9 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     notes.append(f"study {meta['study']} in {meta['storage'] or 'the lab database'}; more workers join "
                  f"with make tune EXPERIMENT={exp['id']}")
     extra = _yaml_section(best_path) + _confirm_section(store, exp["id"])
-    return page.write_page(sweep.experiment_page(exp, ctx, headline, sweep.display_table(table, params),
-                                                 notes, figures, extra), folder)
+    shown = sweep.display_table(table, params)
+    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures, extra,
+                                                 sweep.column_groups(shown, params)), folder)
 
 
 def _confirm_section(store: Store, exp_id: str) -> list[Block]:

@@ -20,12 +20,23 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab.flags import redact
+from vllm_lab.reports.figures import caption_for
 
 # The stylesheet of an experiment's page; the quarterly report brings its own (print layout).
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;color:#222}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
 th{background:#f3f3f3}img{max-width:100%}.headline{font-size:1.2em;background:#eef7ee;padding:.6em}
 .ctx{color:#555;white-space:pre-line}"""
+# Every page's tables fit it: a wide or long table scrolls inside its frame, its header stays in
+# view, and its column groups are named above the columns. Figures carry a one-line caption.
+TABLE_CSS = """
+.table-wrap{max-width:100%;max-height:75vh;overflow:auto;margin:.6em 0;border:1px solid #ddd}
+.table-wrap table{margin:0}
+.table-wrap thead{position:sticky;top:0;z-index:1}
+.table-wrap thead tr.groups th{text-align:center;font-weight:600;background:#e6e9ef}
+figcaption{color:#555;font-size:13px;margin:.2em 0 1em}
+@media print{.table-wrap{max-height:none;overflow:visible;border:0}
+  .table-wrap thead{position:static}}"""
 FOOTER_STYLE = "color:#888;font-size:12px"
 _NUMERIC = re.compile(r"[-+<–]?[\d,.]+%?|–")
 
@@ -128,10 +139,22 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
             + ["| " + " | ".join(md_cell(c) for c in r) + " |" for r in rows])
 
 
-def html_table(header: Sequence[str], rows: Iterable[Sequence[str]], numeric_class: bool = False) -> str:
-    """An HTML table; with ``numeric_class`` numbers get class "num" (right-aligned) and the header
-    its own <thead> (repeated on every printed page)."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+def html_table(header: Sequence[str], rows: Iterable[Sequence[str]], numeric_class: bool = False,
+               groups: Sequence[str] | None = None) -> str:
+    """An HTML table in a frame that scrolls, its header sticky: ``groups`` (one name per column,
+    "" for none) adds a row naming runs of columns; with ``numeric_class`` numbers get class "num"
+    (right-aligned)."""
+    head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"
+    if groups and any(groups):
+        spans: list[list[Any]] = []
+        for g in groups:
+            if spans and spans[-1][0] == g:
+                spans[-1][1] += 1
+            else:
+                spans.append([g, 1])
+        head = ('<tr class="groups">' + "".join(
+            f'<th colspan="{n}">{html.escape(g)}</th>' if n > 1 else f"<th>{html.escape(g)}</th>"
+            for g, n in spans) + "</tr>" + head)
 
     def cell(text: str) -> str:
         if numeric_class and _NUMERIC.fullmatch(text):
@@ -139,9 +162,7 @@ def html_table(header: Sequence[str], rows: Iterable[Sequence[str]], numeric_cla
         return f"<td>{html.escape(text)}</td>"
 
     body = "".join("<tr>" + "".join(cell(c) for c in r) + "</tr>" for r in rows)
-    if numeric_class:
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f'<div class="table-wrap"><table><thead>{head}</thead><tbody>{body}</tbody></table></div>'
 
 
 def frame_rows(df: pd.DataFrame, style: str = "sig") -> tuple[list[str], list[list[str]]]:
@@ -149,22 +170,24 @@ def frame_rows(df: pd.DataFrame, style: str = "sig") -> tuple[list[str], list[li
     return [str(c) for c in df.columns], [[fmt(v, style) for v in r] for r in df.itertuples(index=False)]
 
 
-def table(df: pd.DataFrame, style: str = "sig") -> Block:
-    """A frame as a table block (followed by a blank line in Markdown)."""
+def table(df: pd.DataFrame, style: str = "sig", groups: Sequence[str] | None = None) -> Block:
+    """A frame as a table block, its column ``groups`` named above it on the HTML page."""
     header, rows = frame_rows(df, style)
-    return Block(html_table(header, rows) + "\n", md_table(header, rows))
+    return Block(html_table(header, rows, groups=groups) + "\n", md_table(header, rows))
 
 
-def img(path: Path, figure: bool = True) -> str:
-    """A PNG embedded in the page (inside a <figure> unless ``figure`` is False)."""
+def img(path: Path) -> str:
+    """A PNG embedded in the page with its one-line caption (what to look at)."""
     data = base64.b64encode(path.read_bytes()).decode()
-    tag = f'<img alt="{path.stem}" src="data:image/png;base64,{data}">'
-    return f"<figure>{tag}</figure>" if figure else tag
+    text = caption_for(path)
+    cap = f"<figcaption>{html.escape(text)}</figcaption>" if text else ""
+    return f'<figure><img alt="{path.stem}" src="data:image/png;base64,{data}">{cap}</figure>'
 
 
-def md_img(path: Path) -> str:
-    """A PNG beside report.md."""
-    return f"![{path.stem}]({path.name})"
+def md_img(path: Path) -> list[str]:
+    """A PNG beside report.md, with its caption in italics under it."""
+    text = caption_for(path)
+    return [f"![{path.stem}]({path.name})"] + ([f"*{text}*", ""] if text else [])
 
 
 def notes(items: Sequence[str]) -> Block:
@@ -192,7 +215,7 @@ class Page:
     def html(self) -> str:
         """The self-contained HTML page."""
         return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(self.title)}'
-                f"</title>\n<style>{self.css}</style></head><body>\n"
+                f"</title>\n<style>{self.css}{TABLE_CSS}</style></head><body>\n"
                 + "".join(b.html for b in self.blocks) + "</body></html>")
 
     def markdown(self) -> str:

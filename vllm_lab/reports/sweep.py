@@ -27,16 +27,6 @@ from vllm_lab.summary import LATENCY_LABELS, metric
 
 # Latency figures by prefix: the panel titles and axis labels.
 LABELS = {k: ("E2E latency" if k == "e2e" else v) for k, v in LATENCY_LABELS.items()}
-# What each figure asks the reader to look at, under it.
-CAPTIONS = {
-    "throughput": "Where goodput (orange) peaks is the best value; throughput still rising past it "
-                  "means the SLO, not the server, is the limit.",
-    "latency": "Read where a percentile crosses the red SLO line: values to the right of it miss the SLO.",
-    "server": "A queue that grows, a KV cache near 1 or preemptions above 0 say the server ran out "
-              "of room at that value.",
-}
-
-
 def _x(table: pd.DataFrame, param: str) -> tuple[np.ndarray, list[str], bool]:
     """Positions and tick labels for a parameter: numeric on a log scale when it spans decades."""
     values = table[param].tolist()
@@ -138,6 +128,25 @@ def display_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame:
     return shown.rename(columns={c: c + " (ms)" for c in shown.columns if is_latency(c)})
 
 
+def column_groups(shown: pd.DataFrame, params: list[str]) -> list[str]:
+    """The group each shown column belongs to, named above the columns on the page."""
+    def group(c: str) -> str:
+        if c in params or c in ("status", "runs"):
+            return "point"
+        if c.startswith("twin_"):
+            return "twin prediction (recorded)"
+        if c.split(" ")[0] in AUDIT:
+            return "client against server"
+        if c.startswith(("ttft", "tpot", "e2e", "itl")):
+            return "latency (ms)"
+        if c in ("queue_len_mean", "kv_usage_max", "preemptions"):
+            return "server (/metrics)"
+        if c in ("output_throughput_cv", "meets_slo"):
+            return "verdict"
+        return "throughput"
+    return [group(str(c)) for c in shown.columns]
+
+
 def warnings(table: pd.DataFrame) -> list[str]:
     """A sweep's notes: a spread too large to trust, points that failed or were left out."""
     notes = []
@@ -193,7 +202,8 @@ def headline(table: pd.DataFrame, best, params: list[str]) -> str:
 
 
 def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, notes: list[str],
-                    figures: list[Path], extra: list[Block] = ()) -> page.Page:
+                    figures: list[Path], extra: list[Block] = (),
+                    groups: list[str] | None = None) -> page.Page:
     """An experiment's page: headline, context, table, notes, figures, then ``extra`` sections."""
     e = html.escape
     step = f"Step: {exp['step']} · scenario: {exp['scenario_name']}"
@@ -207,11 +217,11 @@ def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, not
               [step, "", "SLO: " + (slo or "none"), ""]),
         Block(f"<p>Serve flags: {flags}</p>\n",
               ["Serve flags: " + ", ".join(f"`{k}={v}`" for k, v in ctx.serve.items()), ""]),
-        page.table(shown),
+        page.table(shown, groups=groups),
         Block(md=[""]),
         page.notes(notes),
         Block(md=[""]),
-        Block("".join(page.img(f) for f in figures) + "\n", [page.md_img(f) for f in figures]),
+        Block("".join(page.img(f) for f in figures) + "\n", [line for f in figures for line in page.md_img(f)]),
         page.footer(f"make report EXPERIMENT={exp['id']}"),
         *extra,
     ]
@@ -230,5 +240,6 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     best = best_point(table) if params else None
     notes = warnings(table) if params else baseline_notes(table)
     notes += prediction_notes(table)
-    return page.write_page(experiment_page(exp, ctx, headline(table, best, params),
-                                           display_table(table, params), notes, figures), folder)
+    shown = display_table(table, params)
+    return page.write_page(experiment_page(exp, ctx, headline(table, best, params), shown, notes,
+                                           figures, groups=column_groups(shown, params)), folder)

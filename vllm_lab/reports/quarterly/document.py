@@ -155,7 +155,7 @@ def quarterly_page(period: Period, parts: list[Section], caption: str) -> page.P
             blocks.append(page.notes(s.notes))
             blocks.append(Block(md=[""]))
         blocks.append(Block("".join(page.img(f) for f in s.figures),
-                            [page.md_img(f) for f in s.figures] + [""]))
+                            [line for f in s.figures for line in page.md_img(f)] + [""]))
     blocks.append(Block(f'<p style="color:#888;font-size:11px">Built from the store alone: make report '
                         f"PERIOD={period.name}</p>"))
     return page.Page(title, blocks, CSS)
