@@ -204,7 +204,13 @@ class LiveBackend:
         """On real vLLM, record what the twin predicts for the same scenario beside the run, so a
         report compares them from the store alone (a later twin does not change an old page)."""
         if self.name == "vllm":
-            m.summary[PREDICTION_KEY] = twin_prediction(scenario)
+            try:
+                m.summary[PREDICTION_KEY] = twin_prediction(scenario)
+            except Exception as e:  # noqa: BLE001  a measured run is never lost to its prediction
+                log.warning("the twin could not predict %s: %s", scenario.name, e)
+                m.summary[PREDICTION_KEY] = {"backend": PredictBackend.name, "predicted": False,
+                                             "profile": scenario.hardware.twin_profile,
+                                             "status": "failed-start", "error": str(e), "summary": {}}
         return m
 
     def measure_on(self, scenario: Scenario, instance: serving.Instance, workdir: Path) -> Measurement:

@@ -9,7 +9,6 @@ import matplotlib
 matplotlib.use("Agg")  # no display on lab machines
 import matplotlib.pyplot as plt
 
-
 # One line under each figure, by file name: what to look at in it.
 CAPTIONS = {
     "throughput": "Where goodput (orange) peaks is the best value; throughput still rising past it "
