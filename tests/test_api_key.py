@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import TwinProcess
-from vllm_lab import report, scenarios, serving
+from vllm_lab import reports as report
+from vllm_lab import scenarios, serving
 from vllm_lab.backends import LiveBackend
 from vllm_lab.plans import Plan, Point, _record
 from vllm_lab.store import Store

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 from tests.support import require
-from vllm_lab import quarterly, scenarios
+from vllm_lab import scenarios
+from vllm_lab.reports import quarterly
 from vllm_lab.store import RunRecord, Store, run_identity
 
 Q3 = datetime(2026, 8, 1, tzinfo=UTC).timestamp()

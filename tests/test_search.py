@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import PostgresServer
-from vllm_lab import plans, report, search
+from vllm_lab import plans, search
+from vllm_lab import reports as report
 from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store

@@ -158,3 +158,34 @@ def test_a_version_1_store_is_migrated_and_its_overloaded_runs_become_client_lim
     assert dict(runs["status"].value_counts()) == {
         ("client-limited" if s == "client-overloaded" else s): n for s, n in before}
     assert sqlite3.connect(db).execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
+
+
+def test_summary_columns_come_from_the_catalog_in_their_fixed_order():
+    from vllm_lab import summary
+    from vllm_lab.store import SUMMARY_COLUMNS
+    # The column order of stores already written: a store exported with SELECT * relies on it.
+    assert SUMMARY_COLUMNS == summary.COLUMNS == (
+        "duration_s", "requests", "errors", "request_throughput", "output_throughput",
+        "total_throughput", "goodput", "slo_attainment",
+        "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
+        "itl_p50", "itl_p90", "itl_p99", "e2e_p50", "e2e_p90", "e2e_p99",
+        "queue_len_mean", "queue_len_max", "kv_usage_mean", "kv_usage_max", "preemptions",
+        "gpu_util_mean", "gpu_mem_used_max_gib")
+    with pytest.raises(KeyError, match="ttft_p95"):
+        summary.select("ttft_p50", "ttft_p95")
+    assert summary.metric("ttft_p50").heading == "TTFT p50 ms" and summary.metric("ttft_p50").scale == 1000
+
+
+def test_runs_between_relabel_and_sample_columns(tmp_path):
+    store = Store(tmp_path / "lab.db")
+    store.create_experiment("e1", "watch", "default")
+    store.record_run(make_run("e1", "k1"), samples())
+    store.record_run(make_run("e1", "k2"))
+    t = store.runs("e1")["started"]
+    assert len(store.runs_between(t.min(), t.max() + 1)) == 2
+    assert store.runs_between(t.max() + 1, t.max() + 2).empty
+    assert store.relabel_points("e1", {"max-num-seqs": 8}, {"role": "old-baseline"}) == 2
+    assert store.runs("e1")["point"].tolist() == [{"role": "old-baseline"}] * 2
+    assert list(store.samples("e1", "k1", columns=["request_id"]).columns) == ["request_id"]
+    files = store.samples_files(store.runs("e1").sort_values("run_key"))
+    assert files[0] is not None and files[0].exists() and files[1] is None

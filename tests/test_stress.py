@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from tests.support.processes import private_inventory
-from vllm_lab import plans, report, stress
+from vllm_lab import plans, stress
+from vllm_lab import reports as report
 from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store

@@ -7,6 +7,7 @@ sweep over a load parameter (``load.shape.level``) reuses the running server.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ import pandas as pd
 
 from vllm_lab import audit, serving
 from vllm_lab.scenarios import Scenario, ScenarioError
+from vllm_lab.store import PREDICTION_KEY
 from vllm_lab.summary import request_failures, summarize
 
 log = logging.getLogger(__name__)
@@ -190,12 +192,25 @@ class LiveBackend:
             self._running.pop(host, None)
             # Still marked as starting: the next start or close() stops whatever is left (a start
             # interrupted by Ctrl-C, a server still loading when the wait gave up).
-            return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
-                               ended=time.time(), host=e.host or host or "",
-                               error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}")
+            return self._with_prediction(scenario, Measurement(
+                status=START_STATUS.get(e.cause, "failed-start"), started=started, ended=time.time(),
+                host=e.host or host or "", error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}"))
         m = self.measure_on(scenario, instance, workdir)
         if m.status == "crashed":
             self._running.pop(host, None)
+        return self._with_prediction(scenario, m)
+
+    def _with_prediction(self, scenario: Scenario, m: Measurement) -> Measurement:
+        """On real vLLM, record what the twin predicts for the same scenario beside the run, so a
+        report compares them from the store alone (a later twin does not change an old page)."""
+        if self.name == "vllm":
+            try:
+                m.summary[PREDICTION_KEY] = twin_prediction(scenario)
+            except Exception as e:  # noqa: BLE001  a measured run is never lost to its prediction
+                log.warning("the twin could not predict %s: %s", scenario.name, e)
+                m.summary[PREDICTION_KEY] = {"backend": PredictBackend.name, "predicted": False,
+                                             "profile": scenario.hardware.twin_profile,
+                                             "status": "failed-start", "error": str(e), "summary": {}}
         return m
 
     def measure_on(self, scenario: Scenario, instance: serving.Instance, workdir: Path) -> Measurement:
@@ -363,6 +378,24 @@ class PredictBackend:
 
     def close(self, host: str | None) -> None:
         """Nothing runs between predictions."""
+
+
+def twin_prediction(scenario: Scenario) -> dict[str, Any]:
+    """The twin predictor's run of ``scenario``, as recorded beside a measured run: its status,
+    error and summary, and which twin profile (name and a hash of its text) made it."""
+    from vllm_lab.twin.profile import load_profile
+
+    name = scenario.hardware.twin_profile
+    record: dict[str, Any] = {"backend": PredictBackend.name, "profile": name, "profile_version": "",
+                              "predicted": True}
+    try:
+        profile = load_profile(name)
+        record["profile_version"] = hashlib.sha256(profile.to_yaml().encode()).hexdigest()[:12]
+        record["profile_fitted_at"] = profile.provenance.fitted_at
+        m = PredictBackend().measure(scenario, None, Path("."))
+    except (ValueError, OSError, ScenarioError) as e:  # an unknown model shape or profile: said so
+        return {**record, "predicted": False, "status": "failed-start", "error": str(e), "summary": {}}
+    return {**record, "status": m.status, "error": m.error, "summary": m.summary}
 
 
 def predicted_requests(scenario: Scenario, count: int):

@@ -160,7 +160,7 @@ def _experiment_id(args, step: str, scenario, param: str | None, store_path: Pat
 
 
 def _take(args, step: str, scenario, points, meta: dict, param: str | None = None) -> int:
-    from vllm_lab import report
+    from vllm_lab import reports as report
     store_path = args.store or args.out / "lab.db"
     exp_id = _experiment_id(args, step, scenario, param, store_path)
     if args.backend == "predict":
@@ -278,7 +278,7 @@ def _newest_experiment(store_path: Path, prefix: str = "") -> str | None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild an experiment's report from the store alone."""
-    from vllm_lab import report
+    from vllm_lab import reports as report
     store_path = args.store or args.out / "lab.db"
     experiment = args.experiment or _newest_experiment(store_path)
     if experiment is None:
@@ -308,7 +308,8 @@ def cmd_combo(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Optuna over a declared space; each trial is a run in the store; CONFIRM re-measures the best live."""
-    from vllm_lab import report, search
+    from vllm_lab import reports as report
+    from vllm_lab import search
     scenario = _resolve_checked(args)
     store_path = args.store or args.out / "lab.db"
     space = search.load_space(args.space, scenario)
@@ -438,7 +439,7 @@ def cmd_findings(args: argparse.Namespace) -> int:
 
 def cmd_quarterly(args: argparse.Namespace) -> int:
     """Build the quarterly report of every experiment of PERIOD."""
-    from vllm_lab import quarterly
+    from vllm_lab.reports import quarterly
     store_path = args.store or args.out / "lab.db"
     print(f"report: {quarterly.build(store_path, args.period, args.out, pdf=not args.no_pdf)}")
     return 0

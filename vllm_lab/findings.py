@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_lab import flags as flag_catalog
+from vllm_lab.summary import as_float, value
 
+# Per-run aggregates of the raw samples a caller may add to a row (not summary metrics).
+SAMPLE_FIGURES = ("prompt_p50", "prompt_p99")
 # Thresholds named once, so the report can say what triggered a finding.
 GPU_UTIL_LOW = 80.0          # percent: the guide's "GPU utilization under 80%"
 QUEUE_WAITING_MIN = 1.0      # mean requests waiting: the server had work it did not schedule
@@ -59,12 +62,12 @@ class Finding:
 
 
 def _num(row: Mapping[str, Any], key: str) -> float:
-    """A numeric column of the row, NaN when missing or empty."""
-    value = row.get(key)
-    try:
-        return float(value) if value is not None else math.nan
-    except (TypeError, ValueError):
-        return math.nan
+    """A figure of the row, NaN when missing or empty: a summary metric (checked against the
+    catalog) or one of the per-run sample aggregates the caller added."""
+    if key in SAMPLE_FIGURES:
+        v = as_float(row.get(key))
+        return math.nan if v is None else v
+    return value(row, key)
 
 
 def serve_flags(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,10 @@ version 1 called a run whose client could not keep up ``client-overloaded``; ver
 ``client-limited`` and keeps it out of every comparison; version 3 adds ``failed-requests`` (too
 many of the run's requests failed: it measured nothing) and ``unreachable`` (no host answered:
 retried on resume, like a crash), a rebuild of the runs table, whose CHECK SQLite cannot alter.
+A run's ``backend`` is ``vllm`` or ``twin`` (a server the lab started), ``predict`` (the twin's
+offline predictor) or ``live`` (a deployment the regression watch probes but did not start). A run on
+real vLLM also keeps, in ``summary_json[PREDICTION_KEY]``, what the twin predicted for its scenario
+when it was measured, so a report compares the two without running the twin again.
 Secrets (``flags.is_secret``) are redacted from every scenario and experiment before they are
 written.
 """
@@ -36,6 +40,7 @@ from typing import Any
 import pandas as pd
 
 from vllm_lab.flags import redact
+from vllm_lab.summary import COLUMNS, as_float
 
 SCHEMA_VERSION = 3
 DEFAULT_PATH = Path("reports/lab.db")
@@ -60,16 +65,12 @@ _OPTUNA_TABLES = {"studies", "study_directions", "study_user_attributes", "study
                   "trial_values", "trial_intermediate_values", "trial_heartbeats", "version_info",
                   "alembic_version"}
 
-# The summary metrics every run row carries as columns (seconds, per second, counts); anything
-# else a plan computes goes into summary_json.
-SUMMARY_COLUMNS = (
-    "duration_s", "requests", "errors", "request_throughput", "output_throughput",
-    "total_throughput", "goodput", "slo_attainment",
-    "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
-    "itl_p50", "itl_p90", "itl_p99", "e2e_p50", "e2e_p90", "e2e_p99",
-    "queue_len_mean", "queue_len_max", "kv_usage_mean", "kv_usage_max", "preemptions",
-    "gpu_util_mean", "gpu_mem_used_max_gib",
-)
+# The summary metrics every run row carries as columns (seconds, per second, counts), from the one
+# catalog (summary.METRICS); anything else a plan computes goes into summary_json.
+SUMMARY_COLUMNS = COLUMNS
+# The key of summary_json under which a run on real vLLM keeps the twin's prediction of the same
+# scenario, made when the run was measured (backends.twin_prediction): reports read it from here.
+PREDICTION_KEY = "twin_prediction"
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -92,7 +93,7 @@ CREATE TABLE IF NOT EXISTS runs (
     gpu_model TEXT NOT NULL DEFAULT '',
     gpu_count INTEGER NOT NULL DEFAULT 0,
     vllm_version TEXT NOT NULL DEFAULT '',
-    backend TEXT NOT NULL DEFAULT '',  -- vllm | twin | predict
+    backend TEXT NOT NULL DEFAULT '',  -- vllm | twin | predict | live (a watched deployment the lab did not start)
     status TEXT NOT NULL CHECK (status IN ({', '.join(repr(s) for s in STATUSES)})),
     error TEXT NOT NULL DEFAULT '',
     started REAL NOT NULL,
@@ -336,7 +337,7 @@ class Store:
                   json.dumps(redact(run.point), default=str),
                   run.repeat, run.host, run.gpu_model, run.gpu_count, run.vllm_version, run.backend,
                   run.status, run.error, run.started, run.ended,
-                  *[_num(run.summary.get(c)) for c in SUMMARY_COLUMNS],
+                  *[as_float(run.summary.get(c)) for c in SUMMARY_COLUMNS],
                   json.dumps(summary, default=str), samples_file]
         marks = ", ".join("?" for _ in columns)
         with self._write() as conn:
@@ -413,6 +414,19 @@ class Store:
         df["summary"] = df["summary_json"].map(json.loads)
         return df
 
+    def runs_between(self, start: float, end: float) -> pd.DataFrame:
+        """Every run started in [start, end), oldest first, as stored (nothing decoded)."""
+        return pd.read_sql_query("SELECT * FROM runs WHERE started >= ? AND started < ? ORDER BY started",
+                                 self._conn, params=(start, end))
+
+    def relabel_points(self, experiment_id: str, point: dict[str, Any], new_point: dict[str, Any]) -> int:
+        """Give the runs of ``experiment_id`` at ``point`` the point ``new_point``; return how many."""
+        with self._write() as conn:
+            cur = conn.execute("UPDATE runs SET point_json=? WHERE experiment_id=? AND point_json=?",
+                               (json.dumps(redact(new_point), default=str), experiment_id,
+                                json.dumps(redact(point), default=str)))
+        return cur.rowcount
+
     def finished_keys(self, experiment_id: str) -> set[str]:
         """Run keys a resume skips: every recorded run but those that may pass on a second try.
 
@@ -425,13 +439,18 @@ class Store:
             f"SELECT run_key FROM runs WHERE experiment_id=? AND status NOT IN ({marks})",
             (experiment_id, *RETRIED_ON_RESUME))}
 
-    def samples(self, experiment_id: str, run_key: str) -> pd.DataFrame:
-        """The raw per-request samples of one run (empty when it has none)."""
+    def samples(self, experiment_id: str, run_key: str, columns: list[str] | None = None) -> pd.DataFrame:
+        """The raw per-request samples of one run (empty when it has none), or some columns of them."""
         row = self._conn.execute("SELECT samples_file FROM runs WHERE experiment_id=? AND run_key=?",
                                  (experiment_id, run_key)).fetchone()
         if not row or not row[0]:
             return pd.DataFrame()
-        return pd.read_parquet(self.samples_dir / row[0])
+        return pd.read_parquet(self.samples_dir / row[0], columns=columns)
+
+    def samples_files(self, runs: pd.DataFrame) -> list[Path | None]:
+        """Where each of ``runs``' samples are (None: it has none), for reading many runs in
+        parallel threads (the connection stays in this one)."""
+        return [self.samples_dir / f if f else None for f in runs["samples_file"]]
 
     def server_metrics(self, experiment_id: str, run_key: str | None = None) -> pd.DataFrame:
         """The scraped server time series of one run or a whole experiment."""
@@ -442,10 +461,3 @@ class Store:
             params += (run_key,)
         return pd.read_sql_query(query + " ORDER BY ts", self._conn, params=params)
 
-
-def _num(value: Any) -> float | None:
-    """A summary value as a float for its column, None when absent or not a number."""
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
-        return None

@@ -11,22 +11,133 @@ Goodput counts the requests per second that meet every per-request SLO threshold
 under every SLO at the percentile the scenario names. ``request_failures`` says whether the run
 measured anything at all: a run whose requests were refused (401, 404, no connection) is not a
 measurement of the server, however its figures read.
+
+``METRICS`` is the one catalog of a run's summary figures: name, unit, label, which way is better
+and whether the store keeps it as a column. The store's columns, the reports' tables, the claims'
+arms and the findings read their names, units and labels from it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from vllm_lab import stats
-from vllm_lab.scenarios import Slo
+
+if TYPE_CHECKING:  # the store reads the catalog: no scenario (and traffic) import at run time
+    from vllm_lab.scenarios import Slo
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
+HIGHER, LOWER, NEITHER = 1, -1, 0
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One figure of a run's summary: how it is named, measured, shown and compared."""
+
+    name: str
+    unit: str           # as stored: s, tok/s, req/s, share, count, %, GiB, tokens
+    label: str          # for a reader: "TTFT p50"
+    better: int         # HIGHER, LOWER or NEITHER
+    column: bool = False  # a REAL column of the store's runs table (else in summary_json)
+    short: str = ""     # a compact table heading with the shown unit: "TTFT p50 ms"
+
+    @property
+    def scale(self) -> float:
+        """Factor from the stored unit to the shown one (seconds are shown in ms)."""
+        return 1000.0 if self.unit == "s" else 1.0
+
+    @property
+    def heading(self) -> str:
+        """The compact table heading (``short``, else the label)."""
+        return self.short or self.label
+
+
+LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
+
+
+def _latencies() -> list[Metric]:
+    return [Metric(f"{m}_p{p}", "s", f"{label} p{p}", LOWER, True, f"{label} p{p} ms")
+            for m, label in LATENCY_LABELS.items() for p in PERCENTILES]
+
+
+# The store's column order is fixed (a store exported from an older one copies rows with SELECT *):
+# new column metrics go at the end of the column group, never between.
+METRICS: tuple[Metric, ...] = (
+    Metric("duration_s", "s", "measured span", NEITHER, True),
+    Metric("requests", "count", "requests", NEITHER, True),
+    Metric("errors", "count", "errors", LOWER, True, "errors"),
+    Metric("request_throughput", "req/s", "requests/s", HIGHER, True),
+    Metric("output_throughput", "tok/s", "output tokens/s", HIGHER, True, "output tok/s"),
+    Metric("total_throughput", "tok/s", "input+output tokens/s", HIGHER, True),
+    Metric("goodput", "req/s", "goodput (req/s meeting every SLO)", HIGHER, True),
+    Metric("slo_attainment", "share", "share of requests meeting every SLO", HIGHER, True),
+    *_latencies(),
+    Metric("queue_len_mean", "count", "requests waiting (mean)", LOWER, True),
+    Metric("queue_len_max", "count", "requests waiting (max)", LOWER, True),
+    Metric("kv_usage_mean", "share", "KV cache usage (mean)", NEITHER, True),
+    Metric("kv_usage_max", "share", "KV cache usage (max)", NEITHER, True),
+    Metric("preemptions", "count", "preemptions", LOWER, True, "preemptions"),
+    Metric("gpu_util_mean", "%", "GPU utilization", NEITHER, True, "GPU util %"),
+    Metric("gpu_mem_used_max_gib", "GiB", "GPU memory used (max)", NEITHER, True),
+    # In summary_json: the rest of what summarize, the audit and the load generator add.
+    *[Metric(f"{m}_mean", "s", f"{label} mean", LOWER) for m, label in LATENCY_LABELS.items()],
+    Metric("kv_cache_tokens", "tokens", "KV cache size", HIGHER, short="KV tokens"),
+    Metric("failed_requests", "count", "failed requests", LOWER),
+    Metric("failed_requests_rate", "share", "failed share of requests", LOWER),
+    Metric("loadgen_processes", "count", "Locust processes", NEITHER),
+    Metric("server_ttft_mean", "s", "TTFT mean by vLLM's /metrics", LOWER),
+    Metric("server_tpot_mean", "s", "TPOT mean by vLLM's /metrics", LOWER),
+    Metric("server_frontend_lag_mean", "s", "client minus server E2E (mean)", LOWER),
+    Metric("audit_span_diff", "share", "client against server span", NEITHER),
+)
+CATALOG: dict[str, Metric] = {m.name: m for m in METRICS}
+# The summary figures the store keeps as REAL columns of the runs table, in their column order.
+COLUMNS: tuple[str, ...] = tuple(m.name for m in METRICS if m.column)
+
+
+def metric(name: str) -> Metric:
+    """The catalog's entry for ``name``, or KeyError naming the known ones (a misspelled key)."""
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a summary metric; known: {', '.join(CATALOG)}") from None
+
+
+def select(*names: str) -> tuple[str, ...]:
+    """``names``, each checked against the catalog: a module's choice of figures, not a new spelling."""
+    return tuple(metric(n).name for n in names)
+
+
+def as_float(value: Any) -> float | None:
+    """A summary value as a float, None when absent or not a number."""
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def value(row: Mapping[str, Any], name: str) -> float:
+    """Figure ``name`` of a run row or summary (a catalog metric), NaN when missing or empty."""
+    v = as_float(row.get(metric(name).name))
+    return math.nan if v is None else v
+
+
+def meets_slo(summary: Mapping[str, Any] | str | None) -> bool:
+    """Whether a recorded summary (a mapping or its JSON) says the run met every SLO."""
+    if isinstance(summary, str):
+        try:
+            summary = json.loads(summary)
+        except json.JSONDecodeError:
+            return False
+    return bool(isinstance(summary, Mapping) and summary.get("meets_slo", False))
 
 
 def _itl_values(samples: pd.DataFrame) -> np.ndarray:

@@ -191,12 +191,8 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
 
 def _retire_baseline(store_path: Path, exp: str) -> None:
     """A new baseline replaces the old one: old baseline rows become role 'old-baseline'."""
-    import sqlite3
-
-    conn = sqlite3.connect(store_path, timeout=30)
+    store = Store(store_path)
     try:
-        with conn:
-            conn.execute("UPDATE runs SET point_json=? WHERE experiment_id=? AND point_json=?",
-                         (json.dumps({"role": "old-baseline"}), exp, json.dumps({"role": "baseline"})))
+        store.relabel_points(exp, {"role": "baseline"}, {"role": "old-baseline"})
     finally:
-        conn.close()
+        store.close()

@@ -1,7 +1,8 @@
 """The claims report: each guide claim, its experiment, the measured effect and a verdict.
 
-Reads the store only. For real vLLM it also judges the twin's predictions of the same arms, so the
-table shows where the twin and the hardware disagree. Claim 9 falls back on the newest
+Reads the store only. For real vLLM it also judges the twin's predictions of the same arms, as
+recorded with each run when it was measured, so the table shows where the twin and the hardware
+disagree; a store from before predictions were recorded says so instead. Claim 9 falls back on the newest
 tensor-parallel-size sweep in the same store when the claims experiment itself has no TP arms
 (a TP sweep needs a machine with several GPUs, usually a separate call).
 """
@@ -13,21 +14,22 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
 from vllm_lab import claims
-from vllm_lab.report import _context, _png
+from vllm_lab.reports import page
+from vllm_lab.reports.figures import save
+from vllm_lab.reports.page import Block
+from vllm_lab.reports.points import NO_PREDICTION, TWIN_METRICS, recorded_prediction
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
+from vllm_lab.summary import metric, select
 
-ARM_METRICS = {"output_throughput": ("output tok/s", 1), "ttft_p50": ("TTFT p50 ms", 1000),
-               "tpot_p50": ("TPOT p50 ms", 1000), "e2e_p50": ("E2E p50 ms", 1000),
-               "gpu_util_mean": ("GPU util %", 1), "kv_cache_tokens": ("KV tokens", 1),
-               "preemptions": ("preemptions", 1), "errors": ("errors", 1)}
+# The figures of an arm's row (medians over its runs): the catalog's heading and display scale.
+ARM_METRICS = {name: (metric(name).heading, metric(name).scale) for name in select(
+    "output_throughput", "ttft_p50", "tpot_p50", "e2e_p50", "gpu_util_mean", "kv_cache_tokens",
+    "preemptions", "errors")}
 
 
 def _figures(row: dict) -> dict:
@@ -44,22 +46,21 @@ def runs_by_label(runs: pd.DataFrame) -> dict[str, list[dict]]:
         label = (row["point"] or {}).get("arm")
         if label:
             out[label].append({"status": row["status"], "summary": _figures(row),
-                               "error": row["error"] or "", "scenario_json": row["scenario_json"]})
+                               "error": row["error"] or "",
+                               "prediction": recorded_prediction(row["summary"])})
     return dict(out)
 
 
 def predicted_by_label(measured: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """What the twin's predictor says for each measured arm's scenario (one run each)."""
-    from vllm_lab.backends import PredictBackend
+    """What the twin's predictor said for each measured arm's scenario, as recorded with its first
+    run (one prediction each); an arm measured before predictions were recorded has none."""
     out = {}
     for label, runs in measured.items():
-        scenario = Scenario.model_validate_json(runs[0]["scenario_json"])
-        try:
-            m = PredictBackend().measure(scenario, None, Path("."))
-        except (ValueError, OSError) as e:  # an unknown model shape: no prediction
-            out[label] = [{"status": "failed-start", "summary": {}, "error": str(e)}]
+        rec = runs[0].get("prediction")
+        if rec is None:
+            out[label] = [{"status": "no-prediction", "summary": {}, "error": NO_PREDICTION}]
             continue
-        out[label] = [{"status": m.status, "summary": m.summary, "error": m.error}]
+        out[label] = [{"status": rec["status"], "summary": rec["summary"], "error": rec["error"]}]
     return out
 
 
@@ -128,7 +129,7 @@ def arm_table(measured: dict[str, list[dict]], predicted: dict[str, list[dict]] 
         for key, (name, scale) in ARM_METRICS.items():
             row[name] = _median(rs, key, scale)
         if predicted is not None:
-            for key in ("output_throughput", "ttft_p50", "tpot_p50"):
+            for key in TWIN_METRICS:
                 name, scale = ARM_METRICS[key]
                 row[f"twin {name}"] = _median(predicted.get(label, []), key, scale)
         rows.append(row)
@@ -156,18 +157,13 @@ def effects_figure(verdicts: list[claims.Verdict], twin: list[claims.Verdict] | 
     ax.invert_yaxis()
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("The guide's claims: measured effect against claimed\n" + caption, fontsize=9)
-    return _png(fig, folder / "effects.png")
+    return save(fig, folder / "effects.png")
 
 
-def build_claims(store_path: Path, exp: dict, out_root: Path) -> Path:
+def build_claims(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     """Write the claims report folder (index.html, report.md, verdicts.csv, arms.csv)."""
-    store = Store(store_path)
-    runs = store.runs(exp["id"])
     verdicts, notes = verdict_table(store, exp, runs)
-    store.close()
-    folder = out_root / exp["id"]
-    folder.mkdir(parents=True, exist_ok=True)
-    ctx = _context(runs)
+    ctx = page.context(runs)
     duration = Scenario.model_validate(exp["meta"]["base"]).load.stop.duration_s
     ctx.workload, ctx.load = "a traffic per claim (the arms table names each)", f"{duration:g} s per run"
     measured = runs_by_label(runs)
@@ -192,57 +188,39 @@ def build_claims(store_path: Path, exp: dict, out_root: Path) -> Path:
     arms = arm_table(measured, predicted)
     arms.to_csv(folder / "arms.csv", index=False)
     fig = effects_figure(verdicts, twin, ctx.caption, folder)
-    (folder / "report.md").write_text(_markdown(exp, ctx, table, arms, fig))
-    index = folder / "index.html"
-    index.write_text(_html(exp, ctx, table, arms, fig))
-    return index
+    unpredicted = sum(1 for p in (predicted or {}).values() if p[0]["status"] == "no-prediction")
+    return page.write_page(claims_page(exp, ctx, table, arms, fig, unpredicted), folder)
 
 
-def _cell(x) -> str:
-    """A table cell: empty for a missing value."""
-    return "" if x is None or pd.isna(x) else str(x)
-
-
-def _md_table(df: pd.DataFrame) -> list[str]:
-    def cells(r):
-        return [_cell(x).replace("|", "/").replace("\n", " ") for x in r]
-    return (["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-            + ["| " + " | ".join(cells(r)) + " |" for r in df.itertuples(index=False)])
-
-
-def _markdown(exp, ctx, table, arms, fig) -> str:
+def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | None,
+                unpredicted: int = 0) -> page.Page:
+    """The claims page: the verdicts, the effects figure, the arms."""
+    e = html.escape
     counts = table["verdict"].value_counts().to_dict()
-    lines = [f"# {exp['id']}: the guide's claims, measured", "", "```", ctx.caption, "```", "",
-             "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()), ""]
-    lines += _md_table(table) + ["", "## Arms (medians over their runs)", ""] + _md_table(arms)
+    verdict_line = "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+    blocks = [
+        Block(f"<h1>{e(exp['id'])}: the guide's claims, measured</h1>\n",
+              [f"# {exp['id']}: the guide's claims, measured", ""]),
+        Block(f'<p class="ctx">{e(ctx.caption)}</p>\n', ["```", ctx.caption, "```", "", verdict_line, ""]),
+    ]
+    if unpredicted:
+        text = (f"Twin predictions: no prediction recorded for {unpredicted} arm(s) (measured before "
+                f"the lab recorded the twin's prediction with each run on real vLLM).")
+        blocks.append(Block(f"<p>{e(text)}</p>\n", [text, ""]))
+    blocks += [
+        page.table(table, "text"),
+        Block(page.img(fig) + "\n" if fig else "\n"),
+        Block("<h2>Arms (medians over their runs)</h2>\n", ["", "## Arms (medians over their runs)", ""]),
+        page.table(arms, "text", groups=["arm" if c in ("arm", "runs", "status") else
+                                         "twin predicts (recorded)" if c.startswith("twin ") else
+                                         "measured (median over runs)" for c in arms.columns]),
+    ]
     if fig:
-        lines += ["", f"![{fig.stem}]({fig.name})"]
-    lines += ["", f"Rebuilt from the store alone: `make report EXPERIMENT={exp['id']}`"]
-    return "\n".join(lines) + "\n"
+        blocks.append(Block(md=["", *page.md_img(fig)]))
+    blocks += [Block(md=[""]), page.footer(f"make report EXPERIMENT={exp['id']}", md=True)]
+    return page.Page(exp["id"], blocks, CSS)
 
 
-def _html(exp, ctx, table, arms, fig) -> str:
-    import base64
-
-    def rows(df):
-        return "".join("<tr>" + "".join(f"<td>{html.escape(_cell(x))}</td>"
-                                        for x in r) + "</tr>" for r in df.itertuples(index=False))
-
-    def head(df):
-        return "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
-
-    img = ""
-    if fig:
-        img = f'<img alt="effects" src="data:image/png;base64,{base64.b64encode(fig.read_bytes()).decode()}">'
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(exp['id'])}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1300px;margin:2em auto;color:#222}}
-table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top}}
-th{{background:#f3f3f3}}img{{max-width:100%}}.ctx{{color:#555;white-space:pre-line}}</style></head><body>
-<h1>{html.escape(exp['id'])}: the guide's claims, measured</h1>
-<p class="ctx">{html.escape(ctx.caption)}</p>
-<table><tr>{head(table)}</tr>{rows(table)}</table>
-{img}
-<h2>Arms (medians over their runs)</h2>
-<table><tr>{head(arms)}</tr>{rows(arms)}</table>
-<p style="color:#888;font-size:12px">Rebuilt from the store alone: make report EXPERIMENT={html.escape(exp['id'])}</p>
-</body></html>"""
+CSS = """body{font-family:system-ui,sans-serif;max-width:1300px;margin:2em auto;color:#222}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}
+th{background:#f3f3f3}img{max-width:100%}.ctx{color:#555;white-space:pre-line}"""

@@ -12,18 +12,21 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from vllm_lab import report, search
-from vllm_lab.flags import is_secret
+from vllm_lab import search
+from vllm_lab.reports import page, sweep
+from vllm_lab.reports.figures import save
+from vllm_lab.reports.page import Block, Context
+from vllm_lab.reports.points import best_point, pareto_front, point_table
+from vllm_lab.reports.scenario_files import write_scenario_file
 from vllm_lab.store import Store
 
 
-def _slo_columns(ctx: report.Context) -> list[tuple[str, float, str]]:
+def _slo_columns(ctx: Context) -> list[tuple[str, float, str]]:
     """(summary column, threshold in s, label) for each SLO latency at its percentile."""
     out = []
     for metric, target in (ctx.slo or {}).items():
@@ -34,11 +37,11 @@ def _slo_columns(ctx: report.Context) -> list[tuple[str, float, str]]:
     return out or [("e2e_p99", math.inf, "E2E p99")]
 
 
-def heatmaps(table: pd.DataFrame, params: list[str], ctx: report.Context, folder: Path) -> Path:
+def heatmaps(table: pd.DataFrame, params: list[str], ctx: Context, folder: Path) -> Path:
     """Throughput and goodput over the first two params; one row of panels per third-param value."""
     x, y = params[0], params[1]
     thirds = sorted(table[params[2]].unique(), key=str) if len(params) > 2 else [None]
-    best = report.best_point(table)
+    best = best_point(table)
     fig, axes = plt.subplots(len(thirds), 2, figsize=(12, 4.6 * len(thirds)), squeeze=False)
     for r, third in enumerate(thirds):
         sub = table if third is None else table[table[params[2]] == third]
@@ -67,26 +70,14 @@ def heatmaps(table: pd.DataFrame, params: list[str], ctx: report.Context, folder
             ax.set_title(f"{label}{where}", fontsize=10)
     fig.suptitle("Heat maps (bold: meets the SLO; red frame: best under the SLO)", fontsize=11)
     fig.text(0.01, -0.02, ctx.caption, fontsize=7, va="top")
-    return report._png(fig, folder / "heatmaps.png")
+    return save(fig, folder / "heatmaps.png")
 
 
-def pareto_front(points: pd.DataFrame, latency: str) -> pd.DataFrame:
-    """The points no other point beats on both higher throughput and lower ``latency``."""
-    p = points.dropna(subset=[latency, "output_throughput"]).sort_values(
-        [latency, "output_throughput"], ascending=[True, False])
-    front, best = [], -math.inf
-    for idx, row in p.iterrows():
-        if row["output_throughput"] > best:
-            front.append(idx)
-            best = row["output_throughput"]
-    return p.loc[front]
-
-
-def pareto_figure(table: pd.DataFrame, params: list[str], ctx: report.Context, folder: Path,
+def pareto_figure(table: pd.DataFrame, params: list[str], ctx: Context, folder: Path,
                   name: str = "pareto.png") -> Path:
     """Throughput against each SLO latency; the front drawn, the best point under the SLO starred."""
     cols = _slo_columns(ctx)
-    best = report.best_point(table)
+    best = best_point(table)
     fig, axes = plt.subplots(1, len(cols), figsize=(6.5 * len(cols), 4.8), squeeze=False)
     for ax, (col, threshold, label) in zip(axes[0], cols):
         ok = table[table["ok_runs"] > 0]
@@ -110,18 +101,7 @@ def pareto_figure(table: pd.DataFrame, params: list[str], ctx: report.Context, f
         ax.legend(fontsize=7)
     fig.suptitle("Throughput vs the SLO's latency (green: meets the SLO)", fontsize=11)
     fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
-    return report._png(fig, folder / name)
-
-
-def _page(exp, ctx, headline, shown, notes, figures, folder: Path, extra_html: str = "",
-          extra_md: str = "") -> Path:
-    """report.md and index.html in the sweep report's layout, with extra sections appended."""
-    md = report._markdown(exp, ctx, headline, shown, notes, figures) + extra_md
-    (folder / "report.md").write_text(md)
-    page = report._html(exp, ctx, headline, shown, notes, figures)
-    index = folder / "index.html"
-    index.write_text(page.replace("</body>", extra_html + "</body>", 1))
-    return index
+    return save(fig, folder / name)
 
 
 def _best_file(runs: pd.DataFrame, params: list[str], best: pd.Series | None, folder: Path,
@@ -129,46 +109,33 @@ def _best_file(runs: pd.DataFrame, params: list[str], best: pd.Series | None, fo
     """Write best.yaml: the scenario as it ran with the best values, ready to run again."""
     if best is None:
         return None
-    values = {p: _plain(best[p]) for p in params}
-    scenario = json.loads(runs.iloc[0]["scenario_json"])
-    # No key in a report, not even a masked one (a store from before redaction holds it): the
-    # server gets it again from the inventory, the vault or the environment.
-    scenario["serve"] = {k: v for k, v in scenario["serve"].items() if not is_secret(k)}
-    path = folder / "best.yaml"
-    path.write_text(search.scenario_file(scenario, values, note))
-    return path
+    return write_scenario_file(folder / "best.yaml", json.loads(runs.iloc[0]["scenario_json"]),
+                               {p: best[p] for p in params}, note)
 
 
-def _plain(v: Any) -> Any:
-    return v.item() if isinstance(v, np.generic) else v
-
-
-def _yaml_section(path: Path | None) -> tuple[str, str]:
+def _yaml_section(path: Path | None) -> list[Block]:
+    """best.yaml shown on the page, ready to copy."""
     if path is None:
-        return "", ""
+        return []
     text = path.read_text()
-    return (f"<h2>Best configuration: {path.name}</h2><pre>{html.escape(text)}</pre>",
-            f"\n## Best configuration: {path.name}\n\n```yaml\n{text}```\n")
+    return [Block(f"<h2>Best configuration: {path.name}</h2><pre>{html.escape(text)}</pre>",
+                  ["", f"## Best configuration: {path.name}", "", f"```yaml\n{text}```"])]
 
 
-def build_combo(store_path: Path, exp: dict, out_root: Path) -> Path:
+def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     """The combination's report: table, heat maps, Pareto front, best point and best.yaml."""
-    store = Store(store_path)
-    runs = store.runs(exp["id"])
-    store.close()
-    folder = out_root / exp["id"]
-    folder.mkdir(parents=True, exist_ok=True)
     params = list(exp["meta"]["params"])
-    ctx = report._context(runs, swept=params)
-    table = report.point_table(runs, params)
+    ctx = page.context(runs, swept=params)
+    table = point_table(runs, params)
     table.to_csv(folder / "summary.csv", index=False)
     figures = [heatmaps(table, params, ctx, folder), pareto_figure(table, params, ctx, folder)]
-    best = report.best_point(table)
-    headline = report._headline(exp, table, best, params)
+    best = best_point(table)
+    headline = sweep.headline(table, best, params)
     best_path = _best_file(runs, params, best, folder, f"best of {exp['id']} under the SLO: {headline}")
-    h, m = _yaml_section(best_path)
-    return _page(exp, ctx, headline, report._display_table(table, params), report._warnings(table),
-                 figures, folder, h, m)
+    shown = sweep.display_table(table, params)
+    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, sweep.warnings(table), figures,
+                                                 _yaml_section(best_path),
+                                                 sweep.column_groups(shown, params)), folder)
 
 
 # -- the search -----------------------------------------------------------------------------------
@@ -187,7 +154,7 @@ def trials_frame(study) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def history_figure(trials: pd.DataFrame, objective: str, ctx: report.Context, folder: Path) -> Path:
+def history_figure(trials: pd.DataFrame, objective: str, ctx: Context, folder: Path) -> Path:
     """Objective per trial, the best so far, and pruned/failed trials marked with their cause."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
     done = trials[trials["state"] == "COMPLETE"]
@@ -207,10 +174,10 @@ def history_figure(trials: pd.DataFrame, objective: str, ctx: report.Context, fo
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
-    return report._png(fig, folder / "history.png")
+    return save(fig, folder / "history.png")
 
 
-def importance_figure(study, ctx: report.Context, folder: Path) -> tuple[Path | None, dict]:
+def importance_figure(study, ctx: Context, folder: Path) -> tuple[Path | None, dict]:
     """optuna.importance (its default, PED-ANOVA) of each parameter for the (first) objective."""
     import optuna
     # PED-ANOVA ranks what it takes to reach *low* target values: flip a maximized objective.
@@ -225,25 +192,20 @@ def importance_figure(study, ctx: report.Context, folder: Path) -> tuple[Path | 
     ax.set_xlabel("importance (optuna.importance, PED-ANOVA, normalized)")
     ax.set_title("Parameter importances", fontsize=10)
     fig.text(0.01, -0.1, ctx.caption, fontsize=7, va="top")
-    return report._png(fig, folder / "importances.png"), imp
+    return save(fig, folder / "importances.png"), imp
 
 
-def build_tune(store_path: Path, exp: dict, out_root: Path) -> Path:
+def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     """The search's report: trials, history, importances, Pareto, best configuration as best.yaml."""
-    store = Store(store_path)
-    runs = store.runs(exp["id"])
-    store.close()
     meta = exp["meta"]
     if meta.get("confirms"):
-        return build_combo(store_path, exp, out_root)  # a confirmation is a small combination
-    folder = out_root / exp["id"]
-    folder.mkdir(parents=True, exist_ok=True)
+        return build_combo(store, exp, runs, folder)  # a confirmation is a small combination
     params = list(meta["params"])
-    ctx = report._context(runs, swept=params)
-    study = search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store_path))
+    ctx = page.context(runs, swept=params)
+    study = search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store.path))
     trials = trials_frame(study)
     trials.to_csv(folder / "trials.csv", index=False)
-    table = report.point_table(runs, params)
+    table = point_table(runs, params)
     table.to_csv(folder / "summary.csv", index=False)
     figures = [history_figure(trials, meta["objective"], ctx, folder)]
     imp_path, imp = importance_figure(study, ctx, folder)
@@ -257,7 +219,7 @@ def build_tune(store_path: Path, exp: dict, out_root: Path) -> Path:
     states = trials["state"].value_counts().to_dict()
     headline = (f"{len(trials)} trials ({', '.join(f'{v} {k.lower()}' for k, v in states.items())}), "
                 f"objective {search.objective_label(meta['objective'])}. ")
-    headline += report._headline(exp, table, best, params) if best is not None else \
+    headline += sweep.headline(table, best, params) if best is not None else \
         "No trial met the SLO."
     best_path = _best_file(runs, params, best, folder, f"best of study {meta['study']}: {headline}")
     notes = [f"importance of {k}: {v:.2f}" for k, v in imp.items()]
@@ -265,18 +227,17 @@ def build_tune(store_path: Path, exp: dict, out_root: Path) -> Path:
               trials[trials["state"].isin(["PRUNED", "FAIL"])].itertuples()]
     notes.append(f"study {meta['study']} in {meta['storage'] or 'the lab database'}; more workers join "
                  f"with make tune EXPERIMENT={exp['id']}")
-    h, m = _yaml_section(best_path)
-    h += _confirm_html(store_path, exp["id"])
-    return _page(exp, ctx, headline, report._display_table(table, params), notes, figures, folder, h, m)
+    extra = _yaml_section(best_path) + _confirm_section(store, exp["id"])
+    shown = sweep.display_table(table, params)
+    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures, extra,
+                                                 sweep.column_groups(shown, params)), folder)
 
 
-def _confirm_html(store_path: Path, exp_id: str) -> str:
-    """A pointer to the live confirmation of a pre-screen, when there is one."""
-    store = Store(store_path)
+def _confirm_section(store: Store, exp_id: str) -> list[Block]:
+    """A pointer to the live confirmation of a pre-screen, when there is one (on the HTML page)."""
     exps = store.experiments()
-    store.close()
     confirm = exps[exps["id"] == f"{exp_id}-confirm"]
     if confirm.empty:
-        return ""
-    return (f"<h2>Confirmed on a live backend</h2><p>See <a href=\"../{html.escape(exp_id)}-confirm/"
-            f"index.html\">{html.escape(exp_id)}-confirm</a>.</p>")
+        return []
+    return [Block(f"<h2>Confirmed on a live backend</h2><p>See <a href=\"../{html.escape(exp_id)}-confirm/"
+                  f"index.html\">{html.escape(exp_id)}-confirm</a>.</p>")]

@@ -1,4 +1,4 @@
-"""vllm_lab.report: an experiment's report folder (index.html, report.md, summary.csv, PNGs) built
+"""vllm_lab.reports (the sweep and baseline builders): an experiment's report folder (index.html, report.md, summary.csv, PNGs) built
 from a small store written here with the Store API, whose answers are known."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from vllm_lab import report, scenarios
+from vllm_lab import reports as report
+from vllm_lab import scenarios
 from vllm_lab.store import RunRecord, Store, run_identity
 
 T0 = 1_790_000_000.0

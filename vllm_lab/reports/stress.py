@@ -12,13 +12,15 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from vllm_lab import report, stress
-from vllm_lab.report_search import _page
+from vllm_lab import stress
+from vllm_lab.reports import page, sweep
+from vllm_lab.reports.figures import save
+from vllm_lab.reports.page import Context
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
 
 
-def staircase_figure(table: pd.DataFrame, knee: dict, ctx: report.Context, folder: Path) -> Path:
+def staircase_figure(table: pd.DataFrame, knee: dict, ctx: Context, folder: Path) -> Path:
     """Latency, throughput and errors against offered load, knee and max sustainable load marked."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     # The rate each run really sent (the knee is read on it); the level where a run has no samples.
@@ -53,10 +55,10 @@ def staircase_figure(table: pd.DataFrame, knee: dict, ctx: report.Context, folde
         ax.legend(fontsize=7)
     fig.suptitle("Stress staircase: latency, throughput and errors vs offered load", fontsize=11)
     fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
-    return report._png(fig, folder / "stress.png")
+    return save(fig, folder / "stress.png")
 
 
-def timeline_figure(win: pd.DataFrame, scenario: Scenario, ctx: report.Context, folder: Path,
+def timeline_figure(win: pd.DataFrame, scenario: Scenario, ctx: Context, folder: Path,
                     title: str) -> Path:
     """Offered and served load, latency, errors and the server's queue against time."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -83,43 +85,35 @@ def timeline_figure(win: pd.DataFrame, scenario: Scenario, ctx: report.Context, 
         ax.legend(loc="upper left", fontsize=7)
     fig.suptitle(title, fontsize=11)
     fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
-    return report._png(fig, folder / "timeline.png")
+    return save(fig, folder / "timeline.png")
 
 
-def build_stress(store_path: Path, exp: dict, out_root: Path) -> Path:
+def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     """The stress report: a staircase with its knee, or a spike/soak timeline with its figures."""
-    store = Store(store_path)
-    try:
-        runs = store.runs(exp["id"])
-        folder = out_root / exp["id"]
-        folder.mkdir(parents=True, exist_ok=True)
-        ctx = report._context(runs)
-        shape = exp["meta"]["shape"]
-        if shape in ("ramp", "step"):
-            table = stress.levels_table(store, exp["id"], runs)
-            knee = stress.find_knee(table)
-            figures = [staircase_figure(table, knee, ctx, folder)]
-            headline = _staircase_headline(knee)
-            shown = table[["level", *(["offered"] if "offered" in table else []), "status", "request_throughput", "goodput", "ttft_p50", "ttft_p99",
-                           "e2e_p99", "errors", "latency_growth", "unbounded", "meets_slo"]]
-            notes = [(f"knee bracket: levels {knee['bracket'][0]:.3g}–{knee['bracket'][1]:.3g} req/s; loads "
-                      "are the rates the runs really sent (a level is the arrival process's mean)")] \
-                if knee["bracket"] else []
-        else:
-            run = runs.iloc[-1]
-            scenario = Scenario.model_validate_json(run["scenario_json"])
-            win = stress.windows(store.samples(exp["id"], run["run_key"]),
-                                 store.server_metrics(exp["id"], run["run_key"]))
-            figures = [timeline_figure(win, scenario, ctx, folder, f"{shape}: the run against time")]
-            found = stress.spike_behaviour(win, scenario) if shape == "spike" else stress.soak_drift(win)
-            headline = _single_headline(shape, found)
-            shown = win
-            notes = [f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in found.items()]
-        table_out = shown.copy()
-        table_out.to_csv(folder / "summary.csv", index=False)
-    finally:
-        store.close()
-    return _page(exp, ctx, headline, shown, notes, figures, folder)
+    ctx = page.context(runs)
+    shape = exp["meta"]["shape"]
+    if shape in ("ramp", "step"):
+        table = stress.levels_table(store, exp["id"], runs)
+        knee = stress.find_knee(table)
+        figures = [staircase_figure(table, knee, ctx, folder)]
+        headline = _staircase_headline(knee)
+        shown = table[["level", *(["offered"] if "offered" in table else []), "status", "request_throughput", "goodput", "ttft_p50", "ttft_p99",
+                       "e2e_p99", "errors", "latency_growth", "unbounded", "meets_slo"]]
+        notes = [(f"knee bracket: levels {knee['bracket'][0]:.3g}–{knee['bracket'][1]:.3g} req/s; loads "
+                  "are the rates the runs really sent (a level is the arrival process's mean)")] \
+            if knee["bracket"] else []
+    else:
+        run = runs.iloc[-1]
+        scenario = Scenario.model_validate_json(run["scenario_json"])
+        win = stress.windows(store.samples(exp["id"], run["run_key"]),
+                             store.server_metrics(exp["id"], run["run_key"]))
+        figures = [timeline_figure(win, scenario, ctx, folder, f"{shape}: the run against time")]
+        found = stress.spike_behaviour(win, scenario) if shape == "spike" else stress.soak_drift(win)
+        headline = _single_headline(shape, found)
+        shown = win
+        notes = [f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in found.items()]
+    shown.to_csv(folder / "summary.csv", index=False)
+    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures), folder)
 
 
 def _staircase_headline(knee: dict) -> str:

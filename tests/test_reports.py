@@ -1,0 +1,75 @@
+"""The report registry, and the twin's prediction: recorded with a real-vLLM run, read by reports."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import pytest
+
+from vllm_lab import backends, reports, scenarios
+from vllm_lab.backends import LiveBackend, Measurement
+from vllm_lab.reports import page
+from vllm_lab.store import PREDICTION_KEY, RunRecord, Store, run_identity
+
+
+def _sweep_store(path, prediction: bool):
+    scenario = scenarios.resolve("default", "h200")
+    store = Store(path)
+    store.create_experiment("sw", "sweep", "default", {"param": "max-num-seqs"})
+    for n in (32, 64):
+        record = scenario.with_serve(**{"max-num-seqs": n}).to_record()
+        summary = {"output_throughput": 1000.0 * n, "ttft_p50": 0.1, "tpot_p50": 0.01, "goodput": 2.0,
+                   "meets_slo": True}
+        if prediction:
+            summary[PREDICTION_KEY] = {"backend": "predict", "profile": "h200-llama-3-8b",
+                                       "profile_version": "abc", "predicted": True, "status": "ok",
+                                       "error": "", "summary": {"output_throughput": 1100.0 * n,
+                                                               "ttft_p50": 0.2, "tpot_p50": 0.01}}
+        store.record_run(RunRecord(
+            experiment_id="sw", run_key=run_identity(record, 0), step="sweep", scenario_name="default",
+            scenario=record, status="ok", started=time.time(), ended=time.time() + 1,
+            point={"max-num-seqs": n}, gpu_model="NVIDIA H200", vllm_version="0.26.0", backend="vllm",
+            summary=summary))
+    store.close()
+
+
+@pytest.fixture
+def no_twin(monkeypatch):
+    """A report that ran the twin would fail here: it reads what the store recorded."""
+    def refuse(*a, **k):
+        raise AssertionError("a report ran the twin's predictor")
+    monkeypatch.setattr(backends.PredictBackend, "measure", refuse)
+
+
+def test_a_report_reads_the_recorded_prediction(tmp_path, no_twin):
+    _sweep_store(tmp_path / "lab.db", prediction=True)
+    index = reports.build(tmp_path / "lab.db", "sw", tmp_path)
+    table = pd.read_csv(index.parent / "summary.csv")
+    assert table["twin_output_throughput"].tolist() == [35200.0, 70400.0]
+    assert table["twin_output_throughput_error"].round(3).tolist() == [0.1, 0.1]
+    assert "no prediction recorded" not in index.read_text()
+
+
+def test_an_old_store_says_no_prediction_recorded(tmp_path, no_twin):
+    _sweep_store(tmp_path / "lab.db", prediction=False)
+    index = reports.build(tmp_path / "lab.db", "sw", tmp_path)
+    assert "no prediction recorded for 2 of 2 point(s)" in (index.parent / "report.md").read_text()
+    assert pd.read_csv(index.parent / "summary.csv")["twin_output_throughput"].isna().all()
+
+
+def test_a_real_vllm_run_records_the_twins_prediction_with_its_profile():
+    scenario = scenarios.resolve("default", "h200")
+    m = LiveBackend("vllm", inventory=None)._with_prediction(scenario, Measurement("ok", 0.0, 1.0))
+    rec = m.summary[PREDICTION_KEY]
+    assert rec["profile"] == scenario.hardware.twin_profile and len(rec["profile_version"]) == 12
+    assert rec["predicted"] and rec["summary"]["output_throughput"] > 0
+    twin = LiveBackend("twin", inventory=None)._with_prediction(scenario, Measurement("ok", 0.0, 1.0))
+    assert PREDICTION_KEY not in twin.summary  # the twin predicting itself says nothing
+
+
+def test_every_step_has_a_builder_and_one_formatter():
+    assert {"baseline", "sweep", "combo", "tune", "stress", "claims"} <= set(reports.BUILDERS)
+    assert page.fmt(float("nan")) == "–" and page.fmt(None, "text") == ""
+    assert page.fmt(0.0123) == "0.0123" and page.fmt(12345.6) == "12,346"
+    assert page.fmt(0.25, "pct") == "+25.0%" and page.fmt(0.4, "ms") == "400"

@@ -1,0 +1,60 @@
+"""Reports from the store alone: index.html (self-contained), report.md, CSV and PNG (and a PDF).
+
+Each step of the method gets its picture; ``BUILDERS`` says which module draws which step:
+
+- baseline and sweep (and any step without its own): ``reports.sweep``, a table of points and the
+  throughput, latency and server figures against the swept value;
+- combo and tune: ``reports.combo``, heat maps, the Pareto front, the search's history;
+- stress: ``reports.stress``, the staircase and its knee, or a spike or soak against time;
+- claims: ``reports.claims``, the guide's claims and their verdicts;
+- a period (PERIOD=2026Q4): ``reports.quarterly``.
+
+They share ``reports.page`` (the page writer, the formatter, the context every figure states),
+``reports.figures`` (saving a figure) and ``reports.points`` (per-point tables). A report reads
+only the store: what it compares against (the twin's prediction) was recorded with the runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on lab machines; before any report module imports pyplot
+import pandas as pd
+
+from vllm_lab.reports import claims, combo, stress, sweep
+from vllm_lab.reports.points import best_point, point_table
+from vllm_lab.store import Store, experiment_dir
+
+Builder = Callable[[Store, dict, pd.DataFrame, Path], Path]
+# Step -> the function writing its report folder (store, experiment, runs, folder) -> index.html.
+BUILDERS: dict[str, Builder] = {
+    "baseline": sweep.build, "sweep": sweep.build, "combo": combo.build_combo,
+    "tune": combo.build_tune, "stress": stress.build_stress, "claims": claims.build_claims,
+}
+
+__all__ = ["BUILDERS", "best_point", "build", "build_quarterly", "point_table"]
+
+
+def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
+    """Write the experiment's report folder under ``out_root`` and return the path of its index.html."""
+    store = Store(store_path)
+    try:
+        exp = store.experiment(experiment_id)
+        runs = store.runs(experiment_id)
+        folder = experiment_dir(out_root, experiment_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        if runs.empty:
+            raise ValueError(f"experiment {experiment_id} has no runs yet")
+        return BUILDERS.get(exp["step"], sweep.build)(store, exp, runs, folder)
+    finally:
+        store.close()
+
+
+def build_quarterly(store_path: Path, period: str, out_root: Path, pdf: bool = True) -> Path:
+    """Write the quarterly report of ``period`` (e.g. 2026Q4); see ``reports.quarterly``."""
+    from vllm_lab.reports import quarterly
+
+    return quarterly.build(store_path, period, out_root, pdf)

@@ -1,0 +1,115 @@
+"""Per-point tables from an experiment's runs: means over repeats, the best point under the SLO,
+the Pareto front, and the twin's predictions recorded with the runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vllm_lab.store import PREDICTION_KEY
+from vllm_lab.summary import select
+
+CV_WARN = 0.10  # a spread above this is too large to trust a difference of the same size
+# The figures a point's row averages over its ok repeats.
+METRICS = select("output_throughput", "request_throughput", "goodput", "slo_attainment",
+                 "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
+                 "itl_p50", "itl_p90", "itl_p99", "e2e_p50", "e2e_p90", "e2e_p99", "queue_len_mean",
+                 "queue_len_max", "kv_usage_mean", "kv_usage_max", "preemptions", "gpu_util_mean",
+                 "errors", "requests")
+# Whose run-to-run spread (coefficient of variation) each point states.
+SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50")
+# The client beside the server: what vLLM's own /metrics said of the same runs (vllm_lab.audit),
+# and how many Locust processes sent the load. Means over every run of a point, limited ones too.
+AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
+               "audit_span_diff")
+# The figures the twin's recorded prediction is compared on.
+TWIN_METRICS = select("output_throughput", "ttft_p50", "tpot_p50")
+NO_PREDICTION = "no prediction recorded"
+
+
+def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
+    """One row per point: mean of each metric over ok repeats, its CV, and the failures' causes."""
+    rows = []
+    keyed = runs.assign(_key=runs["point"].map(lambda p: json.dumps([p.get(k) for k in params])))
+    for key, group in keyed.groupby("_key", sort=False):
+        values = json.loads(key)
+        ok = group[group["status"] == "ok"]  # a client-limited run measured the client
+        row: dict[str, Any] = dict(zip(params, values))
+        row["runs"] = len(group)
+        row["ok_runs"] = int((group["status"] == "ok").sum())
+        row["status"] = "ok" if len(ok) == len(group) else ",".join(sorted(set(group["status"])))
+        row["error"] = "; ".join(e.splitlines()[0][:160] for e in group["error"] if e)[:300]
+        for m in METRICS:
+            col = ok[m].astype(float) if m in ok else pd.Series(dtype=float)
+            row[m] = col.mean() if col.notna().any() else np.nan
+            if m in SPREAD:
+                row[f"{m}_cv"] = col.std() / col.mean() if len(col.dropna()) > 1 and col.mean() else np.nan
+        row["meets_slo"] = bool(len(ok)) and all(s.get("meets_slo", False) for s in ok["summary"]) \
+            if "summary" in ok else False
+        for k in AUDIT:
+            vals = [s[k] for s in group.get("summary", []) if isinstance(s.get(k), (int, float))]
+            row[k] = float(np.mean(vals)) if vals else np.nan
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if params and len(table):
+        try:
+            table = table.sort_values(params, kind="stable").reset_index(drop=True)
+        except TypeError:
+            pass  # mixed types (e.g. strings and numbers): keep the plan's order
+    return table
+
+
+def recorded_prediction(summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The twin's prediction recorded with a run (None: a run from before they were recorded)."""
+    return (summary or {}).get(PREDICTION_KEY)
+
+
+def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
+    """Beside each real point, what the twin's predictor said for the same scenario when the point
+    was measured (recorded in the store), and the relative error; never a new prediction."""
+    predicted = []
+    for _, row in table.iterrows():
+        wanted = {k: row[k] for k in params}
+        match = runs[runs["point"].map(lambda p, w=wanted: all(p.get(k) == v for k, v in w.items()))]
+        rec = recorded_prediction(match.iloc[0]["summary"])
+        figures = {f"twin_{k}": np.nan for k in TWIN_METRICS}
+        if rec is None:
+            figures["twin_error"] = NO_PREDICTION
+        elif not rec.get("predicted", True):  # the predictor could not take the scenario: said so
+            figures["twin_error"] = rec.get("error", "")
+        else:
+            figures.update({f"twin_{k}": _float(rec["summary"].get(k)) for k in TWIN_METRICS})
+        predicted.append(figures)
+    out = pd.concat([table.reset_index(drop=True), pd.DataFrame(predicted)], axis=1)
+    for k in TWIN_METRICS:
+        out[f"twin_{k}_error"] = (out[f"twin_{k}"] - out[k]) / out[k]
+    return out
+
+
+def _float(v: Any) -> float:
+    return np.nan if v is None else float(v)
+
+
+def best_point(table: pd.DataFrame) -> pd.Series | None:
+    """The point with the highest goodput among those meeting the SLO (throughput breaks ties)."""
+    ok = table[table["meets_slo"]]
+    if ok.empty:
+        return None
+    return ok.sort_values(["goodput", "output_throughput"], ascending=False).iloc[0]
+
+
+def pareto_front(points: pd.DataFrame, latency: str, throughput: str = "output_throughput") -> pd.DataFrame:
+    """The points no other point beats on both higher ``throughput`` and lower ``latency``,
+    in order of latency."""
+    p = points.dropna(subset=[latency, throughput]).sort_values(
+        [latency, throughput], ascending=[True, False])
+    front, best = [], -math.inf
+    for idx, row in p.iterrows():
+        if row[throughput] > best:
+            front.append(idx)
+            best = row[throughput]
+    return p.loc[front]

@@ -1,0 +1,161 @@
+"""The quarterly report's page: its sections (lead sentence, tables, figures) written by the shared
+page writer, in a layout that prints to A4."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from vllm_lab.reports import page
+from vllm_lab.reports.page import Block, fmt
+from vllm_lab.reports.quarterly.analyses import sweep_rollup
+from vllm_lab.reports.quarterly.period import Period
+
+CSS = """
+body{font-family:"DejaVu Sans",system-ui,sans-serif;max-width:1180px;margin:1.5em auto;color:#222;
+     font-size:14px;line-height:1.4}
+h1{margin-bottom:.2em} h2{border-bottom:2px solid #dde;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;font-size:12px;margin:.6em 0;width:100%}
+td,th{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#f0f2f6} tr:nth-child(even) td{background:#fafafa}
+td.num{text-align:right;white-space:nowrap}
+figure{margin:.8em 0} img{max-width:100%} .lead{font-size:1.05em;background:#eef4fb;padding:.5em .7em}
+.ctx{color:#555;white-space:pre-line;font-size:12px} code{font-size:12px}
+@page{size:A4;margin:12mm}
+@media print{body{max-width:none;margin:0;font-size:11px} table{font-size:9px}
+  h2{break-before:page} h2.first{break-before:auto} figure,tr,.lead{break-inside:avoid}
+  thead{display:table-header-group}}
+"""
+
+
+@dataclass
+class Section:
+    """One section of the report: a title, a lead sentence, tables and figures."""
+
+    title: str
+    lead: str
+    tables: list[tuple[list[str], list[list[str]]]]
+    figures: list[Path]
+    notes: list[str]
+
+
+def section_table(df: pd.DataFrame, columns: list[tuple[str, str, str]], limit: int = 40):
+    """(header, rows) for ``columns`` = [(column, heading, format)], at most ``limit`` rows."""
+    header = [h for _, h, _ in columns]
+    rows = [[fmt(r.get(c), k or "fixed") for c, _, k in columns] for r in df.head(limit).to_dict("records")]
+    return header, rows
+
+
+def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.DataFrame,
+              sweeps: pd.DataFrame, stress: pd.DataFrame, watch: pd.DataFrame,
+              found: pd.DataFrame, recs: pd.DataFrame, figures: dict[str, Path | None],
+              points: pd.DataFrame) -> list[Section]:
+    by_step = runs.groupby("step").size().to_dict()
+    by_status = runs.groupby("status").size().to_dict()
+    overview = Section(
+        "The period at a glance",
+        f"{len(runs):,} runs in {runs['experiment_id'].nunique():,} experiments, "
+        f"{pd.to_datetime(runs['started'].min(), unit='s'):%Y-%m-%d} to "
+        f"{pd.to_datetime(runs['started'].max(), unit='s'):%Y-%m-%d} (UTC).",
+        [(["step", "runs"], [[k, f"{v:,}"] for k, v in sorted(by_step.items())]),
+         (["status", "runs"], [[k, f"{v:,}"] for k, v in sorted(by_status.items())])],
+        [], [f"GPUs: {', '.join(sorted(runs['gpu_model'].unique()))}",
+             (f"hosts: {runs['host'].nunique()}, vLLM versions: "
+             f"{', '.join(sorted(runs['vllm_version'].unique()))}")])
+    slower = cmp[cmp["verdict"] == "slower"] if len(cmp) else cmp
+    baseline = Section(
+        f"Baseline: {period.name} against {period.previous}",
+        (f"{len(slower)} of {len(cmp)} baselines are significantly slower than last period."
+         if len(cmp) else "No baseline runs this period."),
+        [section_table(cmp, [("label", "scenario · GPU", ""), ("runs_now", "runs", ""),
+                      ("output_throughput_now", "tok/s now", ""),
+                      ("output_throughput_before", "tok/s before", ""),
+                      ("throughput_change", "change", "pct"), ("p_value", "p", "p"),
+                      ("ttft_p99_now", "TTFT p99 now (ms)", "ms"),
+                      ("ttft_p99_before", "before (ms)", "ms"),
+                      ("tpot_p99_now", "TPOT p99 now (ms)", "ms"), ("verdict", "verdict", "")])],
+        [f for f in [figures.get("baseline")] if f], [])
+    best_sec = Section(
+        "Best configuration per scenario",
+        "The tuned point (sweep, combination or tuning run) with the highest goodput among those "
+        "meeting every SLO; its margin over the baseline, and over the runner-up in run-to-run "
+        "standard deviations (below 2 the win is not clear).",
+        [section_table(best, [("label", "scenario · GPU", ""), ("point", "flags varied", ""),
+                       ("goodput", "goodput", ""), ("base_goodput", "baseline", ""),
+                       ("margin_vs_baseline", "margin", "pct"),
+                       ("margin_vs_runner_up_sd", "vs runner-up (sd)", ""),
+                       ("ttft_p99", "TTFT p99 (ms)", "ms"), ("tpot_p99", "TPOT p99 (ms)", "ms"),
+                       ("experiment_id", "experiment", "")])],
+        [f for f in [figures.get("best")] if f], [])
+    sweep_sec = Section(
+        "Sweeps, combinations and stress tests",
+        f"{len(sweeps)} sweeps, {points[points['step'].isin(('combo', 'tune'))]['experiment_id'].nunique()} "
+        f"combination searches, {len(stress)} stress tests.",
+        [section_table(sweep_rollup(sweeps),
+                [("label", "scenario · GPU", ""), ("param", "flag", ""), ("sweeps", "sweeps", ""),
+                 ("best_values", "best under SLO (how often)", ""),
+                 ("gain_median", "median gain vs worst", "pct"), ("latest", "latest sweep", "")],
+                limit=60),
+         section_table(stress, [("label", "scenario · GPU", ""), ("levels", "levels", ""),
+                         ("knee_level", "knee (highest load under SLO)", ""),
+                         ("peak_throughput", "peak tok/s", ""),
+                         ("ttft_p99_at_peak_s", "TTFT p99 at peak (ms)", "ms"),
+                         ("experiment_id", "experiment", "")], limit=30)],
+        [f for f in (figures.get("sweeps"), figures.get("combos"), figures.get("stress")) if f],
+        [])
+    total_reg = int(watch["regressions"].sum()) if len(watch) else 0
+    watch_sec = Section(
+        "Monitoring: the regression watch",
+        f"{int(watch['probes'].sum()) if len(watch) else 0} probes on {len(watch)} deployments; "
+        f"{total_reg} flagged as a regression against their recorded baseline.",
+        [section_table(watch, [("host", "deployment", ""), ("label", "scenario · GPU", ""),
+                        ("probes", "probes", ""), ("failed", "failed", ""),
+                        ("throughput_first", "tok/s first", ""),
+                        ("throughput_last", "tok/s last", ""),
+                        ("ttft_p99_median", "TTFT p99 median (ms)", "ms"),
+                        ("gpu_util_mean", "GPU util %", ""), ("kv_usage_max", "KV max", ""),
+                        ("regressions", "regressions", "")])],
+        [f for f in [figures.get("watch")] if f], [])
+    find_sec = Section(
+        "Findings",
+        f"{int(found['runs'].sum()) if len(found) else 0} runs show a pattern of the tuning guide's "
+        "troubleshooting list; per pattern, scenario and GPU, the latest run's numbers and the flag "
+        "to try.",
+        [section_table(found, [("title", "finding", ""), ("label", "scenario · GPU", ""),
+                        ("runs", "runs", ""), ("evidence", "numbers (latest run)", ""),
+                        ("flags", "try", "")], limit=30)], [], [])
+    rec_rows = [[r["label"], fmt(r["changes"], "fixed"), f"{r['margin']:+.0%}", str(r["file"].name)]
+                for r in recs.to_dict("records")]
+    rec_sec = Section(
+        "Recommended flag changes",
+        "Ready scenario files, written next to this report: run `make baseline "
+        "SCENARIO=<file>` to confirm a change on your own traffic before adopting it.",
+        [(["scenario · GPU", "change", "goodput vs baseline", "file"], rec_rows)], [], [])
+    return [overview, baseline, best_sec, sweep_sec, watch_sec, find_sec, rec_sec]
+
+
+def quarterly_page(period: Period, parts: list[Section], caption: str) -> page.Page:
+    """The whole report as one page: a section per part, tables and figures in order."""
+    e = html.escape
+    title = f"Quarterly report {period.name}"
+    blocks = [Block(f"<h1>{e(title)}</h1>", [f"# {title}", ""]),
+              Block(f'<p class="ctx">{e(caption)}</p>', ["```", caption, "```", ""])]
+    for i, s in enumerate(parts):
+        first = ' class="first"' if i == 0 else ""
+        blocks.append(Block(f"<h2{first}>{e(s.title)}</h2>", [f"## {s.title}", ""]))
+        blocks.append(Block(f'<p class="lead">{e(s.lead)}</p>', [s.lead, ""]))
+        for header, rows in s.tables:
+            if rows:
+                blocks.append(Block(page.html_table(header, rows, numeric_class=True),
+                                    page.md_table(header, rows) + [""]))
+        if s.notes:
+            blocks.append(page.notes(s.notes))
+            blocks.append(Block(md=[""]))
+        blocks.append(Block("".join(page.img(f) for f in s.figures),
+                            [line for f in s.figures for line in page.md_img(f)] + [""]))
+    blocks.append(Block(f'<p style="color:#888;font-size:11px">Built from the store alone: make report '
+                        f"PERIOD={period.name}</p>"))
+    return page.Page(title, blocks, CSS)
