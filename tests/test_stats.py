@@ -68,3 +68,22 @@ def test_repeats_are_interleaved_across_points():
 def test_cv_of_a_host():
     assert math.isclose(stats.cv([98.0, 100.0, 102.0]), 0.02)
     assert math.isnan(stats.cv([1.0]))
+
+
+def test_a_sweep_report_names_the_cheapest_point_within_noise_of_the_top():
+    import pandas as pd
+
+    from vllm_lab.reports.points import best_point, within_noise
+
+    # The H200 example's max-num-seqs at 64 users, one run each: 64, 256 and 1024 cannot change
+    # the batch; 256 reads 3.8% under 1024, within a single run's noise; 64 reads 23% under.
+    table = pd.DataFrame({"max-num-seqs": [64, 256, 1024], "runs": 1, "ok_runs": 1,
+                          "goodput": [41.9, 52.7, 54.8], "goodput_cv": float("nan"),
+                          "output_throughput": [5371.0, 6753.0, 7020.0], "meets_slo": True})
+    best = best_point(table)
+    assert best["max-num-seqs"] == 256
+    assert sorted(table.loc[within_noise(table, best), "max-num-seqs"]) == [256, 1024]
+    # Three repeats each with a 1% spread tell 256 and 1024 apart.
+    table["runs"] = table["ok_runs"] = 3
+    table["goodput_cv"] = 0.01
+    assert best_point(table)["max-num-seqs"] == 1024

@@ -54,6 +54,11 @@ def mean_ci(values: Sequence[float], level: float = LEVEL) -> Estimate:
     return Estimate(mean, mean - half, mean + half, int(x.size))
 
 
+def t_quantile(dof: int, level: float = LEVEL) -> float:
+    """The two-sided Student-t quantile an interval of ``dof`` degrees of freedom uses."""
+    return float(_scipy.t.ppf((1 + level) / 2, dof))
+
+
 def cv(values: Sequence[float]) -> float:
     """Coefficient of variation (sample standard deviation over the mean): a host's noise."""
     x = np.asarray(values, dtype=float)
@@ -154,6 +159,33 @@ def effect(candidate: Sequence[float], reference: Sequence[float], level: float 
     dof = (va + vb) ** 2 / ((va ** 2) / (a.size - 1) + (vb ** 2) / (b.size - 1))
     half = float(_scipy.t.ppf((1 + level) / 2, dof) * se)
     return Effect(diff / base, (diff - half) / base, (diff + half) / base)
+
+
+# A single run's spread when a point has no repeats to measure it: about what one H200 gave for
+# output throughput run to run (1-2%), with room for a busier host. One run per point is judged
+# against it, so a difference smaller than about 2.8 times it is not called an effect.
+SINGLE_RUN_CV = 0.03
+
+
+def summary_effect(a: tuple[float, float, int], b: tuple[float, float, int],
+                   level: float = LEVEL, single_run_cv: float = SINGLE_RUN_CV) -> Effect:
+    """``effect`` from summaries (mean, sample standard deviation, runs) of candidate ``a`` and
+    reference ``b``; a side with one run, or no spread, is given ``single_run_cv`` of its mean."""
+    (ma, sa, na), (mb, sb, nb) = a, b
+    if not mb or na < 1 or nb < 1 or not (math.isfinite(ma) and math.isfinite(mb)):
+        return Effect(math.nan, math.nan, math.nan)
+
+    def sd(m: float, s: float, n: int) -> float:
+        return s if n > 1 and math.isfinite(s) and s > 0 else single_run_cv * abs(m)
+    va, vb = sd(ma, sa, na) ** 2 / na, sd(mb, sb, nb) ** 2 / nb
+    se = math.sqrt(va + vb)
+    if na > 1 and nb > 1 and sa > 0 and sb > 0:
+        dof = (va + vb) ** 2 / ((va ** 2) / (na - 1) + (vb ** 2) / (nb - 1))
+        q = float(_scipy.t.ppf((1 + level) / 2, dof))
+    else:  # an assumed spread: the normal quantile
+        q = float(_scipy.norm.ppf((1 + level) / 2))
+    diff, base = ma - mb, abs(mb)
+    return Effect(diff / base, (diff - q * se) / base, (diff + q * se) / base)
 
 
 @dataclass(frozen=True)

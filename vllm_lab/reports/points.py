@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vllm_lab import stats
 from vllm_lab.store import PREDICTION_KEY
 from vllm_lab.summary import select
 
@@ -95,11 +96,55 @@ def _float(v: Any) -> float:
 
 
 def best_point(table: pd.DataFrame) -> pd.Series | None:
-    """The point with the highest goodput among those meeting the SLO (throughput breaks ties)."""
+    """The cheapest point within noise of the top one among those meeting the SLO.
+
+    The top point has the highest goodput (throughput breaks ties); a point is within noise of it
+    when the interval on their goodput difference includes none (``stats.summary_effect``: its
+    repeats' spread, or ``stats.SINGLE_RUN_CV`` for a single run). Among those, the cheapest is
+    the one with the lowest values of the varied flags (fewer sequences, less memory, ...): a
+    larger setting that reads a little higher once has not shown it buys anything.
+    """
     ok = table[table["meets_slo"]]
     if ok.empty:
         return None
-    return ok.sort_values(["goodput", "output_throughput"], ascending=False).iloc[0]
+    ranked = ok.sort_values(["goodput", "output_throughput"], ascending=False)
+    top = ranked.iloc[0]
+    close = [i for i, row in ranked.iterrows()
+             if i == top.name or not stats.summary_effect(_runs(row), _runs(top)).significant]
+    cost = _cost(table)
+    best = ranked.loc[min(close, key=lambda i: (cost[i], -ranked.index.get_loc(i) * 0))]
+    return best.copy().rename(best.name)  # a copy: within_noise is this choice's, not the table's
+
+
+def within_noise(table: pd.DataFrame, best: pd.Series | None) -> list[int]:
+    """The points meeting the SLO that cannot be told apart from the top one (best among them)."""
+    if best is None:
+        return []
+    ok = table[table["meets_slo"]].sort_values(["goodput", "output_throughput"], ascending=False)
+    top = ok.iloc[0]
+    return [i for i, row in ok.iterrows()
+            if i == top.name or not stats.summary_effect(_runs(row), _runs(top)).significant]
+
+
+def _runs(row: pd.Series) -> tuple[float, float, int]:
+    """A point's goodput as (mean, standard deviation, ok runs) from its table row."""
+    mean, cv = float(row["goodput"]), row.get("goodput_cv", np.nan)
+    sd = float(cv) * mean if cv is not None and np.isfinite(cv) else np.nan
+    return mean, sd, int(row.get("ok_runs", 1) or 1)
+
+
+def _cost(table: pd.DataFrame) -> dict[int, float]:
+    """Each point's cost: the sum over the varied flags of its value's rank (numbers ascending,
+    anything else in the plan's order)."""
+    params = list(table.columns[:table.columns.get_loc("runs")]) if "runs" in table else []
+    cost = {i: 0.0 for i in table.index}
+    for p in params:
+        values = list(dict.fromkeys(table[p]))
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        order = sorted(values) if numeric else values
+        for i, v in table[p].items():
+            cost[i] += order.index(v)
+    return cost
 
 
 def pareto_front(points: pd.DataFrame, latency: str, throughput: str = "output_throughput") -> pd.DataFrame:

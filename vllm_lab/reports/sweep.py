@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from vllm_lab import stats
 from vllm_lab.reports import page
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
@@ -21,6 +22,7 @@ from vllm_lab.reports.points import (
     best_point,
     point_table,
     with_twin_predictions,
+    within_noise,
 )
 from vllm_lab.store import LEFT_OUT, Store
 from vllm_lab.summary import LATENCY_LABELS, metric
@@ -46,6 +48,18 @@ def _mark_failures(ax, x, table):
                         rotation=90, color="red", fontsize=8, ha="center")
 
 
+def _half_interval(table: pd.DataFrame, m: str) -> np.ndarray:
+    """Half the 95% Student-t interval of each point's mean of ``m`` (nan for a single run)."""
+    out = []
+    for _, row in table.iterrows():
+        n, cv = int(row.get("ok_runs", 0) or 0), row.get(f"{m}_cv", np.nan)
+        if n < 2 or not np.isfinite(cv):
+            out.append(np.nan)
+            continue
+        out.append(stats.t_quantile(n - 1) * cv * row[m] / np.sqrt(n))
+    return np.asarray(out, dtype=float)
+
+
 def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -> list[Path]:
     """The sweep's three pictures: throughput/goodput, latency percentiles, server view."""
     x, ticks, log = _x(table, param)
@@ -66,6 +80,10 @@ def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(x, table["output_throughput"], "o-", label="output tokens/s")
+    half = _half_interval(table, "output_throughput")
+    if np.isfinite(half).any():  # 95% intervals where a point has repeats
+        ax.errorbar(x, table["output_throughput"], yerr=half, fmt="none", ecolor="tab:blue",
+                    capsize=3, lw=1)
     axis(ax, "output tokens/s")
     ax2 = ax.twinx()
     ax2.plot(x, table["goodput"], "s--", color="tab:orange", label="goodput (req/s meeting SLO)")
@@ -196,9 +214,17 @@ def headline(table: pd.DataFrame, best, params: list[str]) -> str:
     if best is None:
         return f"No value of {', '.join(params)} met every SLO."
     value = ", ".join(f"{p}={best[p]}" for p in params)
-    return (f"Best under the SLO: {value} — goodput {best['goodput']:.2f} req/s, "
+    text = (f"Best under the SLO: {value} — goodput {best['goodput']:.2f} req/s, "
             f"{best['output_throughput']:.0f} output tokens/s, TTFT p99 "
             f"{best['ttft_p99'] * 1000:.0f} ms, TPOT p99 {best['tpot_p99'] * 1000:.1f} ms.")
+    others = [i for i in within_noise(table, best) if i != best.name]
+    if others:
+        names = "; ".join(", ".join(f"{p}={table.loc[i, p]}" for p in params) for i in others)
+        single = " (one run each: a single run's spread taken as "\
+            f"{stats.SINGLE_RUN_CV:.0%})" if table["ok_runs"].max() <= 1 else ""
+        text += (f" Within noise of it on goodput{single}: {names}; the best is the cheapest "
+                 f"of them.")
+    return text
 
 
 def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, notes: list[str],
