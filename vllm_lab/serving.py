@@ -414,6 +414,25 @@ def provision(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
     return run
 
 
+def teardown(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
+             timeout: float | None = None, experiment: str = "") -> PlaybookRun:
+    """Claim the instances, then run teardown.yml: stop them and remove what serve.yml and
+    provision.yml put on the hosts (a venv only when provision.yml made it).
+
+    Raises InstanceBusy before anything is removed when another live lab process holds an
+    instance, RuntimeError on a failure.
+    """
+    run, _, _ = _claiming("teardown.yml", inventory=Path(inventory), role_vars={}, limit=limit,
+                          timeout=timeout, experiment=experiment)
+    for host, why in run.unreachable.items():
+        log.warning("serving: host %s unreachable during teardown: %s", host, why)
+    failed = [h for h, c in run.recap.items() if c.get("failed")]
+    if failed or (run.returncode and not run.unreachable):
+        raise RuntimeError(f"teardown failed on {', '.join(failed) or 'the inventory'}:\n"
+                           f"{_play_failure(run.stdout)}")
+    return run
+
+
 def check_inventory(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_servers") -> list[str]:
     """The hosts of the inventory's serving group, in inventory order; InventoryError, one sentence
     naming the file and what is wrong, when it is missing, malformed or has no such group."""
