@@ -527,7 +527,7 @@ def points(base: Scenario, selected: Sequence[int], repeats: int = 1) -> list[Po
                 p = Point(scenario, {"arm": arm.label}, r)
                 seen.setdefault(p.key, p)
     # vLLM's defaults first (one start serves every claim's reference), then the claims in order:
-    # a plan cut short (a GPU lease ends) has measured the first claims whole.
+    # a plan cut short (Ctrl-C, a job's time limit) has measured the first claims whole.
     return sorted(seen.values(), key=lambda p: p.serve_key != _serve_key(base))
 
 
