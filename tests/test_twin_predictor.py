@@ -23,7 +23,7 @@ from vllm_lab.twin.profile import load_profile
 
 MODEL = load_model_shape("llama-3-8b")
 H200 = load_profile("h200-llama-3-8b")
-REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference/h200-vllm0.26"
+REFERENCE = Path(__file__).resolve().parents[1] / "vllm_lab/twin/reference/h200-vllm0.26"
 WORK = sharegpt_like(800, seed=3)
 
 
