@@ -580,8 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, what in (("provision", "make the inventory's hosts ready to serve (provision.yml)"),
                        ("stop", "stop every instance on the inventory's hosts (stop.yml)"),
-                       ("teardown", "stop, then remove what provision.yml and serve.yml put there "
-                                    "(teardown.yml)")):
+                       ("teardown", "stop, then remove what provision.yml and serve.yml put there")):
         p = sub.add_parser(name, help=what)
         p.add_argument("--inventory", type=Path, default=Path("inventory/local.yml"))
         p.set_defaults(func=cmd_hosts)
