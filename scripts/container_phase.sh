@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One phase of the lab on a container GPU host with 2 GPUs and vLLM already installed
-# (inventory/container-pair.yml, inventory/container-tp.yml), bounded in time: for a machine that
-# is lent for a while, or a job with a wall-clock limit. The store lives in STORE between calls;
+# (inventory/container-pair.yml, inventory/container-tp.yml), bounded in time: for a machine
+# booked for a while, or a job with a wall-clock limit. The store lives in STORE between calls;
 # each phase copies it (consistently) and a log to OUT.
 #
 #   MODEL=/models/llama-3-8b VLLM_VENV=/opt/vllm bash scripts/container_phase.sh PHASE
