@@ -2,44 +2,59 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
+#= Every target that runs something (make VAR=value target)
 SCENARIO  ?= default                  # scenario name (scenarios/<name>.yaml) or file
 HARDWARE  ?=                          # hardware preset (scenarios/hardware/<name>.yaml); default h200
 INVENTORY ?= inventory/local.yml      # Ansible inventory: where vLLM (or the twin) runs
-PARAM     ?=                          # engine flag to sweep, e.g. max-num-seqs
-VALUES    ?=                          # comma-separated values for PARAM; default: a ladder for the hardware
 BACKEND   ?= twin                     # twin (simulated, no GPU) | vllm (real) | predict (offline predictor)
-DURATION  ?=                          # seconds per measured run (overrides load.stop.duration_s)
 EXPERIMENT ?=                         # experiment name: to resume it, or to rebuild its report
 OUT       ?= reports                  # where the store and the reports go
 SET       ?=                          # extra overrides, e.g. SET="serve.dtype=float16 load.shape.level=32"
 MODEL     ?=                          # override serve.model, e.g. a model folder on the GPU host
+DURATION  ?=                          # seconds per measured run (overrides load.stop.duration_s)
 REPEATS   ?=                          # runs per point (default: the scenario's run.repeats)
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
 LOADGEN_PROCESSES ?=                  # Locust processes per load-generator host (default: sized from the load)
-PARAMS    ?=                          # make combo: 2-3 flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens
-GRID      ?=                          # make combo: values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
-TRIALS    ?=                          # make tune: trials this worker runs (default 20; per host with SPREAD=1)
-OBJECTIVE ?=                          # make tune: goodput (default) | throughput (subject to the SLO) | pareto (NSGA-II)
-SPACE     ?=                          # make tune: search space, a name in scenarios/spaces/ or a YAML file (default: per hardware)
-STUDY_STORAGE ?=                      # make tune: Optuna storage URL (default: the lab database), e.g. postgresql://host/db
-SEED      ?=                          # make tune: sampler seed
-CONFIRM   ?=                          # make tune: re-measure the best N configurations on CONFIRM_BACKEND
-CONFIRM_BACKEND ?=                    # make tune CONFIRM=N: twin (default) | vllm
-SHAPE     ?=                          # make stress: ramp | step (staircases of runs) | spike | soak (one run)
-CLAIMS    ?=                          # make claims: claim numbers, e.g. 1,3,5-8 (default: all nine)
-LEVELS    ?=                          # make stress: offered loads in req/s, e.g. 2,4,8 (default: fractions of the predicted capacity)
-PYTHON    ?= python3                  # the Python that creates .venv
-PERIOD    ?=                          # quarter for `make report`, e.g. 2026Q4: the quarterly report
-PDF       ?=                          # make report PERIOD=...: PDF=0 skips the PDF (it needs Chromium)
-URL       ?=                          # make watch: the deployment to probe (default: every instance of INVENTORY)
-EVERY     ?=                          # make watch: seconds between probe rounds (default: one round)
-COUNT     ?=                          # make watch: rounds of probes (with EVERY)
-BASELINE  ?=                          # make watch: BASELINE=1 records a new baseline first
-PROFILE_OUT ?=                        # make calibrate: where the fitted twin profile goes
-FIT_ONLY  ?=                          # make calibrate FIT_ONLY=1 EXPERIMENT=...: refit from the store, measure nothing
-REFERENCE ?=                          # make calibrate: vllm bench serve result files of the same machine, fitted too
 LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
+PYTHON    ?= python3                  # the Python that creates .venv
+#= Container hosts (inventory/container*.yml; also make provision, stop, teardown)
+VLLM_VENV ?=                          # the environment vLLM is installed in (its bin/vllm); default: the Python running Ansible
+LAB_ROOT  ?=                          # the lab's work folder on the host (default /tmp/vllm-lab)
+#= make sweep
+PARAM     ?=                          # engine flag to sweep, e.g. max-num-seqs
+VALUES    ?=                          # comma-separated values for PARAM; default: a ladder for the hardware
+#= make combo
+PARAMS    ?=                          # 2-3 flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens
+GRID      ?=                          # values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
+#= make tune
+TRIALS    ?=                          # trials this worker runs (default 20; per host with SPREAD=1)
+OBJECTIVE ?=                          # goodput (default) | throughput (subject to the SLO) | pareto (NSGA-II)
+SPACE     ?=                          # search space, a name in scenarios/spaces/ or a YAML file (default: per hardware)
+STUDY_STORAGE ?=                      # Optuna storage URL (default: the lab database), e.g. postgresql://host/db
+SEED      ?=                          # sampler seed
+CONFIRM   ?=                          # re-measure the best N configurations on CONFIRM_BACKEND
+CONFIRM_BACKEND ?=                    # with CONFIRM=N: twin (default) | vllm
+#= make stress
+SHAPE     ?=                          # ramp | step (staircases of runs) | spike | soak (one run)
+LEVELS    ?=                          # offered loads in req/s, e.g. 2,4,8 (default: fractions of the predicted capacity)
+#= make claims
+CLAIMS    ?=                          # claim numbers, e.g. 1,3,5-8 (default: all nine)
+#= make calibrate
+PROFILE_OUT ?=                        # where the fitted twin profile goes
+FIT_ONLY  ?=                          # FIT_ONLY=1 EXPERIMENT=...: refit from the store, measure nothing
+REFERENCE ?=                          # vllm bench serve result files of the same machine, fitted too
+#= make report
+PERIOD    ?=                          # a quarter, e.g. 2026Q4: the quarterly report
+PDF       ?=                          # with PERIOD: PDF=0 skips the PDF (it needs Chromium)
+#= make watch
+URL       ?=                          # the deployment to probe (default: every instance of INVENTORY)
+EVERY     ?=                          # seconds between probe rounds (default: one round)
+COUNT     ?=                          # rounds of probes (with EVERY)
+BASELINE  ?=                          # BASELINE=1 records a new baseline first
+#= make bench
+NAME      ?=                          # the benchmark (listed above), e.g. NAME=twin
+ARGS      ?=                          # its own arguments, e.g. ARGS="fidelity speed"
 
 # Every variable above reaches the lab as data, never as shell or make text: its text, unexpanded
 # ($(value ...)), is exported as LAB_MAKE_<NAME>, the variable itself is not exported (make would
@@ -49,7 +64,7 @@ LAB_PYTHON ?=                         # use this Python (with the lab's dependen
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF
+  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 
@@ -80,12 +95,17 @@ endif
 
 ##@ Getting started
 .PHONY: help
-help: ## Show every target with one line of help
-	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n\033[1m%s\033[0m\n", substr($$0, 5)} \
-	  /^[a-zA-Z_-]+:.*##/ {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo
-	@echo "Variables (make VAR=value target):"
-	@awk '/^[A-Z_]+ +\?=/ {sub(/ +\?= */, " "); n=index($$0,"#"); printf "  %-12s %s\n", $$1, (n ? substr($$0, n+2) : "")}' $(MAKEFILE_LIST)
+help: ## Show every target with one line of help, then the variables each takes
+	@if [ -t 1 ]; then b=$$'\033[1m'; c=$$'\033[36m'; r=$$'\033[0m'; else b= c= r=; fi; \
+	awk -v b="$$b" -v c="$$c" -v r="$$r" 'BEGIN {FS = ":.*##"} \
+	  /^##@/ {printf "\n%s%s%s\n", b, substr($$0, 5), r} \
+	  /^[a-zA-Z_-]+:.*##/ {printf "  %s%-14s%s %s\n", c, $$1, r, $$2}' $(MAKEFILE_LIST); \
+	echo; echo "$${b}Benchmarks$${r} (make bench NAME=<name> [ARGS=\"...\"]; scripts/bench_<name>.py):"; \
+	for f in scripts/bench_*.py; do n=$${f#scripts/bench_}; n=$${n%.py}; \
+	  printf "  %s%-14s%s %s\n" "$$c" "$${n//_/-}" "$$r" "$$(grep -m1 '^\"\"\"' "$$f" | cut -c4-)"; done; \
+	awk -v b="$$b" -v r="$$r" '/^#= / {printf "\n%s%s:%s\n", b, substr($$0, 4), r} \
+	  /^[A-Z_]+ +\?=/ {sub(/ +\?= */, " "); n=index($$0,"#"); printf "  %-17s %s\n", $$1, (n ? substr($$0, n+2) : "")}' \
+	  $(MAKEFILE_LIST)
 
 ##@ The tuning method
 .PHONY: baseline sweep calibrate report
@@ -128,6 +148,17 @@ watch: venv ## Probe a live deployment, store it, flag a regression vs its basel
 findings: venv ## Troubleshooting findings of an experiment's runs (EXPERIMENT=..., default the newest)
 	@$(LAB) findings
 
+##@ Hosts
+.PHONY: provision stop teardown
+provision: venv ## Make INVENTORY's hosts ready to serve: checks, venv, vLLM, the lab, the model (provision.yml)
+	@$(LAB) provision
+
+stop: venv ## Stop every server on INVENTORY's hosts, whole process groups, GPUs checked free (stop.yml)
+	@$(LAB) stop
+
+teardown: venv ## Stop, then remove what provision and serving put on INVENTORY's hosts (teardown.yml)
+	@$(LAB) teardown
+
 ##@ Scenarios
 .PHONY: lint show
 lint: venv ## Lint a scenario's vLLM flags (SCENARIO=...); `make lint SCENARIO=all` checks every shipped one
@@ -137,7 +168,7 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 	@$(LAB) show
 
 ##@ Development
-.PHONY: test test-fast check clean
+.PHONY: test test-fast check clean bench
 test: venv ## Every test (about 13 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q --durations=15
@@ -148,6 +179,9 @@ test-fast: venv ## The tests that start no process (seconds; no set-up needed)
 check: venv ## Static checks: ruff on the package, ansible-lint on the playbooks
 	@$(VENV)/bin/ruff check vllm_lab scripts tests
 	@if [ -d playbooks/roles ]; then $(VENV)/bin/ansible-lint playbooks; fi
+
+bench: venv ## Run one benchmark: make bench NAME=twin [ARGS="fidelity speed"] (listed below)
+	@$(LAB) bench
 
 clean: ## Remove the virtual environment and caches (keeps reports/)
 	rm -rf $(VENV) .pytest_cache build *.egg-info

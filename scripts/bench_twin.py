@@ -16,7 +16,8 @@ from vllm_lab.twin.fit import compare, load_point
 from vllm_lab.twin.predictor import Closed, PredictRequest, predict, sharegpt_like
 from vllm_lab.twin.profile import load_profile
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared/reference/h200-vllm0.26"
+# The measurements the H200 profile is fitted to (vllm bench serve result files, kept with the twin).
+REFERENCE = Path(__file__).resolve().parents[1] / "vllm_lab/twin/reference/h200-vllm0.26"
 
 
 def fidelity(profile, model, ref: Path) -> None:

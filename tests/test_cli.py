@@ -25,7 +25,7 @@ def sentence(err: str) -> str:
 
 def test_every_command_is_in_the_parser():
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"lint", "show", "baseline", "sweep", "calibrate", "report", "combo",
+    assert set(sub.choices) >= {"lint", "show", "baseline", "sweep", "calibrate", "report", "combo",
                                 "tune", "stress", "claims", "monitor", "watch", "findings", "quarterly"}
     # Every make target the Makefile hands over is a command (quarterly: make report PERIOD=).
     assert set(cli.MAKE_TARGETS) <= set(sub.choices)

@@ -1,5 +1,5 @@
-"""Lab processes side by side and inventories that cannot serve: the lease on each instance (vllm_lock),
-two lab processes on one host, a dead holder's lease taken over, and missing, malformed or unreachable
+"""Lab processes side by side and inventories that cannot serve: the lock on each instance (vllm_lock),
+two lab processes on one host, a dead holder's lock taken over, and missing, malformed or unreachable
 inventories refused or recorded as such, with SPREAD=1 too.
 
 Design: a second lab process that wants a busy instance is refused with the holder's experiment and
@@ -25,7 +25,7 @@ from vllm_lab import serving
 from vllm_lab.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
-LEASE_MODULE = REPO / "playbooks/roles/vllm/library/vllm_lock.py"
+LOCK_MODULE = REPO / "playbooks/roles/vllm/library/vllm_lock.py"
 SETS = ["load.stop.duration_s=3", "workload.source=alpaca-like", "run.warmup_requests=1",
         "load.shape.level=2"]
 
@@ -48,63 +48,63 @@ def dead_pid() -> int:
     return child.pid
 
 
-# --- the lease module itself ----------------------------------------------------------------------
-def lease(path: Path, state: str = "claimed", owner: dict | None = None, takeover=()) -> dict:
+# --- the lock module itself ----------------------------------------------------------------------
+def lock(path: Path, state: str = "claimed", owner: dict | None = None, takeover=()) -> dict:
     """Run vllm_lock the way Ansible does (an args file), return its JSON result."""
-    args = path.parent.parent / "lease-args.json"
+    args = path.parent.parent / "lock-args.json"
     args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {
         "path": str(path), "state": state, "owner": owner or {}, "takeover": list(takeover)}}))
-    out = subprocess.run([sys.executable, str(LEASE_MODULE), str(args)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(LOCK_MODULE), str(args)], capture_output=True, text=True,
                          check=False)
     return json.loads(out.stdout)
 
 
 @pytest.mark.integration
-def test_lease_claim_busy_takeover_release(tmp_path):
+def test_lock_claim_busy_takeover_release(tmp_path):
     path = tmp_path / "run" / "main.lock"
     me = serving.lab_owner("exp-a")
     other = {**serving.lab_owner("exp-b"), "pid": os.getppid(),
              "pid_start": serving._start_time(os.getppid())}
     # No owner (a hand-run playbook): nothing checked, nothing written.
-    assert lease(path, owner={})["status"] == "free" and not path.exists()
-    first = lease(path, owner=me)
+    assert lock(path, owner={})["status"] == "free" and not path.exists()
+    first = lock(path, owner=me)
     assert first["status"] == "claimed" and first["changed"]
     assert json.loads(path.read_text())["experiment"] == "exp-a"
     # The same process again (a later serve.yml, without the experiment): no change, experiment kept.
-    again = lease(path, owner={**me, "experiment": ""})
+    again = lock(path, owner={**me, "experiment": ""})
     assert again["status"] == "claimed" and not again["changed"]
     assert json.loads(path.read_text())["experiment"] == "exp-a"
     # Another live process is refused with who holds it, and cannot release it.
-    refused = lease(path, owner=other)
+    refused = lock(path, owner=other)
     assert refused["status"] == "busy" and refused["holder"]["pid"] == os.getpid()
     assert refused["holder"]["experiment"] == "exp-a"
-    assert lease(path, state="released", owner=other)["status"] == "busy"
-    assert lease(path, state="status", owner=other)["status"] == "busy"
-    assert lease(path, state="released", owner=me)["status"] == "released"
-    assert lease(path, state="status", owner=other)["status"] == "free"
+    assert lock(path, state="released", owner=other)["status"] == "busy"
+    assert lock(path, state="status", owner=other)["status"] == "busy"
+    assert lock(path, state="released", owner=me)["status"] == "released"
+    assert lock(path, state="status", owner=other)["status"] == "free"
 
 
 @pytest.mark.integration
-def test_lease_of_a_dead_process_is_taken_over(tmp_path):
+def test_lock_of_a_dead_process_is_taken_over(tmp_path):
     path = tmp_path / "main.lock"
     gone = {"experiment": "crashed-sweep", "pid": dead_pid(), "pid_start": "1", "node": socket.gethostname()}
     path.write_text(json.dumps(gone))
-    took = lease(path, owner=serving.lab_owner("next"))
+    took = lock(path, owner=serving.lab_owner("next"))
     assert took["status"] == "claimed" and took["took_over"]["experiment"] == "crashed-sweep"
     assert json.loads(path.read_text())["pid"] == os.getpid()
     # A pid reused by another process (a different start time) is not the holder either.
     path.write_text(json.dumps({**gone, "pid": os.getppid(), "pid_start": "1"}))
-    assert lease(path, owner=serving.lab_owner("next"))["status"] == "claimed"
+    assert lock(path, owner=serving.lab_owner("next"))["status"] == "claimed"
     # Another node's holder cannot be checked here: busy, unless the caller names it dead.
     remote = {**gone, "node": "laptop-elsewhere"}
     path.write_text(json.dumps(remote))
-    assert lease(path, owner=serving.lab_owner("next"))["status"] == "busy"
+    assert lock(path, owner=serving.lab_owner("next"))["status"] == "busy"
     token = f"laptop-elsewhere:{remote['pid']}:1"
-    assert lease(path, owner=serving.lab_owner("next"), takeover=[token])["status"] == "claimed"
+    assert lock(path, owner=serving.lab_owner("next"), takeover=[token])["status"] == "claimed"
 
 
 @pytest.mark.integration
-def test_serving_takes_over_a_lease_its_node_finds_dead(tmp_path, monkeypatch):
+def test_serving_takes_over_a_lock_its_node_finds_dead(tmp_path, monkeypatch):
     """A remote host cannot check a pid of this node: serving checks it and runs once more naming it."""
     gone = {"experiment": "old", "pid": dead_pid(), "pid_start": "1", "node": socket.gethostname()}
     alive = {**gone, "pid": os.getppid(), "pid_start": serving._start_time(os.getppid())}
@@ -231,9 +231,9 @@ def test_second_lab_process_is_refused_with_the_holders_experiment_and_pid(share
 
 
 @pytest.mark.integration
-def test_a_dead_holders_lease_and_server_are_taken_over(shared_host):
+def test_a_dead_holders_lock_and_server_are_taken_over(shared_host):
     tmp, inv = shared_host
-    # A lab process that started a server and was killed: its lease and its server are left behind.
+    # A lab process that started a server and was killed: its lock and its server are left behind.
     holder = subprocess.Popen(
         [sys.executable, "-c",
          ("import sys, time; from pathlib import Path; from vllm_lab import serving; "

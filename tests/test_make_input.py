@@ -267,3 +267,78 @@ def test_work_folders_of_recorded_runs_are_removed_and_old_ones_pruned(tmp_path)
     plan = plans.Plan("work-test", "sweep", plans.sweep_points(base, "max-num-seqs", [8, 16]), {})
     assert plans.execute(plan, WorkBackend(), tmp_path / "lab.db", work) == {"ok": 2}
     assert sorted(p.name for p in work.iterdir()) == ["interrupted-today"]
+
+
+# -- 5. make help, benchmarks and the host targets -----------------------------------------------
+
+@pytest.mark.integration
+def test_make_help_is_plain_text_off_a_terminal_and_groups_variables_by_target():
+    out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert "\033" not in out.stdout  # piped: no colour codes for a file or a pager to show
+    for target in ("provision", "stop", "teardown", "bench"):
+        assert f"\n  {target} " in out.stdout
+    # Every scripts/bench_*.py is listed under its make bench NAME, with its first line.
+    for name in cli.benchmarks():
+        assert f"\n  {name} " in out.stdout
+    # A target's own variables sit under its heading.
+    sweep = out.stdout.index("\nmake sweep:")
+    assert sweep < out.stdout.index("\n  PARAM ") < out.stdout.index("\nmake combo:")
+    assert out.stdout.index("\nmake bench:") < out.stdout.index("\n  NAME ")
+
+
+@pytest.mark.integration
+def test_make_bench_runs_the_named_script_with_its_arguments_as_data(no_f):
+    out = make("bench", "NAME=twin", "ARGS=--help")
+    assert out.returncode == 0 and "fidelity" in out.stdout, out.stderr
+    for variables, says in ((["NAME=x; touch F"], "benchmark 'x; touch F' is not one of"),
+                            (["NAME=-h"], "NAME='-h' is not allowed"),
+                            ([], "NAME is required")):
+        out = make("bench", *variables)
+        assert out.returncode == 2 and says in one_sentence(out.stderr)
+    argv, _ = cli.make_argv("bench", {"LAB_MAKE_NAME": "twin", "LAB_MAKE_ARGS": "speed --reference 'a b'"})
+    assert argv == ["bench", "twin", "speed", "--reference", "a b"]
+
+
+@pytest.mark.integration
+def test_host_targets_refuse_a_bad_inventory_in_one_sentence(no_f):
+    for target in ("provision", "stop", "teardown"):
+        out = make(target, "INVENTORY=nowhere.yml; touch F")
+        assert out.returncode == 2
+        assert "no such inventory file" in one_sentence(out.stderr)
+    out = make("stop", "VLLM_VENV=a\tb")
+    assert out.returncode == 2 and "VLLM_VENV='a\\tb' is not allowed" in one_sentence(out.stderr)
+
+
+@pytest.mark.integration
+def test_container_inventory_takes_its_paths_from_make_variables(tmp_path):
+    play = tmp_path / "show.yml"
+    play.write_text("- hosts: vllm_servers\n  gather_facts: false\n  tasks:\n"
+                    "    - ansible.builtin.debug:\n"
+                    "        msg: 'venv={{ lab_host_venv }} root={{ lab_host_root }} serve={{ vllm_root }}'\n")
+    exe = Path(sys.executable).with_name("ansible-playbook")
+    env = {**os.environ, "LAB_MAKE_VLLM_VENV": "/opt/vllm{{ x }}", "LAB_MAKE_LAB_ROOT": "/scratch/lab"}
+    out = subprocess.run([str(exe), "-i", str(REPO / "inventory/container.yml"), str(play)],
+                         capture_output=True, text=True, env=env, check=False, timeout=120)
+    # The text is data: a '{{ }}' in it is not templated.
+    assert "venv=/opt/vllm{{ x }} root=/scratch/lab serve=/scratch/lab/serve" in out.stdout, out.stdout
+    out = subprocess.run([str(exe), "-i", str(REPO / "inventory/container.yml"), str(play)],
+                         capture_output=True, text=True, check=False, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("LAB_MAKE_")})
+    # Without them: the environment of the Python that runs Ansible, and /tmp/vllm-lab.
+    default = re.search(r"venv=(\S+) root=/tmp/vllm-lab serve=/tmp/vllm-lab/serve", out.stdout)
+    assert default and (Path(default.group(1)) / "bin/python").exists(), out.stdout
+
+
+@pytest.mark.integration
+def test_make_provision_stop_teardown_on_a_private_host(tmp_path):
+    from conftest import private_inventory
+    inv = private_inventory(tmp_path, lab_host_lab_install=False)
+    venv = tmp_path / "host/venv"
+    out = make("provision", f"INVENTORY={inv}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (venv / ".vllm-lab-provisioned").is_file() and "changed" in out.stdout
+    out = make("stop", f"INVENTORY={inv}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = make("teardown", f"INVENTORY={inv}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not venv.exists() and not (tmp_path / "host/serve").exists()

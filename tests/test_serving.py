@@ -20,7 +20,7 @@ LOCAL = serving.REPO_ROOT / "inventory" / "local.yml"
 # --- log samples in vLLM's own wording (0.2x V1 engine; the twin copies it) -------------------------
 OOM_CUDA = """\
 (EngineCore_DP0 pid=5121) ERROR 11-30 01:02:03 [core.py:708] EngineCore failed to start.
-(EngineCore_DP0 pid=5121) ERROR 11-30 01:02:03 [core.py:708]   File "/tmp/site/vllm/model_executor/model_loader/base_loader.py", line 49, in load_model
+(EngineCore_DP0 pid=5121) ERROR 11-30 01:02:03 [core.py:708]   File "/opt/vllm/lib/python3.12/site-packages/vllm/model_executor/model_loader/base_loader.py", line 49, in load_model
 (EngineCore_DP0 pid=5121) ERROR 11-30 01:02:03 [core.py:708] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1002.00 MiB. GPU 0 has a total capacity of 139.81 GiB of which 512.00 MiB is free.
 RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
 """

@@ -24,8 +24,8 @@ from vllm_lab.twin.profile import load_profile
 MODEL = load_model_shape("llama-3-8b")
 H200 = load_profile("h200-llama-3-8b")
 # `vllm bench serve` results of vLLM 0.26 on one H200 (Llama-3-8B), the ones the shipped profile is
-# fitted to: kept with the tests so the fidelity check runs on every machine.
-REFERENCE = Path(__file__).resolve().parent / "data" / "h200-vllm0.26"
+# fitted to: shipped with the twin so the fidelity check runs on every machine.
+REFERENCE = Path(__file__).resolve().parents[1] / "vllm_lab/twin/reference/h200-vllm0.26"
 WORK = sharegpt_like(800, seed=3)
 
 

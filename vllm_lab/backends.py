@@ -104,7 +104,7 @@ class LiveBackend:
                  processes: int | None = None, experiment: str = ""):
         self.name = name  # "twin" | "vllm"
         self.inventory = inventory
-        self.experiment = experiment  # named in the lease on each instance this process holds
+        self.experiment = experiment  # named in the lock on each instance this process holds
         self.api_key = api_key
         self.processes = processes  # Locust processes per load-generator host; None: sized per run
         self._running: dict[str | None, tuple[str, serving.Instance]] = {}
@@ -118,7 +118,7 @@ class LiveBackend:
         current = self._running.get(host)
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]
-        self._stop(host, release=False)  # a restart keeps the instance's lease: no one takes it between
+        self._stop(host, release=False)  # a restart keeps the instance's lock: no one takes it between
         # Marked before the start returns: an interrupt during a start must still stop the server.
         self._starting.add(host)
         instances = serving.start(

@@ -419,7 +419,7 @@ def _judge_parallel(ev: Evidence, sizes: Sequence[int]) -> list[Part]:
                       f"({ev.median(f'tp-{n}', 'output_throughput') / one / n:.0%} efficiency)"
                       for n in measured if n > 1)
     if 8 not in measured:
-        return [Part(s, UNTESTABLE, f"measured up to {max(measured)} GPUs (the most lent): {scale}",
+        return [Part(s, UNTESTABLE, f"measured up to {max(measured)} GPUs (the most the hardware has): {scale}",
                      claimed=5.5)]
     ratio = ev.median("tp-8", "output_throughput") / one
     verdict = HOLDS if abs(ratio - 6.5) <= 0.15 * 6.5 else PARTLY if ratio > 4 else NO
@@ -527,7 +527,7 @@ def points(base: Scenario, selected: Sequence[int], repeats: int = 1) -> list[Po
                 p = Point(scenario, {"arm": arm.label}, r)
                 seen.setdefault(p.key, p)
     # vLLM's defaults first (one start serves every claim's reference), then the claims in order:
-    # a plan cut short (a GPU lease ends) has measured the first claims whole.
+    # a plan cut short (Ctrl-C, a job's time limit) has measured the first claims whole.
     return sorted(seen.values(), key=lambda p: p.serve_key != _serve_key(base))
 
 

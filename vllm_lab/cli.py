@@ -405,6 +405,42 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hosts(args: argparse.Namespace) -> int:
+    """Provision, stop or tear down the inventory's hosts through their playbook."""
+    serving.check_inventory(args.inventory)  # a bad inventory is one sentence before anything runs
+    playbook = {"provision": "provision.yml", "stop": "stop.yml", "teardown": "teardown.yml"}[args.command]
+    print(f"{args.command}: {args.inventory} (playbooks/{playbook})", flush=True)
+    action = {"provision": serving.provision, "stop": serving.stop, "teardown": serving.teardown}
+    try:
+        run = action[args.command](args.inventory)
+    except RuntimeError as e:
+        raise StoreError(f"{args.inventory}: {args.command} failed: {e}") from None
+    for host, counts in run.recap.items():
+        print(f"  {host}: {counts.get('changed', 0)} changed, {counts.get('ok', 0)} ok")
+    for host, why in run.unreachable.items():
+        print(f"  {host}: unreachable ({why})")
+    return 1 if run.unreachable else 0
+
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def benchmarks() -> dict[str, Path]:
+    """The benchmark scripts by name: scripts/bench_<name>.py is <name>, '_' spelled '-'."""
+    return {p.stem.removeprefix("bench_").replace("_", "-"): p
+            for p in sorted(BENCH_DIR.glob("bench_*.py"))}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run one benchmark script with this Python, its arguments as given (no shell)."""
+    known = benchmarks()
+    if args.name not in known:
+        raise UsageError(f"benchmark {args.name!r} is not one of scripts/bench_*.py "
+                         f"({', '.join(known)})")
+    import subprocess
+    return subprocess.run([sys.executable, str(known[args.name]), *args.args], check=False).returncode
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     """Probe a live deployment on a schedule; exit 1 when a probe is a regression."""
     from vllm_lab import watch
@@ -543,6 +579,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", type=Path, default=None)
     p.set_defaults(func=cmd_findings)
 
+    for name, what in (("provision", "make the inventory's hosts ready to serve (provision.yml)"),
+                       ("stop", "stop every instance on the inventory's hosts (stop.yml)"),
+                       ("teardown", "stop, then remove what provision.yml and serve.yml put there")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--inventory", type=Path, default=Path("inventory/local.yml"))
+        p.set_defaults(func=cmd_hosts)
+
+    p = sub.add_parser("bench", help="run one of the benchmarks in scripts/bench_*.py")
+    p.add_argument("name", help="the benchmark, e.g. twin for scripts/bench_twin.py")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("quarterly", help="the quarterly report of every experiment of a period")
     p.add_argument("--period", required=True, help="a quarter, e.g. 2026Q4 (UTC)")
     p.add_argument("--out", type=Path, default=Path("reports"))
@@ -578,6 +626,10 @@ MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
               ("COUNT", "--count"), ("BASELINE", "--baseline"), ("HARDWARE", "--hardware"),
               ("REPEATS", "--repeats"), ("SET", "--set")),
     "findings": (("OUT", "--out"), ("EXPERIMENT", "--experiment")),
+    "provision": (("INVENTORY", "--inventory"),),
+    "stop": (("INVENTORY", "--inventory"),),
+    "teardown": (("INVENTORY", "--inventory"),),
+    "bench": (("NAME", "name"), ("ARGS", "args")),
     "lint": (),
     "show": (),
 }
@@ -585,7 +637,10 @@ MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
 _LAYERED = {"baseline", "sweep", "calibrate", "combo", "tune", "stress", "claims", "lint", "show"}
 _REQUIRED = {"sweep": ("PARAM", "make sweep PARAM=max-num-seqs"),
              "stress": ("SHAPE", "make stress SHAPE=ramp (ramp, step, spike or soak)"),
-             "combo": ("PARAMS or GRID", "make combo PARAMS=max-num-seqs,max-num-batched-tokens")}
+             "combo": ("PARAMS or GRID", "make combo PARAMS=max-num-seqs,max-num-batched-tokens"),
+             "bench": ("NAME", "make bench NAME=twin (make help lists them)")}
+# Read by the container inventories from the environment (inventory/container.yml), not options.
+_INVENTORY_VARS = ("VLLM_VENV", "LAB_ROOT")
 _SWITCHES = {"--resume", "--spread", "--fit-only", "--baseline"}
 _ON, _OFF = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
 
@@ -618,6 +673,8 @@ def make_argv(target: str, env: Mapping[str, str]) -> tuple[list[str], dict[str,
                              f"printable text")
         return text
 
+    for name in _INVENTORY_VARS:
+        var(name)  # refused here, with a sentence, when it holds a control character
     if target == "report" and var("PERIOD"):
         target = "quarterly"
     if target not in MAKE_TARGETS:
@@ -657,6 +714,13 @@ def make_argv(target: str, env: Mapping[str, str]) -> tuple[list[str], dict[str,
             argv += [] if _switch(name, text) else ["--no-pdf"]
         elif option == "--set":
             argv += [f"--set={item}" for item in _words(name, text)]
+        elif option == "name":
+            if text.startswith("-"):
+                raise UsageError(f"{name}={text!r} is not allowed: a benchmark's name, e.g. "
+                                 f"{name}=twin (make help lists them)")
+            argv.append(text)  # positional: checked against scripts/bench_*.py by the command
+        elif option == "args":
+            argv += _words(name, text)
         elif option == "--reference":
             # The shell used to expand REFERENCE=dir/*.json; the lab does it now, as data.
             files = [f for word in _words(name, text) for f in (sorted(glob.glob(word)) or [word])]

@@ -91,8 +91,6 @@ _ALIASES = {
     "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b", "meta-llama/llama-3.1-70b-instruct": "llama-3-70b",
     "meta-llama/llama-2-7b-hf": "llama-2-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
     "huggingfacetb/smollm-135m": "smollm-135m",
-    # The gpu-kit's offline folders (../shared/gpu-kit), for reading results away from the device.
-    "model-llama8b": "llama-3-8b", "model-smol": "smollm-135m", "model-llama70b": "llama-3-70b",
 }
 
 
@@ -121,8 +119,9 @@ _CHAT_TEMPLATE = (
 def make_model_folder(shape: ModelShape | str, out: Path, vocab_size: int = 32000) -> Path:
     """Write config.json and a byte-level BPE tokenizer for ``shape`` into ``out``.
 
-    The tokenizer is trained on the Python standard library's sources: the same recipe as the
-    gpu-kit's folders, so prompt token counts agree between the twin and real vLLM here.
+    The tokenizer is trained on the Python standard library's sources, so a folder made here for
+    the twin and one made on a GPU host for real vLLM (--load-format dummy) count prompt tokens
+    alike.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -9,8 +9,8 @@ while the others serve.
 
 Two lab processes must not share an instance (its pid file and port: each would stop or restart
 the other's server). Every playbook that touches an instance first claims it for this process
-(``lab_owner``: experiment, pid, control node) in a lease beside its pid file; another live owner is
-refused with ``InstanceBusy`` naming it, and a dead owner's lease is taken over. A lease, not a
+(``lab_owner``: experiment, pid, control node) in a lock beside its pid file; another live owner is
+refused with ``InstanceBusy`` naming it, and a dead owner's lock is taken over. A lock file, not a
 port of our own, because a GPU host's instances are its GPUs: two servers on one GPU would measure
 each other.
 """
@@ -179,7 +179,7 @@ def _start_time(pid: int) -> str:
 
 
 def lab_owner(experiment: str = "") -> dict[str, Any]:
-    """This lab process as the owner of the instances it claims (the lease's content)."""
+    """This lab process as the owner of the instances it claims (the lock's content)."""
     return {"experiment": experiment, "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
             "node": socket.gethostname()}
 
@@ -292,7 +292,7 @@ def _claiming(playbook: str, *, inventory: Path, role_vars: dict, limit: str | N
     the API key each host's servers got (a 0600 file in a folder gone when this returns: the load
     generator sends the same key, wherever the role found it).
 
-    A lease whose lab process ran on this node and is gone is taken over (one more run naming it:
+    A lock whose lab process ran on this node and is gone is taken over (one more run naming it:
     the host cannot check a pid of this node); a live holder raises InstanceBusy.
     """
     takeover: list[str] = []
@@ -308,7 +308,7 @@ def _claiming(playbook: str, *, inventory: Path, role_vars: dict, limit: str | N
         dead = sorted({_owner_token(b["holder"]) for bs in busy.values() for b in bs
                        if _dead_here(b.get("holder", {}))} - set(takeover))
         if busy and dead and not takeover:
-            log.warning("serving: taking over leases of lab processes that are gone: %s", ", ".join(dead))
+            log.warning("serving: taking over locks of lab processes that are gone: %s", ", ".join(dead))
             takeover = dead
             continue
         if busy:
@@ -325,7 +325,7 @@ def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, b
     Returns the healthy instances; hosts that could not be reached are in ``.unreachable`` and
     logged. Raises ServeError (cause oom | refused-flag | start-timeout | crashed, or unreachable
     when no host answered) when a reached host's server did not come up, and InstanceBusy when
-    another live lab process holds an instance (``experiment`` names this one in the lease).
+    another live lab process holds an instance (``experiment`` names this one in the lock).
     """
     if backend not in ("twin", "vllm"):
         raise ValueError(f"backend must be 'twin' or 'vllm', not {backend!r}")
@@ -380,7 +380,7 @@ def stop(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
          experiment: str = "", release: bool = True) -> PlaybookRun:
     """Stop every instance on the inventory's hosts (whole process groups) and check the GPUs are free.
 
-    Instances another live lab process holds are left alone; with ``release`` this process's leases
+    Instances another live lab process holds are left alone; with ``release`` this process's locks
     are dropped (a restart between serve groups keeps them). Unreachable hosts are logged and left
     out; a reached host that fails the stop raises RuntimeError.
     """
@@ -410,6 +410,25 @@ def provision(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
     failed = [h for h, c in run.recap.items() if c.get("failed")]
     if failed or (run.returncode and not run.unreachable):
         raise RuntimeError(f"provision failed on {', '.join(failed) or 'the inventory'}:\n"
+                           f"{_play_failure(run.stdout)}")
+    return run
+
+
+def teardown(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
+             timeout: float | None = None, experiment: str = "") -> PlaybookRun:
+    """Claim the instances, then run teardown.yml: stop them and remove what serve.yml and
+    provision.yml put on the hosts (a venv only when provision.yml made it).
+
+    Raises InstanceBusy before anything is removed when another live lab process holds an
+    instance, RuntimeError on a failure.
+    """
+    run, _, _ = _claiming("teardown.yml", inventory=Path(inventory), role_vars={}, limit=limit,
+                          timeout=timeout, experiment=experiment)
+    for host, why in run.unreachable.items():
+        log.warning("serving: host %s unreachable during teardown: %s", host, why)
+    failed = [h for h, c in run.recap.items() if c.get("failed")]
+    if failed or (run.returncode and not run.unreachable):
+        raise RuntimeError(f"teardown failed on {', '.join(failed) or 'the inventory'}:\n"
                            f"{_play_failure(run.stdout)}")
     return run
 

@@ -1,5 +1,5 @@
 #!/usr/bin/python
-"""Ansible module: which lab process owns one instance of a host (a lease file beside its pid file)."""
+"""Ansible module: which lab process owns one instance of a host (a lock file beside its pid file)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ short_description: Claim, check or release one vLLM instance for one lab process
 description:
   - Two lab processes that serve the same instance of a host share its pid file and port, and each
     would stop or restart the other's server. Before it touches an instance a lab process claims it:
-    the lease file (JSON: experiment, lab pid and its start time, control node, since when) names its
+    the lock file (JSON: experiment, lab pid and its start time, control node, since when) names its
     owner for as long as that process lives, across the server restarts of a sweep.
-  - A lease, not a held flock, because the lab process lives on the control node while this module
+  - A lock file, not a held flock, because the lab process lives on the control node while this module
     runs (briefly) on the host; flock only serializes the read-compare-write of the file.
-  - A lease whose owner is gone is taken over; its pid can only be checked where it ran, so here when
+  - A lock whose owner is gone is taken over; its pid can only be checked where it ran, so here when
     the owner ran on this machine, else when the caller names it in takeover (it checked on its node).
-  - Without an owner (ansible-playbook run by hand) the lease is neither checked nor taken.
+  - Without an owner (ansible-playbook run by hand) the lock is neither checked nor taken.
 options:
-  path: {description: The lease file., type: path, required: true}
+  path: {description: The lock file., type: path, required: true}
   state:
     description: claimed (take it or keep it), released (drop it if ours) or status (who holds it).
     type: str
@@ -28,7 +28,7 @@ options:
     type: dict
     default: {}
   takeover:
-    description: Owners ("node:pid:pid_start") the caller found dead on their node; their leases may be taken.
+    description: Owners ("node:pid:pid_start") the caller found dead on their node; their locks may be taken.
     type: list
     elements: str
     default: []
@@ -36,8 +36,8 @@ options:
 
 RETURN = r"""
 status: {description: "claimed, busy (a live other owner holds it), released, free or held (state=status).", type: str}
-holder: {description: The owner in the lease file before this call ({} when none)., type: dict}
-took_over: {description: The dead owner whose lease was taken ({} when none)., type: dict}
+holder: {description: The owner in the lock file before this call ({} when none)., type: dict}
+took_over: {description: The dead owner whose lock was taken ({} when none)., type: dict}
 """
 
 import fcntl
@@ -58,7 +58,7 @@ def _same(a, b):
 
 
 def _alive_here(pid, pid_start):
-    """Whether ``pid`` runs on this machine and is the process that wrote the lease (not a reuse)."""
+    """Whether ``pid`` runs on this machine and is the process that wrote the lock (not a reuse)."""
     try:
         with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as fh:
             raw = fh.read()

@@ -10,7 +10,7 @@ description:
   - Starts a command in its own session (setsid), records "pid starttime" in a pid file and sends
     its output to a log file; stops the whole process group and session (vLLM's EngineCore and
     workers outlive the API server, vllm issue 55510); waits for an HTTP health URL.
-  - Used where systemd is not PID 1 (containers, the lab's device machine).
+  - Used where systemd is not PID 1 (containers).
 options:
   name: {description: Instance name, for messages., type: str, required: true}
   state:

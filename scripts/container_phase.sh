@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One phase of the lab on a container GPU host with 2 GPUs and vLLM already installed
+# (inventory/container-pair.yml, inventory/container-tp.yml), bounded in time: for a machine
+# booked for a while, or a job with a wall-clock limit. The store lives in STORE between calls;
+# each phase copies it (consistently) and a log to OUT.
+#
+#   MODEL=/models/llama-3-8b VLLM_VENV=/opt/vllm bash scripts/container_phase.sh PHASE
+#
+# PHASE: claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
+#        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2).
+# MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
+# are read. VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE
+# (default /tmp/lab), OUT (default /tmp/out), DURATION (s per run, default 10), LAB_PYTHON (the
+# Python with the lab's dependencies, default python3). BUDGET_S (default 520) bounds the phase:
+# then the lab is interrupted as Ctrl-C would, so it stops its servers and keeps every finished
+# run; calling the phase again resumes it.
+set -uo pipefail
+phase=${1:?usage: container_phase.sh claims|tp|tp70b}
+: "${MODEL:?MODEL is required: the model folder on this host, e.g. MODEL=/models/llama-3-8b}"
+budget=${BUDGET_S:-520}
+store=${STORE:-/tmp/lab}
+out=${OUT:-/tmp/out}
+mkdir -p "$store" "$out"
+export LC_ALL=C.UTF-8
+# Never let NCCL, PyTorch or NVSHMEM use NVLink multicast where it is off (container-tp.yml says why).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+model=$MODEL
+sets="serve.load-format=dummy workload.tokenizer=$MODEL"
+common=(LAB_PYTHON="${LAB_PYTHON:-python3}" BACKEND=vllm OUT="$store" DURATION="${DURATION:-10}"
+        VLLM_VENV="${VLLM_VENV:-}" LAB_ROOT="${LAB_ROOT:-}")
+
+case $phase in
+  # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
+  claims) args=(claims CLAIMS=1-6,8 SPREAD=1 INVENTORY=inventory/container-pair.yml EXPERIMENT=claims-h200) ;;
+  tp) args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
+            EXPERIMENT=tp-scaling-llama-3-8b)
+      sets="$sets hardware.gpu_count=2 load.shape.level=256" ;;
+  tp70b)
+      # The 70B shape: MODEL's tokenizer with a Llama-3-70B config (dummy weights, 131 GiB in bf16).
+      model=$store/llama-3-70b
+      mkdir -p "$model" && cp "$MODEL"/tokenizer* "$model"/
+      "${LAB_PYTHON:-python3}" - "$MODEL/config.json" "$model/config.json" <<'PY'
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+cfg.update(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+           num_key_value_heads=8)
+json.dump(cfg, open(sys.argv[2], "w"), indent=1)
+PY
+      args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
+            EXPERIMENT=tp-scaling-llama-3-70b)
+      # The base runs on 2 GPUs (one cannot hold it); TP 1 is then recorded as refused before launch.
+      sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2" ;;
+  *) echo "container_phase.sh: unknown phase $phase (claims, tp or tp70b)" >&2; exit 2 ;;
+esac
+
+# The TP phases continue the committed example's store, so the runs it holds (TP 1 of the 8B
+# shape) are resumed, not taken again.
+seed=reports/examples/tp-scaling-h200
+if [[ $phase == tp* && ! -e $store/lab.db ]]; then
+  cp "$seed/lab.db" "$store/lab.db" && cp -r "$seed/lab.samples" "$store/"
+fi
+
+# Servers a killed earlier call left behind (they run in their own process groups) would hold
+# the GPUs: make stop ends them through the same inventories.
+if nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -q .; then
+  for inv in inventory/container-pair.yml inventory/container-tp.yml; do
+    make stop INVENTORY=$inv "${common[@]}" || true
+  done
+fi
+
+set -m  # the lab runs in its own process group: the deadline interrupts all of it at once
+make "${args[@]}" "${common[@]}" MODEL="$model" SET="$sets" > "$out/$phase.log" 2>&1 &
+job=$!
+( sleep "$budget"; echo "container_phase.sh: deadline ($budget s): interrupting" >> "$out/$phase.log";
+  kill -INT -- "-$job" 2>/dev/null ) &
+watchdog=$!
+wait $job; rc=$?
+kill $watchdog 2>/dev/null
+# A consistent copy of the store (WAL included), and the raw samples beside it.
+"${LAB_PYTHON:-python3}" -c 'import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))' \
+  "$store/lab.db" "$out/lab.db"
+tar czf "$out/samples.tgz" -C "$store" --exclude .work --exclude 'lab.db*' . 2>/dev/null
+nvidia-smi --query-gpu=index,memory.used --format=csv,noheader >> "$out/$phase.log" 2>&1
+tail -25 "$out/$phase.log"
+echo "phase $phase: rc $rc"
+exit $rc
