@@ -11,13 +11,13 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,9 @@ class Point:
     values: dict[str, Any]
     repeat: int = 0
 
-    @property
+    @cached_property
     def key(self) -> str:
-        """The run's identity in the store."""
+        """The run's identity in the store (hashed once: resume, work folders and records ask)."""
         return run_identity(self.scenario.to_record(), self.repeat)
 
     @property
@@ -336,14 +336,3 @@ def _record(plan: Plan, point: Point, backend: Backend, m: Measurement) -> RunRe
         gpu_count=int(s.serve.get("tensor-parallel-size", 1)), vllm_version=s.vllm_version,
         backend=backend.name, error=m.error, summary=m.summary)
 
-
-def experiment_name(step: str, scenario: Scenario, param: str | None = None) -> str:
-    """A readable, unique experiment id: step, scenario, parameter and the time.
-
-    The scenario's name is free text (a file may set any ``name:``); it is cut down to the store's
-    experiment name pattern, so the id is always a single folder name inside OUT.
-    """
-    middle = "-".join([scenario.name] + ([param] if param else []))
-    middle = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", middle)).strip("-.") or "scenario"
-    stamp = time.strftime("-%Y%m%d-%H%M%S")
-    return f"{step}-{middle}"[: 120 - len(stamp)].rstrip("-.") + stamp
