@@ -435,9 +435,7 @@ def baseline(settings: Settings, source: Source) -> int:
 def sweep(settings: Settings, source: Source, param: str, values_text: str | None) -> int:
     """One flag over a ladder of values (VALUES, else a ladder for the hardware)."""
     scenario = source.resolve_checked()
-    plans.check_param(param, scenario)
-    values = plans.parse_values(param, values_text) if values_text else plans.default_values(param, scenario)
-    points = plans.sweep_points(scenario, param, values, settings.repeats or scenario.run.repeats)
+    values, points = plans.sweep_plan(scenario, param, values_text, settings.repeats or scenario.run.repeats)
     lint_notes(points)
     return Experiment.build(settings, "sweep", scenario, points, {"param": param, "values": values},
                             param).run()

@@ -46,7 +46,7 @@ class Point:
         """The run's identity in the store (hashed once: resume, work folders and records ask)."""
         return run_identity(self.scenario.to_record(), self.repeat)
 
-    @property
+    @cached_property
     def serve_key(self) -> str:
         """Points with the same serve flags share one server start."""
         return json.dumps(self.scenario.serve, sort_keys=True, default=str)
@@ -184,6 +184,15 @@ def sweep_points(scenario: Scenario, param: str, values: Sequence[Any], repeats:
             for v in values for r in range(repeats)]
 
 
+def sweep_plan(scenario: Scenario, param: str, values_text: str | None,
+               repeats: int = 1) -> tuple[list[Any], list[Point]]:
+    """A sweep's values and points in one pass: ``param`` checked, VALUES typed (else the
+    hardware's ladder), each value's scenario resolved once per repeat."""
+    check_param(param, scenario)
+    values = parse_values(param, values_text) if values_text else default_values(param, scenario)
+    return values, sweep_points(scenario, param, values, repeats)
+
+
 def grid_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: int = 1) -> list[Point]:
     """Every combination of several parameters' values."""
     points = [Point(scenario, {}, 0)]
@@ -245,6 +254,11 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     if len(todo) < len(plan.points):
         log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,
                  len(plan.points) - len(todo), len(plan.points))
+    # One hardware check per server (flags on a GPU), not per repeat: they refuse alike.
+    refusals = {}
+    for p in todo:
+        if _server(p) not in refusals:
+            refusals[_server(p)] = hardware_refusal(p.scenario)
     shares = deal(group_by_server(todo), hosts)
     prune_work(workdir)
     recorded: list[Path] = []
@@ -259,7 +273,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
                 for point in group:
                     if stop.is_set():
                         return
-                    refusal = hardware_refusal(point.scenario)
+                    refusal = refusals[_server(point)]
                     m = (Measurement(status="failed-start", started=time.time(), ended=time.time(),
                                      host=host or "", error=f"refused before launch: {refusal.message}")
                          if refusal else
@@ -297,6 +311,10 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
             raise
     _remove_work(recorded, workdir / plan.experiment_id)
     return counts
+
+
+def _server(point: Point) -> tuple[str, str]:
+    return point.serve_key, point.scenario.hardware.model_dump_json()
 
 
 # Work folders (Locust's files, logs) of runs that an interrupted session left behind are kept
