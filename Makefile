@@ -16,6 +16,7 @@ MODEL     ?=                          # override serve.model, e.g. a model folde
 REPEATS   ?=                          # runs per point (default: the scenario's run.repeats)
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
+DEADLINE  ?=                          # stop gracefully by then: 2026-12-01T05:30, 05:30 or 1h30m (exit 75, says how to resume)
 LOADGEN_PROCESSES ?=                  # Locust processes per load-generator host (default: sized from the load)
 PARAMS    ?=                          # make combo: 2-3 flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens
 GRID      ?=                          # make combo: values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
@@ -49,7 +50,7 @@ LAB_PYTHON ?=                         # use this Python (with the lab's dependen
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF
+  REFERENCE PDF DEADLINE
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 

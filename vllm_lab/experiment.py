@@ -416,8 +416,9 @@ class Experiment:
             if point.key not in left:
                 shutil.rmtree(work / point.key, ignore_errors=True)
         left = len(todo)
+        stopped = ", servers stopped" if self.settings.backend != "predict" else ""
         print(f"lab: stopped for DEADLINE={self.settings.deadline}: {len(self.points) - left} of "
-              f"{len(self.points)} runs done, {left} left, servers stopped; resume with: "
+              f"{len(self.points)} runs done, {left} left{stopped}; resume with: "
               f"{self.settings.resume_command(self.id)}", file=sys.stderr)
         return EXIT_DEADLINE
 
@@ -550,7 +551,8 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
     except DeadlineReached:
         total = options.trials * len(hosts)
         print(f"lab: stopped for DEADLINE={settings.deadline}: {len(done)} of {total} trials done, "
-              f"{total - len(done)} left, servers stopped; resume with: "
+              f"{total - len(done)} left{', servers stopped' if settings.backend != 'predict' else ''}; "
+              f"resume with: "
               f"{settings.resume_command(exp_id)}", file=sys.stderr)
         return EXIT_DEADLINE
     except KeyboardInterrupt:
