@@ -158,3 +158,23 @@ def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_pat
     runs = Store(out / "lab.db").runs("dl-twin").set_index("run_key")
     assert len(runs) == 4 and set(runs["status"]) == {"ok"}
     assert (runs.loc[first.index, "started"] == first).all()
+
+
+def test_watchdog_stops_a_run_that_outlasts_its_estimate():
+    deadline = Deadline(time.time() + 0.5, "test")
+    began = time.time()
+    with pytest.raises(KeyboardInterrupt), experiment.watchdog(deadline, margin=0.0) as fired:
+        time.sleep(10)  # a run still going at the deadline
+    assert fired.is_set() and time.time() - began < 5
+    with experiment.watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0) as fired:
+        pass  # a block that ends in time is never interrupted afterwards
+    time.sleep(0.5)
+    assert not fired.is_set()
+
+
+def test_tune_stopped_says_how_many_trials_are_left(tmp_path, capsys):
+    argv = ["tune", *SMALL, "--backend", "predict", "--out", str(tmp_path), "--trials", "3",
+            "--deadline", "2s"]
+    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    err = capsys.readouterr().err
+    assert "0 of 3 trials done, 3 left" in err and "--trials=3 --resume --experiment=tune-" in err

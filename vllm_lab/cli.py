@@ -512,27 +512,38 @@ _MAKE_DEFAULTS = {"SCENARIO": "default", "INVENTORY": "inventory/local.yml", "BA
 _NOT_RESUMED = {"RESUME", "EXPERIMENT", "DEADLINE"}
 
 
-def _make_resume_command(target: str, env: Mapping[str, str]) -> Callable[[str], str]:
+def _make_resume_command(target: str, env: Mapping[str, str]) -> Callable[..., str]:
     """The make command that resumes an experiment of ``make TARGET``: the variables it was given
-    (but RESUME, EXPERIMENT and DEADLINE), then RESUME=1 EXPERIMENT=<id>, quoted for a shell."""
+    (but RESUME, EXPERIMENT and DEADLINE, and those ``changes`` replace, e.g. TRIALS left),
+    then RESUME=1 EXPERIMENT=<id>, quoted for a shell."""
     names = [n for n, _ in _SCENARIO_VARS] + ["SET", "MODEL", "DURATION"] if target in _LAYERED else []
     names += [n for n, _ in MAKE_TARGETS.get(target, ()) if n not in names]
-    words = [f"{n}={text}" for n in names if n not in _NOT_RESUMED
-             and (text := env.get(f"LAB_MAKE_{n}", "").strip()) and _MAKE_DEFAULTS.get(n) != text]
-    return lambda exp_id: shlex.join(["make", target, *words, "RESUME=1", f"EXPERIMENT={exp_id}"])
+
+    def command(exp_id: str, **changes: object) -> str:
+        words = [f"{n}={text}" for n in names if n not in _NOT_RESUMED and n not in changes
+                 and (text := env.get(f"LAB_MAKE_{n}", "").strip()) and _MAKE_DEFAULTS.get(n) != text]
+        words += [f"{n}={v}" for n, v in changes.items()]
+        return shlex.join(["make", target, *words, "RESUME=1", f"EXPERIMENT={exp_id}"])
+    return command
 
 
-def _resume_command(argv: list[str]) -> Callable[[str], str]:
+def _resume_command(argv: list[str]) -> Callable[..., str]:
     """The lab command line that resumes an experiment: this one without --deadline,
-    --experiment and --resume, then --resume --experiment=<id>."""
-    words, skip = [], False
-    for word in argv:
-        option = word.partition("=")[0]
-        if skip or option in ("--resume", "--deadline", "--experiment"):
-            skip = not skip and word in ("--deadline", "--experiment")  # its value is the next word
-            continue
-        words.append(word)
-    return lambda exp_id: shlex.join(["scripts/lab.py", *words, "--resume", f"--experiment={exp_id}"])
+    --experiment, --resume (and the options ``changes`` replace, by make name), then
+    --resume --experiment=<id>."""
+    options = {name: option for vars_ in MAKE_TARGETS.values() for name, option in vars_}
+
+    def command(exp_id: str, **changes: object) -> str:
+        dropped = {"--resume", "--deadline", "--experiment", *(options[n] for n in changes)}
+        words, skip = [], False
+        for word in argv:
+            if skip or word.partition("=")[0] in dropped:
+                skip = not skip and word in dropped and word != "--resume"  # its value is the next word
+                continue
+            words.append(word)
+        words += [f"{options[n]}={v}" for n, v in changes.items()]
+        return shlex.join(["scripts/lab.py", *words, "--resume", f"--experiment={exp_id}"])
+    return command
 
 
 def _store_of(args: argparse.Namespace | None) -> Path:

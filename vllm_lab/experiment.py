@@ -13,11 +13,11 @@ command that resumes it.
 
 from __future__ import annotations
 
-import _thread
 import dataclasses
 import json
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -201,7 +201,9 @@ def watchdog(deadline: Deadline | None, margin: float):
         with lock:  # never after the watched block has ended (a report being built)
             if active[0]:
                 fired.set()
-                _thread.interrupt_main()
+                # A real SIGINT to the main thread: unlike _thread.interrupt_main() it also ends a
+                # blocking wait (a subprocess, a sleep) there, as Ctrl-C does.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     timer = threading.Timer(max(0.0, deadline.left() - margin), fire)
     timer.daemon = True
@@ -248,9 +250,10 @@ class Settings:
     spread: bool = False
     loadgen_processes: int | None = None
     deadline: Deadline | None = None
-    # The exact command that resumes an experiment (given its id), as the user would type it.
-    resume_command: Callable[[str], str] = field(
-        default=lambda exp_id: f"make ... RESUME=1 EXPERIMENT={exp_id}", compare=False)
+    # The exact command that resumes an experiment, as the user would type it: given its id, and
+    # make variables to change (TRIALS=<left>).
+    resume_command: Callable[..., str] = field(
+        default=lambda exp_id, **changes: f"make ... RESUME=1 EXPERIMENT={exp_id}", compare=False)
 
     @property
     def store_path(self) -> Path:
@@ -550,10 +553,10 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
                 raise DeadlineReached("") from None
     except DeadlineReached:
         total = options.trials * len(hosts)
+        per_host = max(1, -(-(total - len(done)) // len(hosts)))  # TRIALS counts per host
         print(f"lab: stopped for DEADLINE={settings.deadline}: {len(done)} of {total} trials done, "
               f"{total - len(done)} left{', servers stopped' if settings.backend != 'predict' else ''}; "
-              f"resume with: "
-              f"{settings.resume_command(exp_id)}", file=sys.stderr)
+              f"resume with: {settings.resume_command(exp_id, TRIALS=per_host)}", file=sys.stderr)
         return EXIT_DEADLINE
     except KeyboardInterrupt:
         print(f"lab: interrupted; finished trials are kept. Continue with: make tune EXPERIMENT={exp_id}",
