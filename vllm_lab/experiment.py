@@ -22,11 +22,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from vllm_lab import lint as lint_mod
 from vllm_lab import plans, scenarios, serving
@@ -162,6 +161,7 @@ class DeadlineGuard:
 
     def __init__(self, backend: Backend, deadline: Deadline, timing: Timing):
         self.backend, self.deadline, self.timing = backend, deadline, timing
+        self.on_stop: Callable[[], None] = lambda: None  # the watchdog's disarm
         self.name = backend.name
         self.margin = STOP_MARGIN_S if timing.live else 0.0
         self._serving: dict[str | None, str] = {}  # host -> serve flags of the server it runs
@@ -172,6 +172,7 @@ class DeadlineGuard:
         start = self.timing.live and self._serving.get(host) != serve
         where = host or ""
         if self.timing.expected(where, scenario, start) + self.margin > self.deadline.left():
+            self.on_stop()  # the servers' stop that follows must not be interrupted
             raise DeadlineReached(where)
         began = time.time()
         m = self.backend.measure(scenario, host, workdir)
@@ -188,32 +189,42 @@ class DeadlineGuard:
         self.backend.close(host)
 
 
-@contextmanager
-def watchdog(deadline: Deadline | None, margin: float):
-    """Interrupt the main thread ``margin`` seconds before the deadline: a run that outlasts its
-    estimate is stopped like a Ctrl-C (not recorded, servers stopped). Yields the fired flag."""
-    fired, active, lock = threading.Event(), [True], threading.Lock()
-    if deadline is None:
-        yield fired
-        return
+class Watchdog:
+    """Interrupts the main thread ``margin`` seconds before the deadline, so a run that outlasts
+    its estimate is stopped like a Ctrl-C (not recorded, servers stopped). ``fired`` says it did;
+    ``disarm()`` once the lab is stopping anyway: a signal then would cut the servers' stop short."""
 
-    def fire():
-        with lock:  # never after the watched block has ended (a report being built)
-            if active[0]:
-                fired.set()
+    def __init__(self, deadline: Deadline | None, margin: float):
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+        self._armed = deadline is not None
+        self._timer = (threading.Timer(max(0.0, deadline.left() - margin), self._fire)
+                       if deadline is not None else None)
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._armed:
+                self._armed = False
+                self.fired.set()
                 # A real SIGINT to the main thread: unlike _thread.interrupt_main() it also ends a
                 # blocking wait (a subprocess, a sleep) there, as Ctrl-C does.
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
-    timer = threading.Timer(max(0.0, deadline.left() - margin), fire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield fired
-    finally:
-        with lock:
-            active[0] = False
-        timer.cancel()
+    def disarm(self) -> None:
+        """Never fire from now on."""
+        with self._lock:
+            self._armed = False
+        if self._timer:
+            self._timer.cancel()
+
+    def __enter__(self) -> Self:
+        if self._timer:
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disarm()  # never after the watched block has ended (a report being built)
 
 
 # -- what a command runs ---------------------------------------------------------------------------
@@ -389,13 +400,14 @@ class Experiment:
         if s.deadline is not None:
             backend = DeadlineGuard(backend, s.deadline,
                                     Timing.from_store(s.store_path, self.id, backend.name))
-        margin = backend.margin if isinstance(backend, DeadlineGuard) else 0.0
         try:
-            with watchdog(s.deadline, margin) as fired:
+            with Watchdog(s.deadline, getattr(backend, "margin", 0.0)) as watch:
+                if isinstance(backend, DeadlineGuard):
+                    backend.on_stop = watch.disarm
                 try:
                     counts = plans.execute(plan, backend, s.store_path, s.out / ".work", hosts, progress)
                 except KeyboardInterrupt:
-                    if not fired.is_set():
+                    if not watch.fired.is_set():
                         raise
                     raise DeadlineReached("") from None
         except DeadlineReached:
@@ -543,12 +555,14 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
         backend = DeadlineGuard(backend, settings.deadline,
                                 Timing.from_store(settings.store_path, exp_id, backend.name))
     try:
-        with watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as fired:
+        with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch:
+            if isinstance(backend, DeadlineGuard):
+                backend.on_stop = watch.disarm
             try:
                 counts = search.run_trials(scenario, tune_settings, backend, settings.store_path,
                                            settings.out / ".work", hosts, progress)
             except KeyboardInterrupt:
-                if not fired.is_set():
+                if not watch.fired.is_set():
                     raise
                 raise DeadlineReached("") from None
     except DeadlineReached:
