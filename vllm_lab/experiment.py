@@ -105,7 +105,7 @@ STOP_MARGIN_S = 45.0
 # load's duration plus this (warm-up, Locust's start, the last scrape) and a predicted one this.
 RUN_OVERHEAD_S = 20.0
 PREDICTED_RUN_S = 10.0
-# Runs further apart than this on one host had a server start (or a new session) between them.
+# Runs further apart than this on one host had a server start (or a resume) between them.
 _SAME_SERVER_GAP_S = 5.0
 
 
@@ -119,7 +119,7 @@ class Timing:
 
     @classmethod
     def from_store(cls, path: Path, experiment_id: str, backend: str) -> Timing:
-        """The start and run times this experiment has recorded on each host (earlier sessions)."""
+        """The start and run times this experiment has recorded on each host (earlier runs included)."""
         timing = cls(live=backend != "predict")
         store = Store(path)
         try:
