@@ -182,3 +182,15 @@ def test_tune_stopped_says_how_many_trials_are_left(tmp_path, capsys):
     assert cli.main(argv) == experiment.EXIT_DEADLINE
     err = capsys.readouterr().err
     assert "0 of 3 trials done, 3 left" in err and "--trials=3 --resume --experiment=tune-" in err
+
+
+def test_tune_spread_over_hosts_stops_at_the_deadline_without_tracebacks(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(experiment.serving, "serve_hosts", lambda inventory: ["a", "b"])
+    out = tmp_path / "reports"
+    at = time.time() + 3600
+    deadline = Deadline(at, "test", clock=lambda: time.time() if _recorded(out / "lab.db", "dl-tune") < 2 else at)
+    settings = Settings(backend="predict", out=out, experiment="dl-tune", spread=True, deadline=deadline)
+    rc = experiment.tune(settings, SOURCE, experiment.TuneOptions(trials=4, seed=1))
+    err = capsys.readouterr().err
+    assert rc == experiment.EXIT_DEADLINE, err
+    assert "of 8 trials done" in err and "Traceback" not in err and "Exception in thread" not in err

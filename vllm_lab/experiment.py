@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -162,6 +163,7 @@ class DeadlineGuard:
     def __init__(self, backend: Backend, deadline: Deadline, timing: Timing):
         self.backend, self.deadline, self.timing = backend, deadline, timing
         self.on_stop: Callable[[], None] = lambda: None  # the watchdog's disarm
+        self.stopped = False  # a point was refused for the deadline
         self.name = backend.name
         self.margin = STOP_MARGIN_S if timing.live else 0.0
         self._serving: dict[str | None, str] = {}  # host -> serve flags of the server it runs
@@ -172,6 +174,7 @@ class DeadlineGuard:
         start = self.timing.live and self._serving.get(host) != serve
         where = host or ""
         if self.timing.expected(where, scenario, start) + self.margin > self.deadline.left():
+            self.stopped = True
             self.on_stop()  # the servers' stop that follows must not be interrupted
             raise DeadlineReached(where)
         began = time.time()
@@ -559,12 +562,15 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
             if isinstance(backend, DeadlineGuard):
                 backend.on_stop = watch.disarm
             try:
-                counts = search.run_trials(scenario, tune_settings, backend, settings.store_path,
-                                           settings.out / ".work", hosts, progress)
+                with _quiet_deadline_in_threads():
+                    counts = search.run_trials(scenario, tune_settings, backend, settings.store_path,
+                                               settings.out / ".work", hosts, progress)
             except KeyboardInterrupt:
                 if not watch.fired.is_set():
                     raise
                 raise DeadlineReached("") from None
+            if getattr(backend, "stopped", False):
+                raise DeadlineReached("")  # SPREAD: the hosts' threads stopped, the study did not say
     except DeadlineReached:
         total = options.trials * len(hosts)
         per_host = max(1, -(-(total - len(done)) // len(hosts)))  # TRIALS counts per host
@@ -589,6 +595,21 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
         return Experiment.build(confirm, "tune", scenario, search.confirm_points(scenario, configs),
                                 {"params": list(space.space), "confirms": exp_id}).run()
     return 0
+
+
+@contextmanager
+def _quiet_deadline_in_threads():
+    """A host's trial thread that ends on DeadlineReached ends as planned: no traceback for it."""
+    previous = threading.excepthook
+
+    def hook(args):
+        if not isinstance(args.exc_value, DeadlineReached):
+            previous(args)
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
 
 
 def stress(settings: Settings, source: Source, shape: str, levels_text: str | None, refine: int) -> int:
