@@ -194,3 +194,11 @@ def test_tune_spread_over_hosts_stops_at_the_deadline_without_tracebacks(tmp_pat
     err = capsys.readouterr().err
     assert rc == experiment.EXIT_DEADLINE, err
     assert "of 8 trials done" in err and "Traceback" not in err and "Exception in thread" not in err
+
+
+def test_stress_ramp_stops_once_for_the_deadline(tmp_path, capsys):
+    argv = ["stress", "--shape", "ramp", "--backend", "predict", "--out", str(tmp_path),
+            "--set", "load.stop.duration_s=5", "--deadline", "2s"]
+    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    err = capsys.readouterr().err
+    assert err.count("lab: stopped for DEADLINE=") == 1 and "0 of " in err

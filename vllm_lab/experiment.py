@@ -635,11 +635,19 @@ def stress(settings: Settings, source: Source, shape: str, levels_text: str | No
         finally:
             store.close()
 
+    stopped: list[int] = []
+
+    def take(points: list[plans.Point]) -> int:
+        # Once stopped (the deadline, Ctrl-C), a later refinement round takes nothing and says nothing.
+        if stopped:
+            return stopped[0]
+        rc = Experiment.build(fixed, "stress", scenario, points, meta, shape).run()
+        stopped.extend([rc] if rc else [])
+        return rc
+
     # A ramp zooms into the knee in the same experiment; a step keeps its levels.
-    return stress_mod.run_staircase(
-        scenario, levels, refine if shape == "ramp" else 0,
-        lambda points: Experiment.build(fixed, "stress", scenario, points, meta, shape).run(),
-        read_levels, repeats)
+    return stress_mod.run_staircase(scenario, levels, refine if shape == "ramp" else 0, take,
+                                    read_levels, repeats)
 
 
 def claims(settings: Settings, source: Source, selection: str | None) -> int:
