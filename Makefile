@@ -15,6 +15,7 @@ DURATION  ?=                          # seconds per measured run (overrides load
 REPEATS   ?=                          # runs per point (default: the scenario's run.repeats)
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
+DEADLINE  ?=                          # stop gracefully by then: 2026-12-01T05:30, 05:30 or 1h30m (exit 75, says how to resume)
 LOADGEN_PROCESSES ?=                  # Locust processes per load-generator host (default: sized from the load)
 LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
 PYTHON    ?= python3                  # the Python that creates .venv
@@ -64,7 +65,7 @@ ARGS      ?=                          # its own arguments, e.g. ARGS="fidelity s
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS
+  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 

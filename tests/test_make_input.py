@@ -331,7 +331,7 @@ def test_container_inventory_takes_its_paths_from_make_variables(tmp_path):
 
 @pytest.mark.integration
 def test_make_provision_stop_teardown_on_a_private_host(tmp_path):
-    from conftest import private_inventory
+    from tests.support.processes import private_inventory
     inv = private_inventory(tmp_path, lab_host_lab_install=False)
     venv = tmp_path / "host/venv"
     out = make("provision", f"INVENTORY={inv}")

@@ -10,14 +10,14 @@ import re
 import shlex
 import sqlite3
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
+from vllm_lab import experiment, scenarios, serving
 from vllm_lab import lint as lint_mod
-from vllm_lab import plans, scenarios, serving
 from vllm_lab.flags import redact
 from vllm_lab.monitor import MonitorError
 from vllm_lab.store import (
@@ -25,7 +25,6 @@ from vllm_lab.store import (
     StoreError,
     check_experiment_name,
     describe_sqlite_error,
-    experiment_dir,
 )
 from vllm_lab.watch import WatchError
 
@@ -128,163 +127,55 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spread", action="store_true", help="spread points over all inventory hosts")
     p.add_argument("--loadgen-processes", type=_count(1), default=None,
                    help="Locust processes per load-generator host (default: sized from the load)")
+    p.add_argument("--deadline", type=_deadline, default=None,
+                   help="stop gracefully by then: 2026-12-01T05:30, 05:30 (today) or 1h30m from now; "
+                        f"exit {experiment.EXIT_DEADLINE} with the command that resumes")
 
 
-def _backend(args: argparse.Namespace, experiment: str = ""):
-    from vllm_lab.backends import LiveBackend, PredictBackend
-    if args.backend == "predict":
-        return PredictBackend()
-    serving.check_inventory(args.inventory)  # a bad inventory is refused before anything runs
-    # Idempotent: on a provisioned host this changes nothing and takes a few seconds. It claims
-    # the instances first: another lab process's are refused (InstanceBusy) before any change.
-    print(f"provisioning {args.inventory} (playbooks/provision.yml)", flush=True)
+def _deadline(text: str) -> experiment.Deadline:
+    """An argparse type: a deadline (an ISO time, HH:MM today or a duration from now)."""
     try:
-        serving.provision(args.inventory, experiment=experiment)
-    except RuntimeError as e:
-        raise StoreError(f"{args.inventory}: hosts could not be provisioned: {e}") from None
-    return LiveBackend(args.backend, args.inventory, api_key=os.environ.get("VLLM_API_KEY") or None,
-                       processes=getattr(args, "loadgen_processes", None), experiment=experiment)
+        return experiment.Deadline.parse(text)
+    except experiment.DeadlineError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _experiment_id(args, step: str, scenario, param: str | None, store_path: Path) -> str:
-    """EXPERIMENT if given; with --resume the newest experiment of this step, scenario and param."""
-    if args.experiment:
-        return args.experiment
-    if args.resume:
-        prefix = plans.experiment_name(step, scenario, param)[: -len("-YYYYmmdd-HHMMSS")]
-        newest = _newest_experiment(store_path, prefix + "-")
-        if newest is None:
-            raise StoreError(f"{store_path}: nothing to resume for {prefix}; run without RESUME=1")
-        return newest
-    return plans.experiment_name(step, scenario, param)
+def _settings(args: argparse.Namespace) -> experiment.Settings:
+    """How a long command takes its runs, from its options."""
+    return experiment.Settings(
+        backend=args.backend, inventory=args.inventory, out=args.out, store=args.store,
+        experiment=args.experiment, resume=args.resume, repeats=args.repeats, spread=args.spread,
+        loadgen_processes=args.loadgen_processes, deadline=args.deadline,
+        resume_command=getattr(args, "resume_command", None) or _resume_command([]))
 
 
-def _take(args, step: str, scenario, points, meta: dict, param: str | None = None) -> int:
-    from vllm_lab import reports as report
-    store_path = args.store or args.out / "lab.db"
-    exp_id = _experiment_id(args, step, scenario, param, store_path)
-    if args.backend == "predict":
-        from vllm_lab.backends import PredictBackend
-        for point in points:
-            PredictBackend.check(point.scenario)  # every point, before the first is taken
-    plan = plans.Plan(exp_id, step, points, meta)
-    hosts = serving.serve_hosts(args.inventory) if args.spread else [None]
-    print(f"{step}: experiment {exp_id}, {len(points)} runs, backend {args.backend}")
-
-    def progress(point, m):
-        s = m.summary
-        figures = (f"{s.get('output_throughput', 0):.0f} tok/s, TTFT p50 "
-                   f"{(s.get('ttft_p50') or 0) * 1000:.0f} ms, TPOT p50 {(s.get('tpot_p50') or 0) * 1000:.1f} ms"
-                   if m.status == "ok" else m.error.splitlines()[0][:160])
-        print(f"  {point.values or 'baseline'} repeat {point.repeat}: {m.status}: {figures}", flush=True)
-
-    try:
-        counts = plans.execute(plan, _backend(args, exp_id), store_path, args.out / ".work", hosts, progress)
-    except KeyboardInterrupt:
-        print(f"lab: interrupted; finished runs are kept. Continue with: make {step} ... "
-              f"RESUME=1 EXPERIMENT={exp_id}", file=sys.stderr)
-        return 130
-    index = report.build(store_path, exp_id, args.out)
-    print(f"runs this session: {counts or 'none (all were already recorded)'}")
-    print(f"report: {index}")
-    return 0
+def _source(args: argparse.Namespace) -> experiment.Source:
+    return experiment.Source(args.scenario, args.hardware, tuple(args.overrides))
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
     """vLLM's defaults on the scenario's traffic, repeated: the reference later steps compare with."""
-    scenario = _resolve_checked(args)
-    repeats = args.repeats or max(3, scenario.run.repeats)
-    return _take(args, "baseline", scenario, plans.baseline_points(scenario, repeats),
-                 {"repeats": repeats})
+    return experiment.baseline(_settings(args), _source(args))
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """One flag over a ladder of values."""
-    scenario = _resolve_checked(args)
-    plans.check_param(args.param, scenario)
-    values = plans.parse_values(args.param, args.values) if args.values else \
-        plans.default_values(args.param, scenario)
-    points = plans.sweep_points(scenario, args.param, values, args.repeats or scenario.run.repeats)
-    for p in points:
-        _lint_or_note(p)
-    return _take(args, "sweep", scenario, points, {"param": args.param, "values": values}, args.param)
-
-
-def _lint_or_note(point) -> None:
-    """A value vLLM would refuse is still a data point: it is measured (and recorded as refused)."""
-    for f in lint_mod.lint(point.scenario):
-        if f.severity == "error":
-            print(f"  note: {point.values}: {f.message}")
-
-
-def _resolve_checked(args: argparse.Namespace):
-    """Resolve the scenario and stop on lint errors: nothing is launched with a refused flag."""
-    layers = scenarios.load_layers(args.scenario, args.hardware, args.overrides)
-    scenario = scenarios.validate(layers)
-    errors = [f for f in lint_mod.lint(scenario, layers) if f.severity == "error"]
-    if errors:
-        raise scenarios.ScenarioError(f"{errors[0]} (make lint SCENARIO={args.scenario} lists all)")
-    return scenario
+    return experiment.sweep(_settings(args), _source(args), args.param, args.values)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Run the calibration plan on the backend, then fit a twin profile to it."""
-    from vllm_lab import calibrate
-    from vllm_lab.models import load_model_shape
-    from vllm_lab.twin.profile import load_profile
-
-    scenario = _resolve_checked(args)
-    store_path = args.store or args.out / "lab.db"
-    if not args.fit_only:
-        points = calibrate.calibration_points(scenario)
-        rc = _take(args, "calibrate", scenario, points, {"params": ["point"]}, "calibrate")
-        if rc:
-            return rc
-    exp_id = _experiment_id(argparse.Namespace(**{**vars(args), "resume": True}), "calibrate",
-                            scenario, "calibrate", store_path)
-    scenario = scenarios.Scenario.model_validate_json(
-        _first_run_scenario(store_path, exp_id)) if args.fit_only else scenario
-    # The profile keeps its own hardware block (the GPU it was measured on, up to 8 per host).
-    base = load_profile(scenario.hardware.twin_profile)
-    model = load_model_shape(str(scenario.serve["model"]))
-    out = args.profile_out or experiment_dir(args.out, exp_id) / f"{scenario.hardware.gpu}-{model.name}.yaml"
-    profile, rows = calibrate.fit(store_path, exp_id, base.model_copy(
-        update={"name": out.stem, "model": model.name}), model, out, args.reference)
-    for row in rows:
-        print(f"  {row['point']:6s} {row['metric']:18s} measured {row['measured']:9.2f} "
-              f"twin {row['predicted']:9.2f} {row['error']:+7.1%}")
-    print(f"profile: {out} (median errors {profile.provenance.errors})")
-    return 0
-
-
-def _first_run_scenario(store_path: Path, exp_id: str) -> str:
-    from vllm_lab.store import Store
-    store = Store(store_path)
-    runs = store.runs(exp_id)
-    store.close()
-    if runs.empty:
-        raise StoreError(f"{store_path}: experiment {exp_id} has no runs to fit")
-    return str(runs.iloc[0]["scenario_json"])
-
-
-def _newest_experiment(store_path: Path, prefix: str = "") -> str | None:
-    from vllm_lab.store import Store
-    store = Store(store_path)
-    try:
-        return store.newest_experiment(prefix)
-    finally:
-        store.close()
+    return experiment.calibrate(_settings(args), _source(args), args.fit_only, args.profile_out,
+                                args.reference)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild an experiment's report from the store alone."""
     from vllm_lab import reports as report
-    store_path = args.store or args.out / "lab.db"
-    experiment = args.experiment or _newest_experiment(store_path)
-    if experiment is None:
-        raise StoreError(f"{store_path}: no experiments yet; run make baseline or make sweep first")
-    check_experiment_name(experiment)  # a store from before the pattern may hold any name
-    print(f"report: {report.build(store_path, experiment, args.out)}")
+    store_path = experiment.store_path(args.out, args.store)
+    name = args.experiment or experiment.newest_experiment(store_path)
+    check_experiment_name(name)  # a store from before the pattern may hold any name
+    print(f"report: {report.build(store_path, name, args.out)}")
     return 0
 
 
@@ -292,107 +183,24 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_combo(args: argparse.Namespace) -> int:
     """A grid of 2-3 flags: every combination, failures as data, resumable and spreadable."""
-    from vllm_lab import search
-    scenario = _resolve_checked(args)
-    params = [p.strip() for p in (args.params or "").split(",")]
-    for param in [item.partition("=")[0] for item in (args.grid or "").split()] + params:
-        if param:
-            plans.check_param(param, scenario, "PARAMS" if param in params else "GRID")
-    grid = search.parse_grid(args.grid, args.params, scenario)
-    points = search.combo_points(scenario, grid, args.repeats or scenario.run.repeats)
-    for p in points:
-        _lint_or_note(p)
-    return _take(args, "combo", scenario, points, {"params": list(grid), "grid": grid},
-                 "-".join(grid))
+    return experiment.combo(_settings(args), _source(args), args.params, args.grid)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Optuna over a declared space; each trial is a run in the store; CONFIRM re-measures the best live."""
-    from vllm_lab import reports as report
-    from vllm_lab import search
-    scenario = _resolve_checked(args)
-    store_path = args.store or args.out / "lab.db"
-    space = search.load_space(args.space, scenario)
-    exp_id = _experiment_id(args, "tune", scenario, None, store_path)
-    settings = search.TuneSettings(exp_id, space, args.objective, args.trials,
-                                   search.storage_url(args.study_storage, store_path), args.seed,
-                                   args.startup_trials)
-    hosts = serving.serve_hosts(args.inventory) if args.spread else [None]
-    print(f"tune: study {exp_id}, {args.trials} trial(s) per host on {len(hosts)} host(s), backend "
-          f"{args.backend}, objective {search.objective_label(args.objective)}, space {', '.join(space.space)}")
-
-    def progress(number, values, run):
-        s = run["summary"]
-        figures = (f"goodput {s.get('goodput') or 0:.2f} req/s, {s.get('output_throughput') or 0:.0f} tok/s"
-                   if run["state"] == "complete" else f"{run['status']}: {(run['error'] or '').splitlines()[0][:100] if run['error'] else ''}")
-        print(f"  trial {number} {values}: {run['state']}: {figures}", flush=True)
-
-    try:
-        counts = search.run_trials(scenario, settings, _backend(args, exp_id), store_path, args.out / ".work",
-                                   hosts, progress)
-    except KeyboardInterrupt:
-        print(f"lab: interrupted; finished trials are kept. Continue with: make tune EXPERIMENT={exp_id}",
-              file=sys.stderr)
-        return 130
-    print(f"trials this session: {counts}")
-    print(f"report: {report.build(store_path, exp_id, args.out)}")
-    if args.confirm:
-        study = search.load_study(exp_id, settings.storage)
-        configs = search.best_configs(study, args.confirm, args.objective)
-        if not configs:
-            print("confirm: no trial met the SLO; nothing to confirm")
-            return 0
-        args.backend, args.experiment, args.resume = args.confirm_backend, f"{exp_id}-confirm", False
-        return _take(args, "tune", scenario, search.confirm_points(scenario, configs),
-                     {"params": list(space.space), "confirms": exp_id})
-    return 0
+    return experiment.tune(_settings(args), _source(args), experiment.TuneOptions(
+        args.trials, args.objective, args.space, args.study_storage, args.seed, args.startup_trials,
+        args.confirm, args.confirm_backend))
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
     """Ramp/step: a staircase of open-loop levels and its knee; spike/soak: one run as a time series."""
-    from vllm_lab import stress
-    scenario = stress.stress_scenario(_resolve_checked(args), args.shape)
-    if args.shape in ("spike", "soak"):
-        if args.shape == "spike" and args.backend == "predict":
-            raise scenarios.ScenarioError("SHAPE=spike needs a live backend (BACKEND=twin or vllm): "
-                                          "the predictor runs constant loads only")
-        return _take(args, "stress", scenario, stress.single_points(scenario), {"shape": args.shape},
-                     args.shape)
-    levels = stress.staircase_levels(scenario, plans.parse_values("load.shape.level", args.levels)
-                                     if args.levels else None)
-    meta = {"shape": args.shape, "params": ["load.shape.level"]}
-    repeats = args.repeats or scenario.run.repeats
-    store_path = args.store or args.out / "lab.db"
-    exp_id = _experiment_id(args, "stress", scenario, args.shape, store_path)
-    args.experiment = exp_id
-
-    def read_levels():
-        from vllm_lab.store import Store
-        store = Store(store_path)
-        try:
-            return stress.levels_table(store, exp_id, store.runs(exp_id))
-        finally:
-            store.close()
-
-    # A ramp zooms into the knee in the same experiment; a step keeps its levels.
-    return stress.run_staircase(scenario, levels, args.refine if args.shape == "ramp" else 0,
-                                lambda points: _take(args, "stress", scenario, points, meta, args.shape),
-                                read_levels, repeats)
+    return experiment.stress(_settings(args), _source(args), args.shape, args.levels, args.refine)
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
     """The guide's claims, each measured by its experiment, with a verdict table."""
-    from vllm_lab import claims
-    base = _resolve_checked(args)
-    try:
-        selected = claims.parse_selection(args.claims)
-    except ValueError as e:
-        raise scenarios.ScenarioError(str(e)) from None
-    points = claims.points(base, selected, args.repeats or 1)
-    meta = {"base": base.to_record()}
-    if not points:
-        print(f"claims {selected}: nothing to measure here (claim 7 is not testable on vLLM {base.vllm_version})")
-    return _take(args, "claims", base, points, meta) if points else 0
+    return experiment.claims(_settings(args), _source(args), args.claims)
 
 
 # -- step 5: monitoring, the regression watch, findings and the quarterly report ---------------
@@ -444,7 +252,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Probe a live deployment on a schedule; exit 1 when a probe is a regression."""
     from vllm_lab import watch
-    store_path = args.store or args.out / "lab.db"
+    store_path = experiment.store_path(args.out, args.store)
     regressed = watch.run_schedule(
         store_path, url=args.url, inventory=args.inventory, every_s=args.every, count=args.count,
         baseline=args.baseline, repeats=args.repeats, probe_overrides=args.overrides,
@@ -456,27 +264,27 @@ def cmd_findings(args: argparse.Namespace) -> int:
     """Print the troubleshooting findings of an experiment's runs (default: the newest)."""
     from vllm_lab import findings
     from vllm_lab.store import Store
-    store = Store(args.store or args.out / "lab.db")
-    experiment = args.experiment or store.newest_experiment()
-    if experiment is None:
+    store_path = experiment.store_path(args.out, args.store)
+    name = args.experiment or experiment.newest_experiment(store_path)
+    store = Store(store_path)
+    try:
+        store.experiment(name)  # names the known ones when it does not exist
+        runs = store.runs(name)
+    finally:
         store.close()
-        raise StoreError(f"{store.path}: no experiments yet; run make baseline or make sweep first")
-    store.experiment(experiment)  # names the known ones when it does not exist
-    runs = store.runs(experiment)
-    store.close()
     total = 0
     for row in runs.to_dict("records"):
         for f in findings.findings(row):
             total += 1
             print(f"{row['point'] or 'baseline'} repeat {row['repeat']}: {findings.describe(f)}")
-    print(f"{experiment}: {total} finding(s) over {len(runs)} run(s)")
+    print(f"{name}: {total} finding(s) over {len(runs)} run(s)")
     return 0
 
 
 def cmd_quarterly(args: argparse.Namespace) -> int:
     """Build the quarterly report of every experiment of PERIOD."""
     from vllm_lab.reports import quarterly
-    store_path = args.store or args.out / "lab.db"
+    store_path = experiment.store_path(args.out, args.store)
     print(f"report: {quarterly.build(store_path, args.period, args.out, pdf=not args.no_pdf)}")
     return 0
 
@@ -607,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
 _SCENARIO_VARS = (("SCENARIO", "--scenario"), ("HARDWARE", "--hardware"))
 _RUN_VARS = (("INVENTORY", "--inventory"), ("BACKEND", "--backend"), ("OUT", "--out"),
              ("EXPERIMENT", "--experiment"), ("RESUME", "--resume"), ("REPEATS", "--repeats"),
-             ("SPREAD", "--spread"), ("LOADGEN_PROCESSES", "--loadgen-processes"))
+             ("SPREAD", "--spread"), ("LOADGEN_PROCESSES", "--loadgen-processes"),
+             ("DEADLINE", "--deadline"))
 MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "baseline": _RUN_VARS,
     "sweep": _RUN_VARS + (("PARAM", "--param"), ("VALUES", "--values")),
@@ -761,14 +570,55 @@ def _ansible_verbosity_problem(args: argparse.Namespace) -> str | None:
             f"changes; unset it or set it to 0 (failed tasks are quoted in full anyway)")
 
 
+# Values the Makefile gives variables left unset: a resume command leaves them out too.
+_MAKE_DEFAULTS = {"SCENARIO": "default", "INVENTORY": "inventory/local.yml", "BACKEND": "twin",
+                  "OUT": "reports"}
+_NOT_RESUMED = {"RESUME", "EXPERIMENT", "DEADLINE"}
+
+
+def _make_resume_command(target: str, env: Mapping[str, str]) -> Callable[..., str]:
+    """The make command that resumes an experiment of ``make TARGET``: the variables it was given
+    (but RESUME, EXPERIMENT and DEADLINE, and those ``changes`` replace, e.g. TRIALS left),
+    then RESUME=1 EXPERIMENT=<id>, quoted for a shell."""
+    names = [n for n, _ in _SCENARIO_VARS] + ["SET", "MODEL", "DURATION"] if target in _LAYERED else []
+    names += [n for n, _ in MAKE_TARGETS.get(target, ()) if n not in names]
+
+    def command(exp_id: str, **changes: object) -> str:
+        words = [f"{n}={text}" for n in names if n not in _NOT_RESUMED and n not in changes
+                 and (text := env.get(f"LAB_MAKE_{n}", "").strip()) and _MAKE_DEFAULTS.get(n) != text]
+        words += [f"{n}={v}" for n, v in changes.items()]
+        return shlex.join(["make", target, *words, "RESUME=1", f"EXPERIMENT={exp_id}"])
+    return command
+
+
+def _resume_command(argv: list[str]) -> Callable[..., str]:
+    """The lab command line that resumes an experiment: this one without --deadline,
+    --experiment, --resume (and the options ``changes`` replace, by make name), then
+    --resume --experiment=<id>."""
+    options = {name: option for vars_ in MAKE_TARGETS.values() for name, option in vars_}
+
+    def command(exp_id: str, **changes: object) -> str:
+        dropped = {"--resume", "--deadline", "--experiment", *(options[n] for n in changes)}
+        words, skip = [], False
+        for word in argv:
+            if skip or word.partition("=")[0] in dropped:
+                skip = not skip and word in dropped and word != "--resume"  # its value is the next word
+                continue
+            words.append(word)
+        words += [f"{options[n]}={v}" for n, v in changes.items()]
+        return shlex.join(["scripts/lab.py", *words, "--resume", f"--experiment={exp_id}"])
+    return command
+
+
 def _store_of(args: argparse.Namespace | None) -> Path:
     if args is None or not hasattr(args, "out"):
         return Path("reports/lab.db")
-    return args.store or args.out / "lab.db"
+    return experiment.store_path(args.out, args.store)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one lab command; a bad input is one sentence on stderr and exit status 2.
+    """Run one lab command; a bad input is one sentence on stderr and exit status 2, a long
+    command stopped for its DEADLINE exits experiment.EXIT_DEADLINE (75), Ctrl-C 130.
 
     ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports.
     """
@@ -776,9 +626,12 @@ def main(argv: list[str] | None = None) -> int:
     names: dict[str, str] = {}
     args = None
     try:
+        resume_command = None
         if argv[:1] == ["make"]:
             argv, names = make_argv(argv[1] if len(argv) > 1 else "", os.environ)
+            resume_command = _make_resume_command(argv[0], os.environ)
         args = build_parser().parse_args(argv)
+        args.resume_command = resume_command or _resume_command(argv)
         problem = _ansible_verbosity_problem(args)
         if problem:
             raise UsageError(problem)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,12 @@ class Point:
     values: dict[str, Any]
     repeat: int = 0
 
-    @property
+    @cached_property
     def key(self) -> str:
-        """The run's identity in the store."""
+        """The run's identity in the store (hashed once: resume, work folders and records ask)."""
         return run_identity(self.scenario.to_record(), self.repeat)
 
-    @property
+    @cached_property
     def serve_key(self) -> str:
         """Points with the same serve flags share one server start."""
         return json.dumps(self.scenario.serve, sort_keys=True, default=str)
@@ -184,6 +184,15 @@ def sweep_points(scenario: Scenario, param: str, values: Sequence[Any], repeats:
             for v in values for r in range(repeats)]
 
 
+def sweep_plan(scenario: Scenario, param: str, values_text: str | None,
+               repeats: int = 1) -> tuple[list[Any], list[Point]]:
+    """A sweep's values and points in one pass: ``param`` checked, VALUES typed (else the
+    hardware's ladder), each value's scenario resolved once per repeat."""
+    check_param(param, scenario)
+    values = parse_values(param, values_text) if values_text else default_values(param, scenario)
+    return values, sweep_points(scenario, param, values, repeats)
+
+
 def grid_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: int = 1) -> list[Point]:
     """Every combination of several parameters' values."""
     points = [Point(scenario, {}, 0)]
@@ -245,6 +254,11 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     if len(todo) < len(plan.points):
         log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,
                  len(plan.points) - len(todo), len(plan.points))
+    # One hardware check per server (flags on a GPU), not per repeat: they refuse alike.
+    refusals = {}
+    for p in todo:
+        if _server(p) not in refusals:
+            refusals[_server(p)] = hardware_refusal(p.scenario)
     shares = deal(group_by_server(todo), hosts)
     prune_work(workdir)
     recorded: list[Path] = []
@@ -259,7 +273,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
                 for point in group:
                     if stop.is_set():
                         return
-                    refusal = hardware_refusal(point.scenario)
+                    refusal = refusals[_server(point)]
                     m = (Measurement(status="failed-start", started=time.time(), ended=time.time(),
                                      host=host or "", error=f"refused before launch: {refusal.message}")
                          if refusal else
@@ -299,6 +313,10 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     return counts
 
 
+def _server(point: Point) -> tuple[str, str]:
+    return point.serve_key, point.scenario.hardware.model_dump_json()
+
+
 # Work folders (Locust's files, logs) of runs that an interrupted session left behind are kept
 # this long for a look, then pruned; a finished session removes its recorded runs' own at once.
 WORK_KEEP_S = 7 * 24 * 3600
@@ -336,14 +354,3 @@ def _record(plan: Plan, point: Point, backend: Backend, m: Measurement) -> RunRe
         gpu_count=int(s.serve.get("tensor-parallel-size", 1)), vllm_version=s.vllm_version,
         backend=backend.name, error=m.error, summary=m.summary)
 
-
-def experiment_name(step: str, scenario: Scenario, param: str | None = None) -> str:
-    """A readable, unique experiment id: step, scenario, parameter and the time.
-
-    The scenario's name is free text (a file may set any ``name:``); it is cut down to the store's
-    experiment name pattern, so the id is always a single folder name inside OUT.
-    """
-    middle = "-".join([scenario.name] + ([param] if param else []))
-    middle = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", middle)).strip("-.") or "scenario"
-    stamp = time.strftime("-%Y%m%d-%H%M%S")
-    return f"{step}-{middle}"[: 120 - len(stamp)].rstrip("-.") + stamp

@@ -1,0 +1,204 @@
+"""The experiment module: ids, the store path, resume, and DEADLINE (predictor and twin)."""
+
+import shlex
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import private_inventory
+from vllm_lab import cli, experiment
+from vllm_lab.experiment import Deadline, DeadlineError, Settings, Source
+from vllm_lab.store import Store
+
+SMALL = ["--set", "load.shape.level=2", "--set", "load.stop.duration_s=5"]
+SOURCE = Source("default", None, ("load.shape.level=2", "load.stop.duration_s=5"))
+
+
+# -- DEADLINE as written ----------------------------------------------------------------------------
+
+NOW = datetime(2026, 12, 1, 3, 0).astimezone()
+
+
+@pytest.mark.parametrize("text, after", [
+    ("25m", timedelta(minutes=25)), ("1h30m", timedelta(hours=1, minutes=30)), ("90s", timedelta(seconds=90)),
+    ("05:30", timedelta(hours=2, minutes=30)), ("2026-12-01T05:30", timedelta(hours=2, minutes=30)),
+])
+def test_deadline_forms(text, after):
+    assert Deadline.parse(text, NOW).at == pytest.approx((NOW + after).timestamp())
+
+
+@pytest.mark.parametrize("text", ["", "soon", "25", "1x", "25:61", "02:00", "2026-11-30T05:30", "m"])
+def test_bad_deadline_is_one_sentence(text):
+    with pytest.raises(DeadlineError) as e:
+        Deadline.parse(text, NOW)
+    assert "\n" not in str(e.value) and "25m" in str(e.value)
+
+
+def test_deadline_reaches_every_long_command_from_make(capsys):
+    for target in ("baseline", "sweep", "combo", "tune", "stress", "claims", "calibrate"):
+        assert ("DEADLINE", "--deadline") in cli.MAKE_TARGETS[target]
+    argv, _ = cli.make_argv("sweep", {"LAB_MAKE_PARAM": "max-num-seqs", "LAB_MAKE_DEADLINE": "1h"})
+    assert "--deadline=1h" in argv and cli.build_parser().parse_args(argv).deadline.left() > 3500
+
+
+def test_bad_deadline_from_make_names_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("LAB_MAKE_DEADLINE", "tomorrow")
+    assert cli.main(["make", "baseline"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lab: DEADLINE='tomorrow' is not a deadline:") and err.count("\n") == 1
+
+
+def test_resume_command_repeats_the_make_variables():
+    command = cli._make_resume_command("sweep", {
+        "LAB_MAKE_PARAM": "max-num-seqs", "LAB_MAKE_BACKEND": "predict", "LAB_MAKE_SCENARIO": "default",
+        "LAB_MAKE_SET": "load.shape.level=2 serve.x=1", "LAB_MAKE_DEADLINE": "5m", "LAB_MAKE_RESUME": ""})
+    assert command("sweep-x-1") == ("make sweep 'SET=load.shape.level=2 serve.x=1' BACKEND=predict "
+                                    "PARAM=max-num-seqs RESUME=1 EXPERIMENT=sweep-x-1")
+
+
+# -- ids and the store ------------------------------------------------------------------------------
+
+def test_store_path_and_unique_ids(tmp_path):
+    assert experiment.store_path(tmp_path) == tmp_path / "lab.db"
+    assert experiment.store_path(tmp_path, tmp_path / "x.db") == tmp_path / "x.db"
+    scenario = SOURCE.resolve_checked()
+    settings = Settings(backend="predict", out=tmp_path)
+    first = experiment.experiment_id(settings, "sweep", scenario, "max-num-seqs")
+    store = Store(settings.store_path)
+    store.create_experiment(first, "sweep", scenario.name, {})
+    store.close()
+    second = experiment.experiment_id(settings, "sweep", scenario, "max-num-seqs")
+    assert second != first and second.startswith(first[:-len("-YYYYmmdd-HHMMSS")])
+    resumed = experiment.experiment_id(Settings(backend="predict", out=tmp_path, resume=True),
+                                       "sweep", scenario, "max-num-seqs")
+    assert resumed == first
+
+
+# -- the deadline on the predictor ------------------------------------------------------------------
+
+def _recorded(path: Path, exp: str) -> int:
+    store = Store(path)
+    try:
+        return len(store.runs(exp))
+    finally:
+        store.close()
+
+
+def test_predictor_stops_at_the_deadline_and_resume_completes(tmp_path, capsys):
+    out = tmp_path / "reports"
+    # A clock that runs normally until three runs are in the store, then is past the deadline.
+    at = time.time() + 3600
+    deadline = Deadline(at, "test", clock=lambda: time.time() if _recorded(out / "lab.db", "dl") < 3 else at + 1)
+    settings = Settings(backend="predict", out=out, experiment="dl", deadline=deadline,
+                        resume_command=lambda e: f"make sweep RESUME=1 EXPERIMENT={e}")
+    rc = experiment.sweep(settings, SOURCE, "max-num-seqs", "8,16,32,64")
+    err = capsys.readouterr().err
+    assert rc == experiment.EXIT_DEADLINE, err
+    assert "3 of 4 runs done, 1 left" in err and "make sweep RESUME=1 EXPERIMENT=dl" in err
+    assert err.count("\n") == 1
+    first = Store(out / "lab.db").runs("dl").set_index("run_key")["started"]
+    rc = experiment.sweep(Settings(backend="predict", out=out, experiment="dl", resume=True), SOURCE,
+                          "max-num-seqs", "8,16,32,64")
+    assert rc == 0
+    runs = Store(out / "lab.db").runs("dl").set_index("run_key")
+    assert len(runs) == 4 and set(runs["status"]) == {"ok"}
+    assert (runs.loc[first.index, "started"] == first).all()  # finished runs were not re-measured
+
+
+def test_cli_deadline_too_close_starts_nothing_and_says_how_to_resume(tmp_path, capsys):
+    argv = ["sweep", *SMALL, "--backend", "predict", "--out", str(tmp_path), "--param", "max-num-seqs",
+            "--values", "8,16", "--deadline", "2s"]
+    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    err = capsys.readouterr().err
+    assert "0 of 2 runs done, 2 left" in err
+    command = shlex.split(err.split("resume with: ")[1])
+    assert command[0] == "scripts/lab.py" and "--deadline" not in command
+    assert cli.main(command[1:]) == 0
+    assert _recorded(tmp_path / "lab.db", command[-1].split("=")[1]) == 2
+
+
+def test_timing_uses_measured_starts_and_runs(tmp_path):
+    scenario = SOURCE.resolve_checked()
+    timing = experiment.Timing(live=True)
+    # Nothing measured: the run's duration plus overhead, and the start timeout for a start.
+    assert timing.expected("h", scenario, start=False) == 5 + experiment.RUN_OVERHEAD_S
+    assert timing.expected("h", scenario, start=True) == scenario.run.start_timeout_s + 5 + experiment.RUN_OVERHEAD_S
+    timing.add("h", True, 40.0)
+    timing.add("h", False, 8.0)
+    assert timing.expected("h", scenario, start=False) == 8.0
+    assert timing.expected("h", scenario, start=True) == 40.0
+    assert timing.expected("other", scenario, start=True) == 40.0  # another host: what was seen anywhere
+
+
+# -- the deadline on the twin -----------------------------------------------------------------------
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_path, capsys):
+    """Two values of two runs each; the clock passes the deadline once two runs are in: the
+    second value's server is never started, the first's is stopped, a resume takes the rest."""
+    inv = private_inventory(tmp_path)
+    out = tmp_path / "reports"
+    source = Source("default", "cpu-demo", ("load.shape.level=2", "load.stop.duration_s=3",
+                                            "workload.source=alpaca-like", "run.warmup_requests=1",
+                                            "run.start_timeout_s=60"))
+    at = time.time() + 3600
+    deadline = Deadline(at, "test", clock=lambda: time.time() if _recorded(out / "lab.db", "dl-twin") < 2 else at)
+    settings = Settings(backend="twin", inventory=inv, out=out, experiment="dl-twin", repeats=2,
+                        deadline=deadline)
+    assert experiment.sweep(settings, source, "max-num-seqs", "4,8") == experiment.EXIT_DEADLINE
+    assert "2 of 4 runs done, 2 left, servers stopped" in capsys.readouterr().err
+    assert not any(p.read_text().split()[:1] for p in (tmp_path / "host").rglob("*.pid")), \
+        "a twin is still running after the deadline"
+    first = Store(out / "lab.db").runs("dl-twin").set_index("run_key")["started"]
+    resumed = Settings(backend="twin", inventory=inv, out=out, experiment="dl-twin", repeats=2, resume=True)
+    assert experiment.sweep(resumed, source, "max-num-seqs", "4,8") == 0
+    runs = Store(out / "lab.db").runs("dl-twin").set_index("run_key")
+    assert len(runs) == 4 and set(runs["status"]) == {"ok"}
+    assert (runs.loc[first.index, "started"] == first).all()
+
+
+def test_watchdog_stops_a_run_that_outlasts_its_estimate():
+    deadline = Deadline(time.time() + 0.5, "test")
+    began = time.time()
+    with pytest.raises(KeyboardInterrupt), experiment.Watchdog(deadline, margin=0.0) as watch:
+        time.sleep(10)  # a run still going at the deadline
+    assert watch.fired.is_set() and time.time() - began < 5
+    with experiment.Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0) as watch:
+        pass  # a block that ends in time is never interrupted afterwards
+    time.sleep(0.5)
+    assert not watch.fired.is_set()
+    with experiment.Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0) as watch:
+        watch.disarm()  # the lab is stopping: its servers' stop is not cut short
+        time.sleep(0.6)
+    assert not watch.fired.is_set()
+
+
+def test_tune_stopped_says_how_many_trials_are_left(tmp_path, capsys):
+    argv = ["tune", *SMALL, "--backend", "predict", "--out", str(tmp_path), "--trials", "3",
+            "--deadline", "2s"]
+    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    err = capsys.readouterr().err
+    assert "0 of 3 trials done, 3 left" in err and "--trials=3 --resume --experiment=tune-" in err
+
+
+def test_tune_spread_over_hosts_stops_at_the_deadline_without_tracebacks(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(experiment.serving, "serve_hosts", lambda inventory: ["a", "b"])
+    out = tmp_path / "reports"
+    at = time.time() + 3600
+    deadline = Deadline(at, "test", clock=lambda: time.time() if _recorded(out / "lab.db", "dl-tune") < 2 else at)
+    settings = Settings(backend="predict", out=out, experiment="dl-tune", spread=True, deadline=deadline)
+    rc = experiment.tune(settings, SOURCE, experiment.TuneOptions(trials=4, seed=1))
+    err = capsys.readouterr().err
+    assert rc == experiment.EXIT_DEADLINE, err
+    assert "of 8 trials done" in err and "Traceback" not in err and "Exception in thread" not in err
+
+
+def test_stress_ramp_stops_once_for_the_deadline(tmp_path, capsys):
+    argv = ["stress", "--shape", "ramp", "--backend", "predict", "--out", str(tmp_path),
+            "--set", "load.stop.duration_s=5", "--deadline", "2s"]
+    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    err = capsys.readouterr().err
+    assert err.count("lab: stopped for DEADLINE=") == 1 and "0 of " in err

@@ -1,0 +1,680 @@
+"""One command's experiment: its id, its store, its points, its backend, resume and the deadline.
+
+Every long command (baseline, sweep, combo, tune, stress, claims, calibrate) is built here as an
+``Experiment`` (the scenario, the plan's points, the backend, the store) and taken by ``run()``;
+the command line only parses, calls one function of this module and prints what it returns.
+
+A ``Deadline`` is a time the lab must stop by (a GPU reservation that ends): no point is started
+whose expected time (its server start and its run, from the plan's duration and start timeout
+until this experiment has measured them on this host) would end past it, a run still going when
+it is near is stopped, the servers are stopped, and the command exits ``EXIT_DEADLINE`` with the
+command that resumes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Self
+
+from vllm_lab import lint as lint_mod
+from vllm_lab import plans, scenarios, serving
+from vllm_lab.backends import Backend, Measurement
+from vllm_lab.scenarios import Scenario
+from vllm_lab.store import Store, StoreError, check_experiment_name, experiment_dir
+
+# The exit status of a command stopped for its deadline (sysexits' EX_TEMPFAIL: try again later).
+EXIT_DEADLINE = 75
+
+
+def store_path(out: Path, store: Path | None = None) -> Path:
+    """The store a command reads and writes: STORE if given, else OUT/lab.db."""
+    return store or Path(out) / "lab.db"
+
+
+# -- the deadline ----------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+DEADLINE_RULE = ("write a time (2026-12-01T05:30, or 05:30 for today, local time) or a duration "
+                 "from now (25m, 1h30m)")
+
+
+class DeadlineError(ValueError):
+    """A deadline the lab cannot take; the message is one sentence."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The time (seconds since the epoch) the lab must have stopped by, and how it was written."""
+
+    at: float
+    text: str = ""
+    clock: Callable[[], float] = field(default=time.time, compare=False, repr=False)
+
+    @classmethod
+    def parse(cls, text: str, now: datetime | None = None) -> Deadline:
+        """An ISO time (2026-12-01T05:30), HH:MM today (local time) or a duration (25m, 1h30m)."""
+        now = now or datetime.now().astimezone()
+        spec = text.strip()
+        match = _DURATION.fullmatch(spec)
+        if spec and match and any(match.groups()):
+            h, m, s = (int(g or 0) for g in match.groups())
+            at = now + timedelta(hours=h, minutes=m, seconds=s)
+        elif re.fullmatch(r"\d{1,2}:\d{2}", spec):
+            hour, minute = (int(x) for x in spec.split(":"))
+            if hour > 23 or minute > 59:
+                raise DeadlineError(f"{text!r} is not a deadline: {DEADLINE_RULE}")
+            at = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        else:
+            try:
+                at = datetime.fromisoformat(spec)
+            except ValueError:
+                raise DeadlineError(f"{text!r} is not a deadline: {DEADLINE_RULE}") from None
+            at = at.astimezone() if at.tzinfo is None else at  # a time without a zone is local
+        if at <= now:
+            raise DeadlineError(f"{text!r} is not a deadline: it is already past "
+                                f"(now {now:%Y-%m-%d %H:%M}); {DEADLINE_RULE}")
+        return cls(at.timestamp(), text)
+
+    def left(self) -> float:
+        """Seconds until the deadline (negative once past)."""
+        return self.at - self.clock()
+
+    def __str__(self) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at))
+
+
+class DeadlineReached(Exception):
+    """The next point would end past the deadline: nothing more is started."""
+
+
+# A live backend stops its servers through a playbook after the last run: this much time is kept
+# for it before the deadline; the predictor has nothing to stop.
+STOP_MARGIN_S = 45.0
+# Until a run of this experiment has been measured on a host, a live run is taken to last its
+# load's duration plus this (warm-up, Locust's start, the last scrape) and a predicted one this.
+RUN_OVERHEAD_S = 20.0
+PREDICTED_RUN_S = 10.0
+# Runs further apart than this on one host had a server start (or a resume) between them.
+_SAME_SERVER_GAP_S = 5.0
+
+
+@dataclass
+class Timing:
+    """What a server start and a run take on each host, from this experiment's recorded runs."""
+
+    live: bool
+    starts: dict[str, list[float]] = field(default_factory=dict)
+    runs: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def from_store(cls, path: Path, experiment_id: str, backend: str) -> Timing:
+        """The start and run times this experiment has recorded on each host (earlier runs included)."""
+        timing = cls(live=backend != "predict")
+        store = Store(path)
+        try:
+            runs = store.runs(experiment_id)
+        finally:
+            store.close()
+        runs = runs[runs["backend"] == backend] if not runs.empty else runs
+        for host, rows in (runs.groupby("host") if not runs.empty else []):
+            last_serve, last_end = None, None
+            for row in rows.sort_values("started").itertuples():
+                serve = json.loads(row.scenario_json).get("serve")
+                started = timing.live and (serve != last_serve or last_end is None
+                                           or row.started - last_end > _SAME_SERVER_GAP_S)
+                timing.add(str(host), started, row.ended - row.started)
+                last_serve, last_end = serve, row.ended
+        return timing
+
+    def add(self, host: str, started: bool, seconds: float) -> None:
+        """Record one measured point: its seconds, and whether it started a server."""
+        (self.starts if started else self.runs).setdefault(host, []).append(max(0.0, seconds))
+
+    def expected(self, host: str, scenario: Scenario, start: bool) -> float:
+        """Seconds the next point on ``host`` is expected to take (the worst seen, else the plan's)."""
+        def seen(table: dict[str, list[float]]) -> list[float]:
+            return table.get(host) or [v for values in table.values() for v in values]
+
+        runs = seen(self.runs)
+        run_s = max(runs) if runs else (
+            scenario.load.stop.duration_s + RUN_OVERHEAD_S if self.live else PREDICTED_RUN_S)
+        if not start:
+            return run_s
+        starts = [total - run_s for total in seen(self.starts)]
+        start_s = max(starts) if starts else scenario.run.start_timeout_s
+        return max(0.0, start_s) + run_s
+
+
+class DeadlineGuard:
+    """A backend that measures a point only when its start and run fit before the deadline."""
+
+    def __init__(self, backend: Backend, deadline: Deadline, timing: Timing):
+        self.backend, self.deadline, self.timing = backend, deadline, timing
+        self.on_stop: Callable[[], None] = lambda: None  # the watchdog's disarm
+        self.stopped = False  # a point was refused for the deadline
+        self.name = backend.name
+        self.margin = STOP_MARGIN_S if timing.live else 0.0
+        self._serving: dict[str | None, str] = {}  # host -> serve flags of the server it runs
+
+    def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
+        """The backend's measurement, or DeadlineReached when it would end past the deadline."""
+        serve = json.dumps(scenario.serve, sort_keys=True, default=str)
+        start = self.timing.live and self._serving.get(host) != serve
+        where = host or ""
+        if self.timing.expected(where, scenario, start) + self.margin > self.deadline.left():
+            self.stopped = True
+            self.on_stop()  # the servers' stop that follows must not be interrupted
+            raise DeadlineReached(where)
+        began = time.time()
+        m = self.backend.measure(scenario, host, workdir)
+        self.timing.add(where, start, time.time() - began)
+        if m.status in ("ok", "failed-requests", "client-limited"):
+            self._serving[host] = serve
+        else:
+            self._serving.pop(host, None)  # a failed start or a crash: the next point starts again
+        return m
+
+    def close(self, host: str | None) -> None:
+        """Stop the host's server (the backend's own close)."""
+        self._serving.pop(host, None)
+        self.backend.close(host)
+
+
+class Watchdog:
+    """Interrupts the main thread ``margin`` seconds before the deadline, so a run that outlasts
+    its estimate is stopped like a Ctrl-C (not recorded, servers stopped). ``fired`` says it did;
+    ``disarm()`` once the lab is stopping anyway: a signal then would cut the servers' stop short."""
+
+    def __init__(self, deadline: Deadline | None, margin: float):
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+        self._armed = deadline is not None
+        self._timer = (threading.Timer(max(0.0, deadline.left() - margin), self._fire)
+                       if deadline is not None else None)
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._armed:
+                self._armed = False
+                self.fired.set()
+                # A real SIGINT to the main thread: unlike _thread.interrupt_main() it also ends a
+                # blocking wait (a subprocess, a sleep) there, as Ctrl-C does.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def disarm(self) -> None:
+        """Never fire from now on."""
+        with self._lock:
+            self._armed = False
+        if self._timer:
+            self._timer.cancel()
+
+    def __enter__(self) -> Self:
+        if self._timer:
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disarm()  # never after the watched block has ended (a report being built)
+
+
+# -- what a command runs ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Source:
+    """Where a command's scenario comes from: a scenario, a hardware preset and overrides."""
+
+    scenario: str = "default"
+    hardware: str | None = None
+    overrides: tuple[str, ...] = ()
+
+    def resolve_checked(self) -> Scenario:
+        """Resolve the scenario and stop on lint errors: nothing is launched with a refused flag."""
+        layers = scenarios.load_layers(self.scenario, self.hardware, list(self.overrides))
+        scenario = scenarios.validate(layers)
+        errors = [f for f in lint_mod.lint(scenario, layers) if f.severity == "error"]
+        if errors:
+            raise scenarios.ScenarioError(f"{errors[0]} (make lint SCENARIO={self.scenario} lists all)")
+        return scenario
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a command takes its runs: backend, inventory, folders, resume, the deadline."""
+
+    backend: str = "twin"
+    inventory: Path = Path("inventory/local.yml")
+    out: Path = Path("reports")
+    store: Path | None = None
+    experiment: str | None = None
+    resume: bool = False
+    repeats: int | None = None
+    spread: bool = False
+    loadgen_processes: int | None = None
+    deadline: Deadline | None = None
+    # The exact command that resumes an experiment, as the user would type it: given its id, and
+    # make variables to change (TRIALS=<left>).
+    resume_command: Callable[..., str] = field(
+        default=lambda exp_id, **changes: f"make ... RESUME=1 EXPERIMENT={exp_id}", compare=False)
+
+    @property
+    def store_path(self) -> Path:
+        """The store file (STORE, else OUT/lab.db)."""
+        return store_path(self.out, self.store)
+
+    def hosts(self) -> list[str | None]:
+        """Every inventory host with SPREAD, else the one default host."""
+        return serving.serve_hosts(self.inventory) if self.spread else [None]
+
+
+def experiment_name(step: str, scenario: Scenario, param: str | None = None) -> str:
+    """A readable experiment id: step, scenario, parameter and the time.
+
+    The scenario's name is free text (a file may set any ``name:``); it is cut down to the store's
+    experiment name pattern, so the id is always a single folder name inside OUT.
+    """
+    middle = "-".join([scenario.name] + ([param] if param else []))
+    middle = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", middle)).strip("-.") or "scenario"
+    stamp = time.strftime("-%Y%m%d-%H%M%S")
+    return f"{step}-{middle}"[: 120 - len(stamp)].rstrip("-.") + stamp
+
+
+_STAMP = len("-YYYYmmdd-HHMMSS")
+
+
+def experiment_id(settings: Settings, step: str, scenario: Scenario, param: str | None = None) -> str:
+    """EXPERIMENT if given; with RESUME the newest experiment of this step, scenario and param;
+    else a new name, made unique in the store (two commands started in the same second)."""
+    if settings.experiment:
+        return settings.experiment
+    name = experiment_name(step, scenario, param)
+    store = Store(settings.store_path)
+    try:
+        if settings.resume:
+            newest = store.newest_experiment(name[:-_STAMP] + "-")
+            if newest is None:
+                raise StoreError(f"{settings.store_path}: nothing to resume for {name[:-_STAMP]}; "
+                                 f"run without RESUME=1")
+            return newest
+        taken = set(store.experiments()["id"])
+    finally:
+        store.close()
+    unique, n = name, 2
+    while unique in taken:
+        unique, n = f"{name}-{n}", n + 1
+    return check_experiment_name(unique)
+
+
+def make_backend(settings: Settings, experiment: str = "") -> Backend:
+    """The backend that measures the points: the predictor, or live servers (provisioned first)."""
+    import os
+
+    from vllm_lab.backends import LiveBackend, PredictBackend
+    if settings.backend == "predict":
+        return PredictBackend()
+    serving.check_inventory(settings.inventory)  # a bad inventory is refused before anything runs
+    # Idempotent: on a provisioned host this changes nothing and takes a few seconds. It claims
+    # the instances first: another lab process's are refused (InstanceBusy) before any change.
+    print(f"provisioning {settings.inventory} (playbooks/provision.yml)", flush=True)
+    try:
+        serving.provision(settings.inventory, experiment=experiment)
+    except RuntimeError as e:
+        raise StoreError(f"{settings.inventory}: hosts could not be provisioned: {e}") from None
+    return LiveBackend(settings.backend, settings.inventory,
+                       api_key=os.environ.get("VLLM_API_KEY") or None,
+                       processes=settings.loadgen_processes, experiment=experiment)
+
+
+def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print) -> None:
+    """A value vLLM would refuse is still a data point: it is measured (and recorded as refused).
+    Each distinct scenario is linted once, however many repeats it has."""
+    seen: set[str] = set()
+    for point in points:
+        if point.serve_key in seen:
+            continue
+        seen.add(point.serve_key)
+        for f in lint_mod.lint(point.scenario):
+            if f.severity == "error":
+                say(f"  note: {point.values}: {f.message}")
+
+
+@dataclass
+class Experiment:
+    """The runs of one command: its id and step, the scenario, the plan's points and the settings."""
+
+    id: str
+    step: str
+    scenario: Scenario
+    points: list[plans.Point]
+    meta: dict[str, Any]
+    settings: Settings
+
+    @classmethod
+    def build(cls, settings: Settings, step: str, scenario: Scenario, points: list[plans.Point],
+              meta: dict[str, Any], param: str | None = None) -> Experiment:
+        """The experiment for these points, its id named (or found, to resume) in the store."""
+        return cls(experiment_id(settings, step, scenario, param), step, scenario, points, meta, settings)
+
+    def todo(self) -> list[plans.Point]:
+        """The points a run would take: those not in the store yet, and those a resume retries
+        (store.RETRIED_ON_RESUME)."""
+        store = Store(self.settings.store_path)
+        try:
+            done = store.finished_keys(self.id)
+        finally:
+            store.close()
+        return [p for p in self.points if p.key not in done]
+
+    def run(self, say: Callable[[str], Any] = print) -> int:
+        """Take the points not yet recorded, build the report; 0, 130 on Ctrl-C, or
+        EXIT_DEADLINE when the deadline stopped it."""
+        from vllm_lab import reports as report
+        s = self.settings
+        if s.backend == "predict":
+            from vllm_lab.backends import PredictBackend
+            for point in self.points:
+                PredictBackend.check(point.scenario)  # every point, before the first is taken
+        plan = plans.Plan(self.id, self.step, self.points, self.meta)
+        hosts = s.hosts()
+        say(f"{self.step}: experiment {self.id}, {len(self.points)} runs, backend {s.backend}")
+
+        def progress(point, m):
+            sm = m.summary
+            figures = (f"{sm.get('output_throughput', 0):.0f} tok/s, TTFT p50 "
+                       f"{(sm.get('ttft_p50') or 0) * 1000:.0f} ms, TPOT p50 "
+                       f"{(sm.get('tpot_p50') or 0) * 1000:.1f} ms"
+                       if m.status == "ok" else m.error.splitlines()[0][:160])
+            say(f"  {point.values or 'baseline'} repeat {point.repeat}: {m.status}: {figures}")
+            sys.stdout.flush()
+
+        backend = make_backend(s, self.id)
+        if s.deadline is not None:
+            backend = DeadlineGuard(backend, s.deadline,
+                                    Timing.from_store(s.store_path, self.id, backend.name))
+        try:
+            with Watchdog(s.deadline, getattr(backend, "margin", 0.0)) as watch:
+                if isinstance(backend, DeadlineGuard):
+                    backend.on_stop = watch.disarm
+                try:
+                    counts = plans.execute(plan, backend, s.store_path, s.out / ".work", hosts, progress)
+                except KeyboardInterrupt:
+                    if not watch.fired.is_set():
+                        raise
+                    raise DeadlineReached("") from None
+        except DeadlineReached:
+            return self.stopped_for_deadline()
+        except KeyboardInterrupt:
+            print(f"lab: interrupted; finished runs are kept. Continue with: make {self.step} ... "
+                  f"RESUME=1 EXPERIMENT={self.id}", file=sys.stderr)
+            return 130
+        index = report.build(s.store_path, self.id, s.out)
+        say(f"runs this session: {counts or 'none (all were already recorded)'}")
+        say(f"report: {index}")
+        return 0
+
+    def stopped_for_deadline(self) -> int:
+        """One sentence on stderr (done, left, the command that resumes) and EXIT_DEADLINE."""
+        todo = self.todo()
+        left = {p.key for p in todo}
+        # The work folders of runs now in the store go; an interrupted run's are kept for a look.
+        work = self.settings.out / ".work" / self.id
+        for point in self.points:
+            if point.key not in left:
+                shutil.rmtree(work / point.key, ignore_errors=True)
+        left = len(todo)
+        stopped = ", servers stopped" if self.settings.backend != "predict" else ""
+        print(f"lab: stopped for DEADLINE={self.settings.deadline}: {len(self.points) - left} of "
+              f"{len(self.points)} runs done, {left} left{stopped}; resume with: "
+              f"{self.settings.resume_command(self.id)}", file=sys.stderr)
+        return EXIT_DEADLINE
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+def baseline(settings: Settings, source: Source) -> int:
+    """vLLM's defaults on the scenario's traffic, repeated: the reference later steps compare with."""
+    scenario = source.resolve_checked()
+    repeats = settings.repeats or max(3, scenario.run.repeats)
+    return Experiment.build(settings, "baseline", scenario, plans.baseline_points(scenario, repeats),
+                            {"repeats": repeats}).run()
+
+
+def sweep(settings: Settings, source: Source, param: str, values_text: str | None) -> int:
+    """One flag over a ladder of values (VALUES, else a ladder for the hardware)."""
+    scenario = source.resolve_checked()
+    values, points = plans.sweep_plan(scenario, param, values_text, settings.repeats or scenario.run.repeats)
+    lint_notes(points)
+    return Experiment.build(settings, "sweep", scenario, points, {"param": param, "values": values},
+                            param).run()
+
+
+def combo(settings: Settings, source: Source, params_text: str | None, grid_text: str | None) -> int:
+    """A grid of 2-3 flags: every combination, failures as data, resumable and spreadable."""
+    from vllm_lab import search
+    scenario = source.resolve_checked()
+    params = [p.strip() for p in (params_text or "").split(",")]
+    for param in [item.partition("=")[0] for item in (grid_text or "").split()] + params:
+        if param:
+            plans.check_param(param, scenario, "PARAMS" if param in params else "GRID")
+    grid = search.parse_grid(grid_text, params_text, scenario)
+    points = search.combo_points(scenario, grid, settings.repeats or scenario.run.repeats)
+    lint_notes(points)
+    return Experiment.build(settings, "combo", scenario, points, {"params": list(grid), "grid": grid},
+                            "-".join(grid)).run()
+
+
+def calibrate(settings: Settings, source: Source, fit_only: bool = False,
+              profile_out: Path | None = None, reference: Sequence[Path] = ()) -> int:
+    """Run the calibration plan on the backend, then fit a twin profile to it."""
+    from vllm_lab import calibrate as calibrate_mod
+    from vllm_lab.models import load_model_shape
+    from vllm_lab.twin.profile import load_profile
+
+    scenario = source.resolve_checked()
+    if not fit_only:
+        rc = Experiment.build(settings, "calibrate", scenario, calibrate_mod.calibration_points(scenario),
+                              {"params": ["point"]}, "calibrate").run()
+        if rc:
+            return rc
+    exp_id = experiment_id(dataclasses.replace(settings, resume=True), "calibrate", scenario, "calibrate")
+    if fit_only:
+        scenario = Scenario.model_validate_json(_first_run_scenario(settings.store_path, exp_id))
+    # The profile keeps its own hardware block (the GPU it was measured on, up to 8 per host).
+    base = load_profile(scenario.hardware.twin_profile)
+    model = load_model_shape(str(scenario.serve["model"]))
+    out = profile_out or experiment_dir(settings.out, exp_id) / f"{scenario.hardware.gpu}-{model.name}.yaml"
+    profile, rows = calibrate_mod.fit(settings.store_path, exp_id, base.model_copy(
+        update={"name": out.stem, "model": model.name}), model, out, list(reference))
+    for row in rows:
+        print(f"  {row['point']:6s} {row['metric']:18s} measured {row['measured']:9.2f} "
+              f"twin {row['predicted']:9.2f} {row['error']:+7.1%}")
+    print(f"profile: {out} (median errors {profile.provenance.errors})")
+    return 0
+
+
+def _first_run_scenario(path: Path, exp_id: str) -> str:
+    store = Store(path)
+    try:
+        runs = store.runs(exp_id)
+    finally:
+        store.close()
+    if runs.empty:
+        raise StoreError(f"{path}: experiment {exp_id} has no runs to fit")
+    return str(runs.iloc[0]["scenario_json"])
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """The study: trials, objective, space, storage, seed; CONFIRM re-measures the best live."""
+
+    trials: int = 20
+    objective: str = "goodput"
+    space: str | None = None
+    study_storage: str | None = None
+    seed: int | None = None
+    startup_trials: int = 4
+    confirm: int = 0
+    confirm_backend: str = "twin"
+
+
+def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
+    """Optuna over a declared space; each trial is a run in the store; CONFIRM re-measures the best live."""
+    from vllm_lab import reports as report
+    from vllm_lab import search
+    scenario = source.resolve_checked()
+    space = search.load_space(options.space, scenario)
+    exp_id = experiment_id(settings, "tune", scenario)
+    tune_settings = search.TuneSettings(
+        exp_id, space, options.objective, options.trials,
+        search.storage_url(options.study_storage, settings.store_path), options.seed,
+        options.startup_trials)
+    hosts = settings.hosts()
+    print(f"tune: study {exp_id}, {options.trials} trial(s) per host on {len(hosts)} host(s), backend "
+          f"{settings.backend}, objective {search.objective_label(options.objective)}, space "
+          f"{', '.join(space.space)}")
+
+    def progress(number, values, run):
+        s = run["summary"]
+        error = (run["error"] or "").splitlines()[0][:100] if run["error"] else ""
+        figures = (f"goodput {s.get('goodput') or 0:.2f} req/s, {s.get('output_throughput') or 0:.0f} tok/s"
+                   if run["state"] == "complete" else f"{run['status']}: {error}")
+        print(f"  trial {number} {values}: {run['state']}: {figures}", flush=True)
+        done.append(number)
+
+    done: list[int] = []
+    backend = make_backend(settings, exp_id)
+    if settings.deadline is not None:
+        backend = DeadlineGuard(backend, settings.deadline,
+                                Timing.from_store(settings.store_path, exp_id, backend.name))
+    try:
+        with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch:
+            if isinstance(backend, DeadlineGuard):
+                backend.on_stop = watch.disarm
+            try:
+                with _quiet_deadline_in_threads():
+                    counts = search.run_trials(scenario, tune_settings, backend, settings.store_path,
+                                               settings.out / ".work", hosts, progress)
+            except KeyboardInterrupt:
+                if not watch.fired.is_set():
+                    raise
+                raise DeadlineReached("") from None
+            if getattr(backend, "stopped", False):
+                raise DeadlineReached("")  # SPREAD: the hosts' threads stopped, the study did not say
+    except DeadlineReached:
+        total = options.trials * len(hosts)
+        per_host = max(1, -(-(total - len(done)) // len(hosts)))  # TRIALS counts per host
+        print(f"lab: stopped for DEADLINE={settings.deadline}: {len(done)} of {total} trials done, "
+              f"{total - len(done)} left{', servers stopped' if settings.backend != 'predict' else ''}; "
+              f"resume with: {settings.resume_command(exp_id, TRIALS=per_host)}", file=sys.stderr)
+        return EXIT_DEADLINE
+    except KeyboardInterrupt:
+        print(f"lab: interrupted; finished trials are kept. Continue with: make tune EXPERIMENT={exp_id}",
+              file=sys.stderr)
+        return 130
+    print(f"trials this session: {counts}")
+    print(f"report: {report.build(settings.store_path, exp_id, settings.out)}")
+    if options.confirm:
+        study = search.load_study(exp_id, tune_settings.storage)
+        configs = search.best_configs(study, options.confirm, options.objective)
+        if not configs:
+            print("confirm: no trial met the SLO; nothing to confirm")
+            return 0
+        confirm = dataclasses.replace(settings, backend=options.confirm_backend,
+                                      experiment=f"{exp_id}-confirm", resume=False)
+        return Experiment.build(confirm, "tune", scenario, search.confirm_points(scenario, configs),
+                                {"params": list(space.space), "confirms": exp_id}).run()
+    return 0
+
+
+@contextmanager
+def _quiet_deadline_in_threads():
+    """A host's trial thread that ends on DeadlineReached ends as planned: no traceback for it."""
+    previous = threading.excepthook
+
+    def hook(args):
+        if not isinstance(args.exc_value, DeadlineReached):
+            previous(args)
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
+def stress(settings: Settings, source: Source, shape: str, levels_text: str | None, refine: int) -> int:
+    """Ramp/step: a staircase of open-loop levels and its knee; spike/soak: one run as a time series."""
+    from vllm_lab import stress as stress_mod
+    scenario = stress_mod.stress_scenario(source.resolve_checked(), shape)
+    if shape in ("spike", "soak"):
+        if shape == "spike" and settings.backend == "predict":
+            raise scenarios.ScenarioError("SHAPE=spike needs a live backend (BACKEND=twin or vllm): "
+                                          "the predictor runs constant loads only")
+        return Experiment.build(settings, "stress", scenario, stress_mod.single_points(scenario),
+                                {"shape": shape}, shape).run()
+    levels = stress_mod.staircase_levels(scenario, plans.parse_values("load.shape.level", levels_text)
+                                         if levels_text else None)
+    meta = {"shape": shape, "params": ["load.shape.level"]}
+    repeats = settings.repeats or scenario.run.repeats
+    fixed = dataclasses.replace(settings, experiment=experiment_id(settings, "stress", scenario, shape))
+
+    def read_levels():
+        store = Store(fixed.store_path)
+        try:
+            return stress_mod.levels_table(store, fixed.experiment, store.runs(fixed.experiment))
+        finally:
+            store.close()
+
+    stopped: list[int] = []
+
+    def take(points: list[plans.Point]) -> int:
+        # Once stopped (the deadline, Ctrl-C), a later refinement round takes nothing and says nothing.
+        if stopped:
+            return stopped[0]
+        rc = Experiment.build(fixed, "stress", scenario, points, meta, shape).run()
+        stopped.extend([rc] if rc else [])
+        return rc
+
+    # A ramp zooms into the knee in the same experiment; a step keeps its levels.
+    return stress_mod.run_staircase(scenario, levels, refine if shape == "ramp" else 0, take,
+                                    read_levels, repeats)
+
+
+def claims(settings: Settings, source: Source, selection: str | None) -> int:
+    """The guide's claims, each measured by its experiment, with a verdict table."""
+    from vllm_lab import claims as claims_mod
+    base = source.resolve_checked()
+    try:
+        selected = claims_mod.parse_selection(selection)
+    except ValueError as e:
+        raise scenarios.ScenarioError(str(e)) from None
+    points = claims_mod.points(base, selected, settings.repeats or 1)
+    if not points:
+        print(f"claims {selected}: nothing to measure here (claim 7 is not testable on vLLM "
+              f"{base.vllm_version})")
+        return 0
+    return Experiment.build(settings, "claims", base, points, {"base": base.to_record()}).run()
+
+
+def newest_experiment(path: Path) -> str:
+    """The newest experiment in the store, or StoreError saying there is none yet."""
+    store = Store(path)
+    try:
+        newest = store.newest_experiment()
+    finally:
+        store.close()
+    if newest is None:
+        raise StoreError(f"{path}: no experiments yet; run make baseline or make sweep first")
+    return newest
+
