@@ -39,6 +39,8 @@ BASELINE  ?=                          # make watch: BASELINE=1 records a new bas
 PROFILE_OUT ?=                        # make calibrate: where the fitted twin profile goes
 FIT_ONLY  ?=                          # make calibrate FIT_ONLY=1 EXPERIMENT=...: refit from the store, measure nothing
 REFERENCE ?=                          # make calibrate: vllm bench serve result files of the same machine, fitted too
+LIVE      ?=                          # LIVE=1: serve Locust's web UI for the run in flight and print its URL
+LIVE_HOST ?=                          # with LIVE=1: the address the web UI binds (default 127.0.0.1)
 LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
 
 # Every variable above reaches the lab as data, never as shell or make text: its text, unexpanded
@@ -49,7 +51,7 @@ LAB_PYTHON ?=                         # use this Python (with the lab's dependen
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF
+  REFERENCE PDF LIVE LIVE_HOST
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 
@@ -118,7 +120,7 @@ claims: venv ## Measure the tuning guide's claims, a verdict each [CLAIMS=1,3 RE
 	@$(LAB) claims
 
 ##@ Long-term monitoring
-.PHONY: monitor watch findings
+.PHONY: monitor watch findings status
 monitor: venv ## Step 5: Prometheus scraping every instance, alert rules, exporters, Grafana where installable
 	@$(LAB) monitor
 
@@ -127,6 +129,9 @@ watch: venv ## Probe a live deployment, store it, flag a regression vs its basel
 
 findings: venv ## Troubleshooting findings of an experiment's runs (EXPERIMENT=..., default the newest)
 	@$(LAB) findings
+
+status: venv ## What the lab is doing now (experiment, point, phase, since when), from any shell [OUT=]
+	@$(LAB) status
 
 ##@ Scenarios
 .PHONY: lint show

@@ -17,7 +17,7 @@ import pandas as pd
 import yaml
 
 from vllm_lab import lint as lint_mod
-from vllm_lab import plans, scenarios, serving
+from vllm_lab import plans, progress, scenarios, serving
 from vllm_lab.flags import redact
 from vllm_lab.monitor import MonitorError
 from vllm_lab.store import (
@@ -128,6 +128,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spread", action="store_true", help="spread points over all inventory hosts")
     p.add_argument("--loadgen-processes", type=_count(1), default=None,
                    help="Locust processes per load-generator host (default: sized from the load)")
+    p.add_argument("--live", action="store_true", help="serve Locust's web UI for the run in flight")
+    p.add_argument("--live-host", default="127.0.0.1", help="address the web UI binds (with --live)")
 
 
 def _backend(args: argparse.Namespace, experiment: str = ""):
@@ -143,7 +145,8 @@ def _backend(args: argparse.Namespace, experiment: str = ""):
     except RuntimeError as e:
         raise StoreError(f"{args.inventory}: hosts could not be provisioned: {e}") from None
     return LiveBackend(args.backend, args.inventory, api_key=os.environ.get("VLLM_API_KEY") or None,
-                       processes=getattr(args, "loadgen_processes", None), experiment=experiment)
+                       processes=getattr(args, "loadgen_processes", None), experiment=experiment,
+                       live_host=args.live_host if getattr(args, "live", False) else None)
 
 
 def _experiment_id(args, step: str, scenario, param: str | None, store_path: Path) -> str:
@@ -169,24 +172,48 @@ def _take(args, step: str, scenario, points, meta: dict, param: str | None = Non
             PredictBackend.check(point.scenario)  # every point, before the first is taken
     plan = plans.Plan(exp_id, step, points, meta)
     hosts = serving.serve_hosts(args.inventory) if args.spread else [None]
-    print(f"{step}: experiment {exp_id}, {len(points)} runs, backend {args.backend}")
-
-    def progress(point, m):
-        s = m.summary
-        figures = (f"{s.get('output_throughput', 0):.0f} tok/s, TTFT p50 "
-                   f"{(s.get('ttft_p50') or 0) * 1000:.0f} ms, TPOT p50 {(s.get('tpot_p50') or 0) * 1000:.1f} ms"
-                   if m.status == "ok" else m.error.splitlines()[0][:160])
-        print(f"  {point.values or 'baseline'} repeat {point.repeat}: {m.status}: {figures}", flush=True)
-
+    shown = progress.Progress(step, exp_id, args.backend, args.out,
+                              window_s=points[0].scenario.load.stop.duration_s)
     try:
-        counts = plans.execute(plan, _backend(args, exp_id), store_path, args.out / ".work", hosts, progress)
+        backend = _backend(args, exp_id)
+        with progress.tracking(shown):
+            counts = plans.execute(plan, backend, store_path, args.out / ".work", hosts, progress=shown)
     except KeyboardInterrupt:
         print(f"lab: interrupted; finished runs are kept. Continue with: make {step} ... "
               f"RESUME=1 EXPERIMENT={exp_id}", file=sys.stderr)
         return 130
     index = report.build(store_path, exp_id, args.out)
     print(f"runs this session: {counts or 'none (all were already recorded)'}")
+    progress.closing_table(_runs_of(store_path, exp_id))
     print(f"report: {index}")
+    return 0
+
+
+def _runs_of(store_path: Path, exp_id: str):
+    from vllm_lab.store import Store
+    store = Store(store_path)
+    try:
+        return store.runs(exp_id)
+    finally:
+        store.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """What the lab under OUT is doing now (experiment, point, phase, since when), or did last."""
+    store_path = args.out / "lab.db"
+    newest = None
+    if store_path.exists():
+        from vllm_lab.store import Store
+        store = Store(store_path)
+        try:
+            exp = store.newest_experiment()
+            if exp:
+                runs = store.runs(exp)
+                newest = {"id": exp, "step": store.experiment(exp)["step"],
+                          "statuses": runs["status"].value_counts().to_dict()}
+        finally:
+            store.close()
+    print(progress.describe_status(args.out, newest))
     return 0
 
 
@@ -214,7 +241,7 @@ def _lint_or_note(point) -> None:
     """A value vLLM would refuse is still a data point: it is measured (and recorded as refused)."""
     for f in lint_mod.lint(point.scenario):
         if f.severity == "error":
-            print(f"  note: {point.values}: {f.message}")
+            print(f"  note: {progress.point_label(point.values)}: {f.message}")
 
 
 def _resolve_checked(args: argparse.Namespace):
@@ -320,15 +347,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"tune: study {exp_id}, {args.trials} trial(s) per host on {len(hosts)} host(s), backend "
           f"{args.backend}, objective {search.objective_label(args.objective)}, space {', '.join(space.space)}")
 
-    def progress(number, values, run):
-        s = run["summary"]
-        figures = (f"goodput {s.get('goodput') or 0:.2f} req/s, {s.get('output_throughput') or 0:.0f} tok/s"
-                   if run["state"] == "complete" else f"{run['status']}: {(run['error'] or '').splitlines()[0][:100] if run['error'] else ''}")
-        print(f"  trial {number} {values}: {run['state']}: {figures}", flush=True)
+    shown = progress.Progress("tune", exp_id, args.backend, args.out, noun="trial",
+                              window_s=scenario.load.stop.duration_s)
+    shown.expect(args.trials * len(hosts))
+
+    def on_trial(number, values, run):
+        shown.point_done({"trial": number, **values}, 0, run["status"], run["summary"], run["error"] or "")
 
     try:
-        counts = search.run_trials(scenario, settings, _backend(args, exp_id), store_path, args.out / ".work",
-                                   hosts, progress)
+        backend = _backend(args, exp_id)
+        with progress.tracking(shown):
+            counts = search.run_trials(scenario, settings, backend, store_path, args.out / ".work",
+                                       hosts, on_trial)
     except KeyboardInterrupt:
         print(f"lab: interrupted; finished trials are kept. Continue with: make tune EXPERIMENT={exp_id}",
               file=sys.stderr)
@@ -477,6 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm bench serve result files from the same machine, fitted too")
     p.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser("status", help="what the lab is doing now (or did last), from another shell too")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.set_defaults(func=cmd_status)
+
     p = sub.add_parser("report", help="rebuild an experiment's report from the store")
     p.add_argument("--experiment", type=_experiment, default=None,
                    help="experiment id (default: the newest)")
@@ -558,7 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
 _SCENARIO_VARS = (("SCENARIO", "--scenario"), ("HARDWARE", "--hardware"))
 _RUN_VARS = (("INVENTORY", "--inventory"), ("BACKEND", "--backend"), ("OUT", "--out"),
              ("EXPERIMENT", "--experiment"), ("RESUME", "--resume"), ("REPEATS", "--repeats"),
-             ("SPREAD", "--spread"), ("LOADGEN_PROCESSES", "--loadgen-processes"))
+             ("SPREAD", "--spread"), ("LOADGEN_PROCESSES", "--loadgen-processes"),
+             ("LIVE", "--live"), ("LIVE_HOST", "--live-host"))
 MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "baseline": _RUN_VARS,
     "sweep": _RUN_VARS + (("PARAM", "--param"), ("VALUES", "--values")),
@@ -579,13 +614,14 @@ MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "findings": (("OUT", "--out"), ("EXPERIMENT", "--experiment")),
     "lint": (),
     "show": (),
+    "status": (("OUT", "--out"),),
 }
 # Targets that take the scenario's layers (SCENARIO, HARDWARE, SET, MODEL, DURATION).
 _LAYERED = {"baseline", "sweep", "calibrate", "combo", "tune", "stress", "claims", "lint", "show"}
 _REQUIRED = {"sweep": ("PARAM", "make sweep PARAM=max-num-seqs"),
              "stress": ("SHAPE", "make stress SHAPE=ramp (ramp, step, spike or soak)"),
              "combo": ("PARAMS or GRID", "make combo PARAMS=max-num-seqs,max-num-batched-tokens")}
-_SWITCHES = {"--resume", "--spread", "--fit-only", "--baseline"}
+_SWITCHES = {"--resume", "--spread", "--fit-only", "--baseline", "--live"}
 _ON, _OFF = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
 
 
