@@ -72,6 +72,8 @@ def outcome(status: str, summary: dict[str, Any], error: str = "") -> str:
     """A run's result in one line: its figures, or its status and the cause's first line."""
     if status != "ok":
         cause = next((ln.strip() for ln in (error or "").splitlines() if ln.strip()), "")
+        if cause.startswith(f"{status}:"):  # a start failure's cause already leads with it
+            return cause[:170]
         return f"{status}: {cause[:160]}" if cause else status
     s = summary
     return (f"{s.get('output_throughput') or 0:.0f} tok/s, goodput {s.get('goodput') or 0:.2f} req/s, "
@@ -125,6 +127,8 @@ class Progress:
         self._live = None
         self._last_beat = 0.0
         self._learned = self._read_timings()
+        self.stage = "preparing"  # provisioning, checking the plan: no run yet
+        self._beat(force=True)
 
     # -- the plan ----------------------------------------------------------------------------
     def begin(self, points: Sequence[Any], todo: Sequence[Any], groups: int, hosts: int = 1) -> None:
@@ -138,6 +142,7 @@ class Progress:
             self.total_runs = len(todo)
             self.groups_left = groups if self.backend != "predict" else 0
             self.hosts = max(1, hosts)
+            self.stage = "running"
             skipped = len(points) - len(todo)
             head = (f"{self.step}: experiment {self.experiment}, {len(self.points)} point(s), "
                     f"{len(points)} run(s), backend {self.backend}")
@@ -198,7 +203,8 @@ class Progress:
             url = figures.pop("web_url", None)
             if url:
                 self.web_url = url
-                self._line(f"Locust web UI for the run in flight: {url}")
+                if self.plain:  # a terminal shows it in the live view
+                    self._line(f"Locust web UI for the run in flight: {url}")
             if f is None or not figures:
                 return
             f.figures = figures
@@ -206,7 +212,7 @@ class Progress:
             if self.plain and now - f.last_plain >= PLAIN_FIGURES_EVERY_S:
                 f.last_plain = now
                 self._say(f, f"measuring {duration(now - f.phase_since)}"
-                          + (f" of {duration(f.expected_s)}" if f.expected_s else "")
+                          + (f" (window {duration(f.expected_s)})" if f.expected_s else "")
                           + f": {self._figures_text(f.figures)}")
             self._beat()
 
@@ -226,6 +232,7 @@ class Progress:
             if f.phase == "measuring" or (self.backend == "predict" and f.phase == "running"):
                 self.run_times.append(now - f.phase_since)
             self.done_runs += 1
+            self.web_url = ""  # that run's Locust has quit
             text = outcome(status, summary, error)
             self.results.append((self._name(f), text))
             eta = self.eta()
@@ -354,10 +361,13 @@ class Progress:
             lines: list[Any] = [head]
             for f in self.flight.values():
                 spent = now - f.phase_since
-                state = f"{f.phase} {duration(spent)}" + (
-                    f" of ~{duration(f.expected_s)}" if f.expected_s else "")
                 if f.phase == "measuring":
-                    state += f" · {self._figures_text(f.figures)}"
+                    state = (f"measuring {duration(spent)}"
+                             + (f" (window {duration(f.expected_s)})" if f.expected_s else "")
+                             + f" · {self._figures_text(f.figures)}")
+                else:
+                    state = f"{f.phase} {duration(spent)}" + (
+                        f" of ~{duration(f.expected_s)}" if f.expected_s else "")
                 lines.append(Text(f"  {self._name(f)}: {state}", style="cyan"))
             if self.web_url:
                 lines.append(Text(f"  Locust web UI: {self.web_url}"))
@@ -374,6 +384,7 @@ class Progress:
             "experiment": self.experiment, "backend": self.backend, "started": self.started,
             "updated": now, "runs_done": self.done_runs, "runs_total": self.total_runs,
             "points_total": len(self.points), "eta_s": self.eta(), "web_url": self.web_url,
+            "stage": getattr(self, "stage", "running"),
             "in_flight": [{"host": f.host, "point": self._name(f), "phase": f.phase,
                            "phase_since": f.phase_since, "expected_s": f.expected_s,
                            "figures": f.figures} for f in self.flight.values()],
@@ -526,6 +537,8 @@ def describe_status(out: Path, newest: dict[str, Any] | None = None, now: float 
                 figs = Progress._figures_text(f.get("figures") or {}) if f.get("figures") else ""
                 lines.append(f"  {f['point']}: {f['phase']} since {phase_since} "
                              f"({duration(now - f.get('phase_since', now))})" + (f": {figs}" if figs else ""))
+            if beat.get("stage") == "preparing":
+                lines.append("  preparing: provisioning the hosts, checking the plan (no run yet)")
             if beat.get("web_url"):
                 lines.append(f"  Locust web UI: {beat['web_url']}")
         else:
