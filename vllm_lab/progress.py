@@ -126,6 +126,7 @@ class Progress:
         self.web_url = ""
         self._live = None
         self._last_beat = 0.0
+        self._last_done = self.started
         self._learned = self._read_timings()
         self.stage = "preparing"  # provisioning, checking the plan: no run yet
         self._beat(force=True)
@@ -143,6 +144,7 @@ class Progress:
             self.groups_left = groups if self.backend != "predict" else 0
             self.hosts = max(1, hosts)
             self.stage = "running"
+            self._last_done = time.time()
             skipped = len(points) - len(todo)
             head = (f"{self.step}: experiment {self.experiment}, {len(self.points)} point(s), "
                     f"{len(points)} run(s), backend {self.backend}")
@@ -157,6 +159,7 @@ class Progress:
         """A plan that unfolds as it goes (tune's trials): only its size is known."""
         with self.lock:
             self.total_runs = total
+            self._last_done = time.time()
             if not self.plain and self.stream is not None:
                 self._open_live()
             self._beat(force=True)
@@ -222,16 +225,18 @@ class Progress:
         with self.lock:
             f = self.flight.pop(threading.get_ident(), None)
             now = time.time()
-            if f is None:
+            if f is None:  # a run nobody announced (a predicted trial): it took since the last one
                 label = point_label(values)
                 f = _InFlight(label, (self.points.index(label) + 1) if label in self.points else 0,
-                              repeat + 1, self.repeats.get(label, 1), now, phase_since=now)
+                              repeat + 1, self.repeats.get(label, 1), self._last_done,
+                              "running", self._last_done)
             if self.noun == "trial":  # a trial's values are known once it is done
                 f.label = point_label({k: v for k, v in values.items() if k != "trial"})
                 f.index = self.done_runs + 1
-            if f.phase == "measuring" or (self.backend == "predict" and f.phase == "running"):
+            if f.phase == "measuring" or (f.phase == "running" and self.backend == "predict"):
                 self.run_times.append(now - f.phase_since)
             self.done_runs += 1
+            self._last_done = now
             self.web_url = ""  # that run's Locust has quit
             text = outcome(status, summary, error)
             self.results.append((self._name(f), text))
