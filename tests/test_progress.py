@@ -193,3 +193,15 @@ def test_piped_sweep_is_plain_and_make_status_follows_it(tmp_path):
     assert after.returncode == 0, after.stderr
     assert after.stdout.startswith("not running; last seen") and "finished after 96/96 runs" in after.stdout
     assert "store: newest experiment sweep-default-max-num-seqs-" in after.stdout
+
+
+def test_live_reaches_the_lab_as_switches():
+    from vllm_lab import cli
+    argv, _ = cli.make_argv("sweep", {"LAB_MAKE_PARAM": "max-num-seqs", "LAB_MAKE_LIVE": "1",
+                                      "LAB_MAKE_LIVE_HOST": "0.0.0.0"})
+    args = cli.build_parser().parse_args(argv)
+    assert args.live and args.live_host == "0.0.0.0"
+    argv, _ = cli.make_argv("status", {"LAB_MAKE_OUT": "elsewhere"})
+    assert argv == ["status", "--out=elsewhere"]
+    with pytest.raises(cli.UsageError, match="LIVE="):
+        cli.make_argv("sweep", {"LAB_MAKE_PARAM": "max-num-seqs", "LAB_MAKE_LIVE": "maybe"})
