@@ -117,6 +117,8 @@ class LiveBackend:
         current = self._running.get(host)
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]
+        if current:
+            progress.phase("stopping the last server")
         self._stop(host, release=False)  # a restart keeps the instance's lease: no one takes it between
         # Marked before the start returns: an interrupt during a start must still stop the server.
         self._starting.add(host)

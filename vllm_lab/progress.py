@@ -188,7 +188,7 @@ class Progress:
             if f.phase == "starting" and name != "starting":
                 self.start_times.append(now - f.phase_since)
                 self.groups_left = max(0, self.groups_left - 1)
-            f.phase, f.phase_since, f.figures = name, now, {}
+            f.phase, f.phase_since, f.figures, f.last_plain = name, now, {}, now
             if name == "starting":
                 f.expected_s = self._start_s()
                 self._say(f, f"server starting (expected ~{duration(f.expected_s)})")
