@@ -17,6 +17,8 @@ RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the ne
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
 DEADLINE  ?=                          # stop gracefully by then: 2026-12-01T05:30, 05:30 or 1h30m (exit 75, says how to resume)
 LOADGEN_PROCESSES ?=                  # Locust processes per load-generator host (default: sized from the load)
+LIVE      ?=                          # LIVE=1: serve Locust's web UI for the run in flight and print its URL
+LIVE_HOST ?=                          # with LIVE=1: the address the web UI binds (default 127.0.0.1)
 LAB_PYTHON ?=                         # use this Python (with the lab's dependencies) instead of .venv, e.g. on an air-gapped GPU host
 PYTHON    ?= python3                  # the Python that creates .venv
 #= Container hosts (inventory/container*.yml; also make provision, stop, teardown)
@@ -65,7 +67,7 @@ ARGS      ?=                          # its own arguments, e.g. ARGS="fidelity s
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE
+  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE LIVE LIVE_HOST
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 
@@ -139,7 +141,7 @@ claims: venv ## Measure the tuning guide's claims, a verdict each [CLAIMS=1,3 RE
 	@$(LAB) claims
 
 ##@ Long-term monitoring
-.PHONY: monitor watch findings
+.PHONY: monitor watch findings status
 monitor: venv ## Step 5: Prometheus scraping every instance, alert rules, exporters, Grafana where installable
 	@$(LAB) monitor
 
@@ -159,6 +161,9 @@ stop: venv ## Stop every server on INVENTORY's hosts, whole process groups, GPUs
 
 teardown: venv ## Stop, then remove what provision and serving put on INVENTORY's hosts (teardown.yml)
 	@$(LAB) teardown
+
+status: venv ## What the lab is doing now (experiment, point, phase, since when), from any shell [OUT=]
+	@$(LAB) status
 
 ##@ Scenarios
 .PHONY: lint show

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from vllm_lab import audit, serving
+from vllm_lab import audit, progress, serving
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import PREDICTION_KEY
 from vllm_lab.summary import request_failures, summarize
@@ -101,7 +101,7 @@ class LiveBackend:
     REMOTE_CORES = 16
 
     def __init__(self, name: str, inventory: Path, api_key: str | None = None,
-                 processes: int | None = None, experiment: str = ""):
+                 processes: int | None = None, experiment: str = "", live_host: str | None = None):
         self.name = name  # "twin" | "vllm"
         self.inventory = inventory
         self.experiment = experiment  # named in the lock on each instance this process holds
@@ -110,6 +110,7 @@ class LiveBackend:
         self._running: dict[str | None, tuple[str, serving.Instance]] = {}
         self._starting: set[str | None] = set()
         self._workers: list | None = None  # the inventory's remote load generators, read once
+        self.live_host = live_host  # LIVE=1: Locust's web UI on this address for each run
 
     # -- server lifecycle ----------------------------------------------------------------------
     def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
@@ -118,9 +119,12 @@ class LiveBackend:
         current = self._running.get(host)
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]
+        if current:
+            progress.phase("stopping the last server")
         self._stop(host, release=False)  # a restart keeps the instance's lock: no one takes it between
         # Marked before the start returns: an interrupt during a start must still stop the server.
         self._starting.add(host)
+        progress.phase("starting")
         instances = serving.start(
             scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
             experiment=self.experiment,
@@ -272,9 +276,11 @@ class LiveBackend:
                 log.warning("%s: /reset_prefix_cache did not answer 200 (a server without "
                             "VLLM_SERVER_DEV_MODE): this run starts with the last run's cache",
                             instance.url)
+        progress.phase("measuring", window_s=scenario.load.stop.duration_s)
         result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
                           workdir, seed=scenario.run.seed, api_key=api_key,
-                          processes=processes, workers_hosts=workers)
+                          processes=processes, workers_hosts=workers,
+                          on_progress=progress.figures, web_host=self.live_host)
         result.server_metrics = own_gpus(result.server_metrics, instance.gpus)
         summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
         view = audit.server_view(result.server_metrics)

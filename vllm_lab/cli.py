@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from vllm_lab import experiment, scenarios, serving
+from vllm_lab import experiment, progress, scenarios, serving
 from vllm_lab import lint as lint_mod
 from vllm_lab.flags import redact
 from vllm_lab.monitor import MonitorError
@@ -130,6 +130,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline", type=_deadline, default=None,
                    help="stop gracefully by then: 2026-12-01T05:30, 05:30 (today) or 1h30m from now; "
                         f"exit {experiment.EXIT_DEADLINE} with the command that resumes")
+    p.add_argument("--live", action="store_true", help="serve Locust's web UI for the run in flight")
+    p.add_argument("--live-host", default="127.0.0.1", help="address the web UI binds (with --live)")
 
 
 def _deadline(text: str) -> experiment.Deadline:
@@ -146,11 +148,31 @@ def _settings(args: argparse.Namespace) -> experiment.Settings:
         backend=args.backend, inventory=args.inventory, out=args.out, store=args.store,
         experiment=args.experiment, resume=args.resume, repeats=args.repeats, spread=args.spread,
         loadgen_processes=args.loadgen_processes, deadline=args.deadline,
+        live_host=args.live_host if getattr(args, "live", False) else None,
         resume_command=getattr(args, "resume_command", None) or _resume_command([]))
 
 
 def _source(args: argparse.Namespace) -> experiment.Source:
     return experiment.Source(args.scenario, args.hardware, tuple(args.overrides))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """What the lab under OUT is doing now (experiment, point, phase, since when), or did last."""
+    store_path = args.out / "lab.db"
+    newest = None
+    if store_path.exists():
+        from vllm_lab.store import Store
+        store = Store(store_path)
+        try:
+            exp = store.newest_experiment()
+            if exp:
+                runs = store.runs(exp)
+                newest = {"id": exp, "step": store.experiment(exp)["step"],
+                          "statuses": runs["status"].value_counts().to_dict()}
+        finally:
+            store.close()
+    print(progress.describe_status(args.out, newest))
+    return 0
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
@@ -322,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm bench serve result files from the same machine, fitted too")
     p.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser("status", help="what the lab is doing now (or did last), from another shell too")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.set_defaults(func=cmd_status)
+
     p = sub.add_parser("report", help="rebuild an experiment's report from the store")
     p.add_argument("--experiment", type=_experiment, default=None,
                    help="experiment id (default: the newest)")
@@ -416,7 +442,7 @@ _SCENARIO_VARS = (("SCENARIO", "--scenario"), ("HARDWARE", "--hardware"))
 _RUN_VARS = (("INVENTORY", "--inventory"), ("BACKEND", "--backend"), ("OUT", "--out"),
              ("EXPERIMENT", "--experiment"), ("RESUME", "--resume"), ("REPEATS", "--repeats"),
              ("SPREAD", "--spread"), ("LOADGEN_PROCESSES", "--loadgen-processes"),
-             ("DEADLINE", "--deadline"))
+             ("DEADLINE", "--deadline"), ("LIVE", "--live"), ("LIVE_HOST", "--live-host"))
 MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "baseline": _RUN_VARS,
     "sweep": _RUN_VARS + (("PARAM", "--param"), ("VALUES", "--values")),
@@ -441,6 +467,7 @@ MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "bench": (("NAME", "name"), ("ARGS", "args")),
     "lint": (),
     "show": (),
+    "status": (("OUT", "--out"),),
 }
 # Targets that take the scenario's layers (SCENARIO, HARDWARE, SET, MODEL, DURATION).
 _LAYERED = {"baseline", "sweep", "calibrate", "combo", "tune", "stress", "claims", "lint", "show"}
@@ -450,7 +477,7 @@ _REQUIRED = {"sweep": ("PARAM", "make sweep PARAM=max-num-seqs"),
              "bench": ("NAME", "make bench NAME=twin (make help lists them)")}
 # Read by the container inventories from the environment (inventory/container.yml), not options.
 _INVENTORY_VARS = ("VLLM_VENV", "LAB_ROOT")
-_SWITCHES = {"--resume", "--spread", "--fit-only", "--baseline"}
+_SWITCHES = {"--resume", "--spread", "--fit-only", "--baseline", "--live"}
 _ON, _OFF = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from vllm_lab import lint as lint_mod
-from vllm_lab import plans, scenarios, serving
+from vllm_lab import plans, progress, scenarios, serving
 from vllm_lab.backends import Backend, Measurement
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store, StoreError, check_experiment_name, experiment_dir
@@ -264,6 +264,7 @@ class Settings:
     spread: bool = False
     loadgen_processes: int | None = None
     deadline: Deadline | None = None
+    live_host: str | None = None  # LIVE=1: Locust's web UI for the run in flight, bound here
     # The exact command that resumes an experiment, as the user would type it: given its id, and
     # make variables to change (TRIALS=<left>).
     resume_command: Callable[..., str] = field(
@@ -334,7 +335,16 @@ def make_backend(settings: Settings, experiment: str = "") -> Backend:
         raise StoreError(f"{settings.inventory}: hosts could not be provisioned: {e}") from None
     return LiveBackend(settings.backend, settings.inventory,
                        api_key=os.environ.get("VLLM_API_KEY") or None,
-                       processes=settings.loadgen_processes, experiment=experiment)
+                       processes=settings.loadgen_processes, experiment=experiment,
+                       live_host=settings.live_host)
+
+
+def _runs_of(path: Path, exp_id: str):
+    st = Store(path)
+    try:
+        return st.runs(exp_id)
+    finally:
+        st.close()
 
 
 def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print) -> None:
@@ -347,7 +357,7 @@ def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print)
         seen.add(point.serve_key)
         for f in lint_mod.lint(point.scenario):
             if f.severity == "error":
-                say(f"  note: {point.values}: {f.message}")
+                say(f"  note: {progress.point_label(point.values)}: {f.message}")
 
 
 @dataclass
@@ -388,27 +398,20 @@ class Experiment:
                 PredictBackend.check(point.scenario)  # every point, before the first is taken
         plan = plans.Plan(self.id, self.step, self.points, self.meta)
         hosts = s.hosts()
-        say(f"{self.step}: experiment {self.id}, {len(self.points)} runs, backend {s.backend}")
-
-        def progress(point, m):
-            sm = m.summary
-            figures = (f"{sm.get('output_throughput', 0):.0f} tok/s, TTFT p50 "
-                       f"{(sm.get('ttft_p50') or 0) * 1000:.0f} ms, TPOT p50 "
-                       f"{(sm.get('tpot_p50') or 0) * 1000:.1f} ms"
-                       if m.status == "ok" else m.error.splitlines()[0][:160])
-            say(f"  {point.values or 'baseline'} repeat {point.repeat}: {m.status}: {figures}")
-            sys.stdout.flush()
-
+        shown = progress.Progress(self.step, self.id, s.backend, s.out,
+                                  window_s=self.points[0].scenario.load.stop.duration_s)
         backend = make_backend(s, self.id)
         if s.deadline is not None:
             backend = DeadlineGuard(backend, s.deadline,
                                     Timing.from_store(s.store_path, self.id, backend.name))
         try:
-            with Watchdog(s.deadline, getattr(backend, "margin", 0.0)) as watch:
+            with Watchdog(s.deadline, getattr(backend, "margin", 0.0)) as watch, \
+                    progress.tracking(shown):
                 if isinstance(backend, DeadlineGuard):
                     backend.on_stop = watch.disarm
                 try:
-                    counts = plans.execute(plan, backend, s.store_path, s.out / ".work", hosts, progress)
+                    counts = plans.execute(plan, backend, s.store_path, s.out / ".work", hosts,
+                                           progress=shown)
                 except KeyboardInterrupt:
                     if not watch.fired.is_set():
                         raise
@@ -421,6 +424,7 @@ class Experiment:
             return 130
         index = report.build(s.store_path, self.id, s.out)
         say(f"runs this session: {counts or 'none (all were already recorded)'}")
+        progress.closing_table(_runs_of(s.store_path, self.id))
         say(f"report: {index}")
         return 0
 
@@ -545,12 +549,13 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
           f"{settings.backend}, objective {search.objective_label(options.objective)}, space "
           f"{', '.join(space.space)}")
 
-    def progress(number, values, run):
-        s = run["summary"]
-        error = (run["error"] or "").splitlines()[0][:100] if run["error"] else ""
-        figures = (f"goodput {s.get('goodput') or 0:.2f} req/s, {s.get('output_throughput') or 0:.0f} tok/s"
-                   if run["state"] == "complete" else f"{run['status']}: {error}")
-        print(f"  trial {number} {values}: {run['state']}: {figures}", flush=True)
+    shown = progress.Progress("tune", exp_id, settings.backend, settings.out, noun="trial",
+                              window_s=scenario.load.stop.duration_s)
+    shown.expect(options.trials * len(hosts))
+
+    def on_trial(number, values, run):
+        shown.point_done({"trial": number, **values}, 0, run["status"], run["summary"],
+                         run["error"] or "")
         done.append(number)
 
     done: list[int] = []
@@ -559,13 +564,14 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
         backend = DeadlineGuard(backend, settings.deadline,
                                 Timing.from_store(settings.store_path, exp_id, backend.name))
     try:
-        with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch:
+        with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch, \
+                progress.tracking(shown):
             if isinstance(backend, DeadlineGuard):
                 backend.on_stop = watch.disarm
             try:
                 with _quiet_deadline_in_threads():
                     counts = search.run_trials(scenario, tune_settings, backend, settings.store_path,
-                                               settings.out / ".work", hosts, progress)
+                                               settings.out / ".work", hosts, on_trial)
             except KeyboardInterrupt:
                 if not watch.fired.is_set():
                     raise

@@ -27,6 +27,7 @@ from vllm_lab import flags as flagcat
 from vllm_lab.backends import Backend, Measurement
 from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
+from vllm_lab.progress import Progress
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
 from vllm_lab.store import RunRecord, Store, run_identity
 
@@ -239,8 +240,11 @@ class Plan:
 
 def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
             hosts: Sequence[str | None] = (None,),
-            on_run: Callable[[Point, Measurement], None] | None = None) -> dict[str, int]:
+            on_run: Callable[[Point, Measurement], None] | None = None,
+            progress: Progress | None = None) -> dict[str, int]:
     """Take every point not yet in the store; return counts by status (this session's runs).
+
+    ``progress`` hears of each run's start and end (point i of N, run j of k, its figures).
 
     Serve groups are dealt to ``hosts`` round-robin and each host works through its share in its
     own thread; every run is committed as it ends, so Ctrl-C loses only the runs in flight.
@@ -259,7 +263,10 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     for p in todo:
         if _server(p) not in refusals:
             refusals[_server(p)] = hardware_refusal(p.scenario)
-    shares = deal(group_by_server(todo), hosts)
+    groups = group_by_server(todo)
+    shares = deal(groups, hosts)
+    if progress:
+        progress.begin(plan.points, todo, len(groups), sum(1 for h in hosts if shares[h]))
     prune_work(workdir)
     recorded: list[Path] = []
     counts: dict[str, int] = {}
@@ -273,6 +280,8 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
                 for point in group:
                     if stop.is_set():
                         return
+                    if progress:
+                        progress.point_started(point.values, point.repeat, host)
                     refusal = refusals[_server(point)]
                     m = (Measurement(status="failed-start", started=time.time(), ended=time.time(),
                                      host=host or "", error=f"refused before launch: {refusal.message}")
@@ -284,6 +293,9 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
                     with lock:
                         counts[m.status] = counts.get(m.status, 0) + 1
                         recorded.append(workdir / plan.experiment_id / point.key)
+                    if progress:
+                        progress.point_done(point.values, point.repeat, m.status, m.summary,
+                                            m.error, host)
                     if on_run:
                         on_run(point, m)
         finally:

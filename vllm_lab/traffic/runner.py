@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -267,6 +268,64 @@ def _fetch_remote_samples(workers: list[WorkerHost], out_dir: Path, run_tag: str
                   file=sys.stderr)
 
 
+class LiveFigures:
+    """Requests done, output tok/s and errors so far, read from the sample files local Locust
+    processes flush every second (remote workers' files arrive only after the run)."""
+
+    WINDOW_S = 10.0  # tok/s over the last this-many seconds: the current rate, not the average
+
+    def __init__(self, samples_dir: Path):
+        self.samples_dir = samples_dir
+        self.offsets: dict[Path, int] = {}
+        self.requests = self.errors = self.tokens = 0
+        self.history: list[tuple[float, int]] = [(time.monotonic(), 0)]
+
+    def read(self) -> dict:
+        """Take in what the files gained since the last read; the figures so far."""
+        for path in sorted(self.samples_dir.glob("*.jsonl")):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets.get(path, 0))
+                    chunk = fh.read()
+            except OSError:
+                continue
+            end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
+            self.offsets[path] = self.offsets.get(path, 0) + end
+            for line in chunk[:end].splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                self.requests += 1
+                self.errors += row.get("status") != "ok"
+                self.tokens += int(row.get("output_tokens") or 0)
+        now = time.monotonic()
+        self.history.append((now, self.tokens))
+        while len(self.history) > 2 and now - self.history[1][0] >= self.WINDOW_S:
+            self.history.pop(0)
+        t0, k0 = self.history[0]
+        rate = (self.tokens - k0) / (now - t0) if now > t0 else None
+        return {"requests": self.requests, "tok_s": rate, "errors": self.errors}
+
+
+def _wait(proc: subprocess.Popen, limit: float, samples_dir: Path,
+          on_progress: Callable[..., None] | None, every_s: float = 2.0) -> int:
+    """Wait for Locust (-1 past ``limit``), reporting live figures every ``every_s`` seconds."""
+    if on_progress is None:
+        try:
+            return proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            return -1
+    live = LiveFigures(samples_dir)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            return proc.wait(min(every_s, max(0.01, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            on_progress(**live.read())
+    return -1
+
+
 def _summaries(samples_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(samples_dir.glob("*.summary.json"))]
 
@@ -283,12 +342,15 @@ def run_load(
     scrape_metrics: bool = True,
     workers_hosts: list[str | WorkerHost] | None = None,
     scrape_interval_s: float = 2.0,
+    on_progress: Callable[..., None] | None = None,
+    web_host: str | None = None,
 ) -> LoadResult:
     """Run Locust headless against base_url until the load's stop condition; return the samples.
 
     workers_hosts: one Locust worker (of `processes` processes) per entry, with a master here;
     entries are WorkerHosts (see loadgen_workers) or bare addresses. base_url must be reachable
-    from every worker's host.
+    from every worker's host. on_progress(requests=, tok_s=, errors=) hears the figures so far
+    every few seconds (web_url= once when web_host serves Locust's web UI for the run).
     """
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -314,7 +376,17 @@ def run_load(
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base_url,
+    if web_host:
+        # LIVE=1: the same run, started at once, with Locust's web UI to watch it; it quits when
+        # the shape ends the run, as a headless one does.
+        web_port = _free_port()
+        ui = ["--autostart", "--autoquit", "0", "--web-host", web_host, "--web-port", str(web_port)]
+        shown = "127.0.0.1" if web_host in ("0.0.0.0", "::", "*") else web_host
+        if on_progress:
+            on_progress(web_url=f"http://{'[' + shown + ']' if ':' in shown else shown}:{web_port}/")
+    else:
+        ui = ["--headless"]
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *ui, "--host", base_url,
            "--csv", str(out_dir / "locust"), "--logfile", str(out_dir / "locust.log"),
            "--only-summary", "--stop-timeout", str(int(load.request_timeout_s))]
     worker_procs: list[subprocess.Popen] = []
@@ -339,11 +411,7 @@ def run_load(
                 _worker_cmd(h, _master_address(h), port, where, processes), env=env, stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
         # The shape stops the run; this limit only catches a hung Locust.
-        limit = load.stop.duration_s + 90
-        try:
-            rc = proc.wait(limit)
-        except subprocess.TimeoutExpired:
-            rc = -1
+        rc = _wait(proc, load.stop.duration_s + 90, samples_dir, on_progress)
     finally:
         _stop_group(proc)
         # The master tells its workers to quit; a worker writes its samples' summary on the way
