@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,7 +57,6 @@ class Prediction:
     output_throughput: float
     request_throughput: float
     total_token_throughput: float
-    goodput: float | None
     ttft: dict[str, float]
     tpot: dict[str, float]
     itl: dict[str, float]
@@ -67,7 +66,6 @@ class Prediction:
     kv_usage_mean: float
     gpu_utilization: float
     kv_cache_tokens: int
-    slo_met: dict[str, bool] = field(default_factory=dict)
     requests: pd.DataFrame | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -77,7 +75,7 @@ class Prediction:
             "output_throughput": self.output_throughput,
             "request_throughput": self.request_throughput,
             "total_token_throughput": self.total_token_throughput,
-            "request_goodput": self.goodput, "num_preemptions": self.num_preemptions,
+            "num_preemptions": self.num_preemptions,
             "kv_usage_peak": self.kv_usage_peak, "kv_usage_mean": self.kv_usage_mean,
             "gpu_utilization": self.gpu_utilization,
         }
@@ -105,18 +103,12 @@ def _stats(values: np.ndarray, weights: np.ndarray | None = None) -> dict[str, f
     return out
 
 
-def _slo_threshold(spec) -> tuple[float, float]:
-    """(seconds, percentile) from a number or {"max_s": x, "percentile": p} / (x, p)."""
-    if isinstance(spec, dict):
-        return float(spec.get("max_s", spec.get("value"))), float(spec.get("percentile", 50))
-    if isinstance(spec, (tuple, list)):
-        return float(spec[0]), float(spec[1])
-    return float(spec), 50.0
-
-
 def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[PredictRequest],
-            arrivals: Closed | Open, slo: dict | None = None, seed: int = 0) -> Prediction:
-    """Run ``requests`` (in order) through the twin under ``arrivals`` and measure it all."""
+            arrivals: Closed | Open, seed: int = 0) -> Prediction:
+    """Run ``requests`` (in order) through the twin under ``arrivals`` and measure it all.
+
+    SLOs are not judged here: the lab judges the per-request samples (``Prediction.requests``)
+    with ``vllm_lab.summary``, the same code that judges a measured run."""
     eng = Engine.from_flags(flags, profile, model)
     lat = profile.coefficients.frontend_latency_s
     n = len(requests)
@@ -268,31 +260,17 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         itl_w.append(np.array(step_w))
     itl_v = np.concatenate(itl_t) if itl_t else np.array([])
     itl_wt = np.concatenate(itl_w) if itl_w else None
-    good = None
-    slo_met: dict[str, bool] = {}
-    if slo:
-        meets = ok.copy()
-        per_req = {"ttft": ttft, "tpot": tpot, "itl": tpot, "e2e": e2e, "e2el": e2e}
-        for key, spec in slo.items():
-            if key not in per_req:
-                raise ValueError(f"slo key {key!r}: allowed keys are ttft, tpot, itl, e2e")
-            limit, pct = _slo_threshold(spec)
-            vals = per_req[key]
-            meets &= np.nan_to_num(vals, nan=0.0) <= limit
-            finite = vals[~np.isnan(vals)]
-            slo_met[key] = bool(finite.size and np.percentile(finite, pct) <= limit)
-        good = float(meets.sum() / duration) if duration else 0.0
     total_out = int(outs[ok].sum())
     return Prediction(
         duration_s=duration, completed=int(ok.sum()),
         output_throughput=total_out / duration if duration else 0.0,
         request_throughput=float(ok.sum() / duration) if duration else 0.0,
         total_token_throughput=(total_out + int(prompt_n[ok].sum())) / duration if duration else 0.0,
-        goodput=good, ttft=_stats(ttft[ok]), tpot=_stats(tpot[ok & ~np.isnan(tpot)]),
+        ttft=_stats(ttft[ok]), tpot=_stats(tpot[ok & ~np.isnan(tpot)]),
         itl=_stats(itl_v, itl_wt), e2e=_stats(e2e[ok]), num_preemptions=eng.num_preemptions,
         kv_usage_peak=usage_peak, kv_usage_mean=usage_area / eng.busy_s if eng.busy_s else 0.0,
         gpu_utilization=eng.busy_s / duration if duration else 0.0,
-        kv_cache_tokens=eng.kv_cache_tokens, slo_met=slo_met, requests=df)
+        kv_cache_tokens=eng.kv_cache_tokens, requests=df)
 
 
 def bench_serve(flags: dict[str, Any], profile: Profile, model, num_prompts: int,
