@@ -16,6 +16,7 @@ REPEATS   ?=                          # runs per point (default: the scenario's 
 RESUME    ?=                          # RESUME=1 continues EXPERIMENT (or the newest one of this kind)
 SPREAD    ?=                          # SPREAD=1 spreads the points over every host of INVENTORY
 DEADLINE  ?=                          # stop gracefully by then: 2026-12-01T05:30, 05:30 or 1h30m (exit 75, says how to resume)
+PRECISION ?=                          # repeat each point until its 95% intervals are this narrow: default (±2% throughput, ±5% TTFT/TPOT p50) or throughput=2%,ttft=5%,max=8
 LOADGEN_PROCESSES ?=                  # Locust processes per load-generator host (default: sized from the load)
 LIVE      ?=                          # LIVE=1: serve Locust's web UI for the run in flight and print its URL
 LIVE_HOST ?=                          # with LIVE=1: the address the web UI binds (default 127.0.0.1)
@@ -67,7 +68,7 @@ ARGS      ?=                          # its own arguments, e.g. ARGS="fidelity s
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE LIVE LIVE_HOST
+  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE LIVE LIVE_HOST PRECISION
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 

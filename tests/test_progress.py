@@ -98,11 +98,11 @@ def test_eta_counts_the_starts_and_runs_left(tmp_path):
 
 def test_closing_table_marks_the_best():
     runs = pd.DataFrame([
-        {"point": {"max-num-seqs": 8}, "status": "ok", "summary": {}, "output_throughput": 100.0,
+        {"point": {"max-num-seqs": 8}, "status": "ok", "error": "", "summary": {"meets_slo": True}, "output_throughput": 100.0,
          "goodput": 1.0, "ttft_p50": 0.1, "tpot_p50": 0.01},
-        {"point": {"max-num-seqs": 16}, "status": "ok", "summary": {}, "output_throughput": 200.0,
+        {"point": {"max-num-seqs": 16}, "status": "ok", "error": "", "summary": {"meets_slo": True}, "output_throughput": 200.0,
          "goodput": 2.0, "ttft_p50": 0.1, "tpot_p50": 0.01},
-        {"point": {"max-num-seqs": 32}, "status": "oom", "summary": {}, "output_throughput": None,
+        {"point": {"max-num-seqs": 32}, "status": "oom", "error": "oom: KV cache", "summary": {}, "output_throughput": None,
          "goodput": None, "ttft_p50": None, "tpot_p50": None},
     ])
     out = io.StringIO()

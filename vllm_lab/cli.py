@@ -130,6 +130,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline", type=_deadline, default=None,
                    help="stop gracefully by then: 2026-12-01T05:30, 05:30 (today) or 1h30m from now; "
                         f"exit {experiment.EXIT_DEADLINE} with the command that resumes")
+    p.add_argument("--precision", type=_precision, default=None,
+                   help="repeat each point until its 95%% intervals are this narrow: default "
+                        "(±2%% throughput, ±5%% TTFT/TPOT p50, at most 10 runs) or e.g. "
+                        "throughput=2%%,ttft=5%%,max=8")
     p.add_argument("--live", action="store_true", help="serve Locust's web UI for the run in flight")
     p.add_argument("--live-host", default="127.0.0.1", help="address the web UI binds (with --live)")
 
@@ -142,6 +146,14 @@ def _deadline(text: str) -> experiment.Deadline:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _precision(text: str) -> experiment.Precision:
+    """An argparse type: PRECISION's targets."""
+    try:
+        return experiment.Precision.parse(text)
+    except experiment.PrecisionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _settings(args: argparse.Namespace) -> experiment.Settings:
     """How a long command takes its runs, from its options."""
     return experiment.Settings(
@@ -149,6 +161,7 @@ def _settings(args: argparse.Namespace) -> experiment.Settings:
         experiment=args.experiment, resume=args.resume, repeats=args.repeats, spread=args.spread,
         loadgen_processes=args.loadgen_processes, deadline=args.deadline,
         live_host=args.live_host if getattr(args, "live", False) else None,
+        precision=getattr(args, "precision", None),
         resume_command=getattr(args, "resume_command", None) or _resume_command([]))
 
 
@@ -442,7 +455,8 @@ _SCENARIO_VARS = (("SCENARIO", "--scenario"), ("HARDWARE", "--hardware"))
 _RUN_VARS = (("INVENTORY", "--inventory"), ("BACKEND", "--backend"), ("OUT", "--out"),
              ("EXPERIMENT", "--experiment"), ("RESUME", "--resume"), ("REPEATS", "--repeats"),
              ("SPREAD", "--spread"), ("LOADGEN_PROCESSES", "--loadgen-processes"),
-             ("DEADLINE", "--deadline"), ("LIVE", "--live"), ("LIVE_HOST", "--live-host"))
+             ("DEADLINE", "--deadline"), ("PRECISION", "--precision"), ("LIVE", "--live"),
+             ("LIVE_HOST", "--live-host"))
 MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "baseline": _RUN_VARS,
     "sweep": _RUN_VARS + (("PARAM", "--param"), ("VALUES", "--values")),

@@ -439,8 +439,19 @@ def figures(**values: Any) -> None:
 
 # -- the closing table ---------------------------------------------------------------------------
 
+def _best_label(runs) -> str | None:
+    """The report's best point (the cheapest within noise of the top under the SLO), labelled."""
+    from vllm_lab.reports.points import best_point, point_table
+    first = runs["point"].iloc[0] or {}
+    params = list(first)
+    if not params:
+        return None
+    best = best_point(point_table(runs, params))
+    return None if best is None else point_label({p: best[p] for p in params})
+
+
 def closing_table(runs, stream: TextIO = sys.stdout, plain: bool | None = None) -> None:
-    """Each point with its runs' median figures, the best marked (most goodput, then tok/s)."""
+    """Each point with its runs' median figures, the best marked as the report names it."""
     if runs is None or len(runs) == 0:
         return
     rows: dict[str, dict[str, Any]] = {}
@@ -462,8 +473,7 @@ def closing_table(runs, stream: TextIO = sys.stdout, plain: bool | None = None) 
                       "TTFT p50 ms": _ms(med(row["ok"], "ttft_p50")),
                       "TPOT p50 ms": _ms(med(row["ok"], "tpot_p50")),
                       "failed": ", ".join(sorted({s for s in row["statuses"] if s != "ok"}))})
-    scored = [t for t in table if t["tok/s"] is not None]
-    best = max(scored, key=lambda t: (t["goodput"] or 0, t["tok/s"] or 0))["point"] if scored else None
+    best = _best_label(runs)
     cols = ["point", "runs", "tok/s", "goodput", "TTFT p50 ms", "TPOT p50 ms", "failed"]
 
     def cell(t: dict, c: str) -> str:

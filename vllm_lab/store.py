@@ -310,6 +310,14 @@ class Store:
                           json.dumps(redact(meta or {}), default=str)))
         return experiment_id
 
+    def update_meta(self, experiment_id: str, **fields: Any) -> None:
+        """Add or replace fields of an experiment's meta (what a plan learned while it ran: the
+        precision each point reached, the host's run-to-run noise)."""
+        meta = {**self.experiment(experiment_id)["meta"], **fields}
+        with self._write() as conn:
+            conn.execute("UPDATE experiments SET meta_json=? WHERE id=?",
+                         (json.dumps(redact(meta), default=str), experiment_id))
+
     def record_run(self, run: RunRecord, samples: pd.DataFrame | None = None,
                    server_metrics: pd.DataFrame | None = None) -> None:
         """Write one finished run: its samples file first, then its rows in one transaction.
