@@ -29,6 +29,7 @@ CONFIRM_BACKEND ?=                    # make tune CONFIRM=N: twin (default) | vl
 SHAPE     ?=                          # make stress: ramp | step (staircases of runs) | spike | soak (one run)
 CLAIMS    ?=                          # make claims: claim numbers, e.g. 1,3,5-8 (default: all nine)
 LEVELS    ?=                          # make stress: offered loads in req/s, e.g. 2,4,8 (default: fractions of the predicted capacity)
+GPU_MINUTES ?=                        # make autotune: wall minutes of the measuring backend, server starts counted (default 20)
 PYTHON    ?= python3                  # the Python that creates .venv
 PERIOD    ?=                          # quarter for `make report`, e.g. 2026Q4: the quarterly report
 PDF       ?=                          # make report PERIOD=...: PDF=0 skips the PDF (it needs Chromium)
@@ -49,7 +50,7 @@ LAB_PYTHON ?=                         # use this Python (with the lab's dependen
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF
+  REFERENCE PDF GPU_MINUTES
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 
@@ -111,6 +112,10 @@ tune: venv ## Step 3: Optuna search [TRIALS= OBJECTIVE= SPACE= STUDY_STORAGE= CO
 
 stress: venv ## Step 4: make stress SHAPE=ramp|step|spike|soak [LEVELS=2,4,8]: knee, max sustainable load, spike, drift
 	@$(LAB) stress
+
+.PHONY: autotune
+autotune: venv ## Flags by SLO capacity: search on the predictor, measure defaults + best within GPU_MINUTES [CONFIRM=N TRIALS= SPACE=]
+	@$(LAB) autotune
 
 ##@ The guide's claims
 .PHONY: claims
