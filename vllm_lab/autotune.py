@@ -80,11 +80,16 @@ MEASURING = {
                          start_s=0, run_overhead_s=1),
     # The twin on a small machine: short levels, few candidates, so a run takes minutes.
     "twin": Measuring(top=2, step_s=15, fractions=(0.8, 1.0, 1.2), refine=1, start_s=30,
-                      run_overhead_s=10),
+                      run_overhead_s=30),
     # A real vLLM start (weights, compile, CUDA graphs) is one to two minutes.
     "vllm": Measuring(top=3, step_s=60, fractions=(0.7, 0.85, 1.0, 1.15, 1.3), refine=2,
                       start_s=120, run_overhead_s=15),
 }
+
+
+def _say(line: str) -> None:
+    """Progress on stdout, flushed: a make log written to a file shows each level as it ends."""
+    print(line, flush=True)
 
 
 # -- the space ----------------------------------------------------------------------------------
@@ -173,7 +178,7 @@ def saturation(scenario: Scenario) -> dict[str, Any]:
 
 def run_search(base: Scenario, space: search.SearchSpace, study_name: str, storage: str,
                trials: int, seed: int | None, start: float, duration_s: float,
-               say: Callable[[str], Any] = print):
+               say: Callable[[str], Any] = _say):
     """Optuna over ``space`` on the predictor, maximizing the SLO capacity; resumes its study."""
     from optuna.trial import TrialState
 
@@ -229,16 +234,21 @@ class MeteredBackend:
         self.inner, self.name = inner, inner.name
         self.start_s = self.measure_s = 0.0
         self.runs = 0
+        self.calls: list[tuple[float, float]] = []  # (wall, run) of each measure
+        self.stops: list[float] = []
 
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
         """Measure through the inner backend; time before the run began is start time."""
         t0 = time.time()
         m = self.inner.measure(scenario, host, workdir)
         wall = time.time() - t0
-        run = min(max(m.ended - m.started, 0.0), wall) if m.status == "ok" else 0.0
+        # A run with samples sent load (client-limited ones too); one without never got a server.
+        sent = m.samples is not None and len(m.samples) > 0
+        run = min(max(m.ended - m.started, 0.0), wall) if sent else 0.0
         self.measure_s += run
         self.start_s += wall - run  # the server's start, warm-up, or a failed attempt
         self.runs += 1
+        self.calls.append((wall, run))
         return m
 
     def close(self, host: str | None) -> None:
@@ -248,7 +258,8 @@ class MeteredBackend:
         """Stop the server now; its stop counts as start time."""
         t0 = time.time()
         self.inner.close(host)
-        self.start_s += time.time() - t0
+        self.stops.append(time.time() - t0)
+        self.start_s += self.stops[-1]
 
 
 def capacity_from_levels(table: pd.DataFrame) -> dict[str, Any]:
@@ -328,7 +339,7 @@ class Settings:
 
 
 def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, settings: Settings,
-        say: Callable[[str], Any] = print) -> dict[str, Any]:
+        say: Callable[[str], Any] = _say) -> dict[str, Any]:
     """Search on the predictor, measure the defaults and the top-k within the budget, report.
 
     Returns the summary (also written to OUT/<experiment>/summary.json).
@@ -376,7 +387,12 @@ def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, setting
 
 def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backend, settings: Settings,
                        how: Measuring, study, say: Callable[[str], Any]) -> None:
-    """Each candidate's staircase, in order, while its estimated cost fits the budget."""
+    """Each candidate's staircase, in order, while the budget lasts.
+
+    A candidate starts only when its estimate (a server start and stop, and its levels) fits what
+    is left; then each further level only while one more run fits, so an estimate that was too
+    low costs at most one run over. The estimates follow what the backend really took.
+    """
     spend: dict[str, dict[str, float]] = dict(study.user_attrs.get("spend") or {})
     budget_s = settings.gpu_minutes * 60
     start_est, run_wall = how.start_s, plan["step_s"] + how.run_overhead_s
@@ -384,8 +400,10 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
     workdir = settings.out / ".work"
 
     def spent() -> float:
-        return sum(v["start_s"] + v["measure_s"] for v in spend.values())
+        recorded = sum(v["start_s"] + v["measure_s"] for v in spend.values())
+        return recorded + metered.start_s + metered.measure_s - sum(before[:2])
 
+    before = (0.0, 0.0, 0)
     for cand in plan["candidates"]:
         exp = f"{settings.experiment_id}-{cand['name']}"
         scenario = open_loop(with_flags(defaults, cand["flags"]), plan["step_s"])
@@ -402,19 +420,25 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
         meta = {"shape": "step", "params": ["load.shape.level"], "autotune": settings.experiment_id,
                 "candidate": cand["name"], "flags": cand["flags"]}
         before = (metered.start_s, metered.measure_s, metered.runs)
+        first_call = len(metered.calls)
+        stopped = False
         try:
             for round_ in range(how.refine + 1):
-                plans.execute(plans.Plan(exp, "stress", points, meta), metered, settings.store_path,
-                              workdir)
+                for point in points:
+                    if _todo(settings.store_path, exp, [point]) == 0:
+                        continue
+                    if metered.runs > before[2] and spent() + run_wall > budget_s:
+                        stopped = True  # the estimate was low: no run past the budget
+                        break
+                    plans.execute(plans.Plan(exp, "stress", [point], meta), metered,
+                                  settings.store_path, workdir,
+                                  on_run=lambda pt, m: say(_level_line(pt, m)))
                 found = capacity_from_levels(_levels(settings.store_path, exp))
-                extra = refine_level(found) if round_ < how.refine else None
-                if extra is None or extra in levels:
-                    break
-                if spent() + (metered.start_s + metered.measure_s - before[0] - before[1]) \
-                        + run_wall > budget_s:
+                extra = refine_level(found) if round_ < how.refine and not stopped else None
+                if extra is None or extra in levels or spent() + run_wall > budget_s:
                     break
                 levels = sorted([*levels, extra])
-                points = stress.staircase_points(scenario, levels, settings.repeats)
+                points = stress.staircase_points(scenario, [extra], settings.repeats)
         finally:
             metered.release()
             used = {"start_s": metered.start_s - before[0], "measure_s": metered.measure_s - before[1]}
@@ -423,14 +447,28 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
             spend[cand["name"]] = {"start_s": old["start_s"] + used["start_s"],
                                    "measure_s": old["measure_s"] + used["measure_s"],
                                    "runs": old.get("runs", 0) + runs}
+            before = (metered.start_s, metered.measure_s, metered.runs)
             study.set_user_attr("spend", spend)
-        if runs:  # the budget's estimates follow what this backend really took
-            if used["start_s"] > 0 and backend.name != "predict":
-                start_est = used["start_s"]
-            run_wall = max(used["measure_s"] / runs + how.run_overhead_s, plan["step_s"])
+        calls = metered.calls[first_call:]
+        if calls and backend.name != "predict":
+            # The first call of a candidate paid its server's start; the stop came at release.
+            start_est = calls[0][0] - calls[0][1] + metered.stops[-1]
+            later = [wall for wall, _ in calls[1:]] or [calls[0][1]]
+            run_wall = max(sum(later) / len(later), plan["step_s"])
         found = capacity_from_levels(_levels(settings.store_path, exp))
         say(f"  {cand['name']}: measured SLO capacity {_fmt_cap(found)} "
-            f"({used['start_s'] / 60:.1f} min starting, {used['measure_s'] / 60:.1f} min measuring)")
+            f"({used['start_s'] / 60:.1f} min starting, {used['measure_s'] / 60:.1f} min measuring"
+            + ("; stopped by the budget" if stopped else "") + ")")
+
+
+def _level_line(point: plans.Point, m: Measurement) -> str:
+    """One progress line per measured level."""
+    level = point.values["load.shape.level"]
+    if m.status != "ok":
+        return f"    {level} req/s: {m.status}: {(m.error or '').splitlines()[0][:120] if m.error else ''}"
+    s = m.summary
+    return (f"    {level} req/s: TTFT p99 {(s.get('ttft_p99') or 0) * 1000:.0f} ms, TPOT p99 "
+            f"{(s.get('tpot_p99') or 0) * 1000:.1f} ms: {'meets' if s.get('meets_slo') else 'breaks'} the SLO")
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -504,6 +542,9 @@ def verdict(dflt: dict[str, Any], best: dict[str, Any] | None, gain: float | Non
     """The headline in one sentence, honest when the defaults are as good as it gets."""
     if best is None:
         return "nothing was measured within the budget; raise GPU_MINUTES and run again with RESUME=1"
+    if not best["measured"]:
+        return ("no measured configuration met the SLO at its lowest level: the SLO is out of reach "
+                "of these flags on this backend, or the levels were too high")
     if dflt["measured"] is None:
         return (f"the best measured configuration ({best['name']}) carries {best['measured']:.2f} req/s "
                 f"within the SLO; vLLM's defaults were not measured")
