@@ -158,6 +158,6 @@ def test_live_twin_autotune(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((tmp_path / "reports/live-at/summary.json").read_text())
     assert summary["backend"] == "twin" and summary["defaults_capacity"] is not None
-    assert summary["gpu_minutes_starts"] > 0 and 0 < summary["gpu_minutes"] <= 6
+    assert summary["gpu_minutes_starts"] > 0 and 0 < summary["gpu_minutes"] <= 6, out.stdout
     assert summary["predicted_defaults_capacity"] > 0
     assert (tmp_path / "reports/live-at/report.md").exists()

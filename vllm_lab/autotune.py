@@ -396,6 +396,7 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
     spend: dict[str, dict[str, float]] = dict(study.user_attrs.get("spend") or {})
     budget_s = settings.gpu_minutes * 60
     start_est, run_wall = how.start_s, plan["step_s"] + how.run_overhead_s
+    stop_est = how.start_s / 4  # a server's stop, kept in reserve until one is observed
     metered = MeteredBackend(backend)
     workdir = settings.out / ".work"
 
@@ -422,12 +423,19 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
         before = (metered.start_s, metered.measure_s, metered.runs)
         first_call = len(metered.calls)
         stopped = False
+
+        def next_run(first_call: int = first_call, run_wall: float = run_wall) -> float:
+            # The slowest run of this candidate so far (the first one's run part: its wall paid
+            # the start), else the estimate: conservative, so the budget is not overrun.
+            calls = metered.calls[first_call:]
+            seen = [calls[0][1]] + [wall for wall, _ in calls[1:]] if calls else []
+            return max([run_wall, *seen])
         try:
             for round_ in range(how.refine + 1):
                 for point in points:
                     if _todo(settings.store_path, exp, [point]) == 0:
                         continue
-                    if metered.runs > before[2] and spent() + run_wall > budget_s:
+                    if metered.runs > before[2] and spent() + next_run() + stop_est > budget_s:
                         stopped = True  # the estimate was low: no run past the budget
                         break
                     plans.execute(plans.Plan(exp, "stress", [point], meta), metered,
@@ -435,7 +443,7 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
                                   on_run=lambda pt, m: say(_level_line(pt, m)))
                 found = capacity_from_levels(_levels(settings.store_path, exp))
                 extra = refine_level(found) if round_ < how.refine and not stopped else None
-                if extra is None or extra in levels or spent() + run_wall > budget_s:
+                if extra is None or extra in levels or spent() + next_run() + stop_est > budget_s:
                     break
                 levels = sorted([*levels, extra])
                 points = stress.staircase_points(scenario, [extra], settings.repeats)
@@ -453,6 +461,7 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
         if calls and backend.name != "predict":
             # The first call of a candidate paid its server's start; the stop came at release.
             start_est = calls[0][0] - calls[0][1] + metered.stops[-1]
+            stop_est = metered.stops[-1]
             later = [wall for wall, _ in calls[1:]] or [calls[0][1]]
             run_wall = max(sum(later) / len(later), plan["step_s"])
         found = capacity_from_levels(_levels(settings.store_path, exp))
@@ -467,8 +476,11 @@ def _level_line(point: plans.Point, m: Measurement) -> str:
     if m.status != "ok":
         return f"    {level} req/s: {m.status}: {(m.error or '').splitlines()[0][:120] if m.error else ''}"
     s = m.summary
+    held = "meets" if s.get("meets_slo") else "breaks"
+    grows = stress.level_verdict(level, s, m.samples, m.server_metrics)["unbounded"]
     return (f"    {level} req/s: TTFT p99 {(s.get('ttft_p99') or 0) * 1000:.0f} ms, TPOT p99 "
-            f"{(s.get('tpot_p99') or 0) * 1000:.1f} ms: {'meets' if s.get('meets_slo') else 'breaks'} the SLO")
+            f"{(s.get('tpot_p99') or 0) * 1000:.1f} ms: {held} the SLO"
+            + (", queue grows without bound" if grows else ""))
 
 
 # -- the report -----------------------------------------------------------------------------------
