@@ -376,6 +376,10 @@ def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, setting
                                 "predicted": predicted_defaults.get("capacity", 0.0)}]
                 + [{"name": f"c{i + 1}", **c} for i, c in enumerate(configs)]}
         study.set_user_attr("plan", plan)
+    if plan["backend"] != backend.name:
+        raise ScenarioError(f"experiment {settings.experiment_id} measures on {plan['backend']}: "
+                            f"resume it with BACKEND={plan['backend']}, or leave out EXPERIMENT and "
+                            f"RESUME to start a new one on {backend.name}")
     study.set_user_attr("gpu_minutes_budget", settings.gpu_minutes)
     say(f"autotune: search done in {time.time() - t0:.0f} s; measuring "
         f"{', '.join(c['name'] for c in plan['candidates'])} on {backend.name} "
@@ -390,8 +394,9 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
     """Each candidate's staircase, in order, while the budget lasts.
 
     A candidate starts only when its estimate (a server start and stop, and its levels) fits what
-    is left; then each further level only while one more run fits, so an estimate that was too
-    low costs at most one run over. The estimates follow what the backend really took.
+    is left; then each further level only while the slowest run seen so far and a server stop
+    still fit, so an estimate that was too low is corrected after one run. The estimates follow
+    what the backend really took.
     """
     spend: dict[str, dict[str, float]] = dict(study.user_attrs.get("spend") or {})
     budget_s = settings.gpu_minutes * 60
