@@ -76,7 +76,7 @@ def test_capacity_of_a_staircase_and_its_refinement():
     assert all_hold["bound"] == ">=" and autotune.refine_level(all_hold) == 10.4
     none_hold = autotune.capacity_from_levels(t.assign(meets_slo=False))
     assert none_hold["capacity"] == 0.0 and none_hold["bound"] == "<"
-    assert autotune.refine_level(none_hold) == 1.2
+    assert autotune.refine_level(none_hold) == 1.0
     narrow = autotune.capacity_from_levels(levels([{"level": 4, "meets_slo": True, "unbounded": False},
                                                    {"level": 4.2, "meets_slo": False, "unbounded": False}]))
     assert autotune.refine_level(narrow) is None
@@ -127,6 +127,8 @@ def test_predictor_end_to_end_and_resume(tmp_path):
     assert len(store.runs()) == runs  # everything was recorded: nothing measured twice
     store.close()
     assert again["best_capacity"] == summary["best_capacity"]
+    with pytest.raises(ScenarioError, match="experiment at measures on predict: resume it with BACKEND=predict"):
+        autotune.run(scenario, space, Slow(), settings(tmp_path, trials=4, seed=3, top=1), said.append)
 
 
 class Slow(PredictBackend):

@@ -79,8 +79,10 @@ MEASURING = {
     "predict": Measuring(top=3, step_s=30, fractions=(0.7, 0.85, 1.0, 1.15, 1.3), refine=2,
                          start_s=0, run_overhead_s=1),
     # The twin on a small machine: short levels, few candidates, so a run takes minutes.
-    "twin": Measuring(top=2, step_s=15, fractions=(0.8, 1.0, 1.2), refine=1, start_s=30,
-                      run_overhead_s=30),
+    # A twin level costs its duration plus about a minute more on 2 busy cores (Locust's start,
+    # the drain of long answers, the audit): two levels and one refinement each.
+    "twin": Measuring(top=2, step_s=15, fractions=(0.7, 1.0), refine=1, start_s=30,
+                      run_overhead_s=45),
     # A real vLLM start (weights, compile, CUDA graphs) is one to two minutes.
     "vllm": Measuring(top=3, step_s=60, fractions=(0.7, 0.85, 1.0, 1.15, 1.3), refine=2,
                       start_s=120, run_overhead_s=15),
@@ -294,7 +296,7 @@ def refine_level(found: dict[str, Any], tolerance: float = 0.08) -> float | None
     if high is None:
         return round(low * 1.3, 3)  # nothing broke: look higher
     if low is None:
-        return round(high * 0.6, 3) if high > 0.05 else None  # the lowest broke: look lower
+        return round(high * 0.5, 3) if high > 0.05 else None  # the lowest broke: look lower
     return round((low + high) / 2, 3) if high / low - 1 > tolerance else None
 
 
