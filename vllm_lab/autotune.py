@@ -517,7 +517,9 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
         rows.append({**cand, "measured": found["capacity"] if found["status"] == "ok" else None,
                      "found": found, "start_s": used["start_s"], "measure_s": used["measure_s"]})
     measured = [r for r in rows if r["measured"] is not None]
-    best = max(measured, key=lambda r: (r["measured"], r["name"] == "defaults"), default=None)
+    # A configuration that met the SLO at no level is no winner, defaults included.
+    best = max((r for r in measured if r["measured"] > 0),
+               key=lambda r: (r["measured"], r["name"] == "defaults"), default=None)
     dflt = rows[0]
     gain = (best["measured"] / dflt["measured"] - 1
             if best and dflt["measured"] else None)
@@ -527,7 +529,7 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
     summary = {
         "experiment": experiment_id, "backend": plan["backend"],
         "scenario": plan["scenario"]["name"],
-        "defaults_capacity": dflt["measured"], "best_capacity": best["measured"] if best else None,
+        "defaults_capacity": dflt["measured"], "best_capacity": best["measured"] if best else (0.0 if measured else None),
         "gain": round(gain, 4) if gain is not None else None,
         "best": best["name"] if best else None, "best_flags": best["flags"] if best else None,
         "predicted_defaults_capacity": dflt["predicted"],
@@ -537,7 +539,7 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
         "gpu_minutes_budget": budget,
         "candidates": [{k: r[k] for k in ("name", "flags", "predicted", "measured")}
                        | {"bound": r["found"]["bound"], "status": r["found"]["status"]} for r in rows],
-        "verdict": verdict(dflt, best, gain),
+        "verdict": verdict(dflt, best, gain, bool(measured)),
         "measure_only_flags": sorted(MEASURE_ONLY),
     }
     folder = experiment_dir(out, experiment_id)
@@ -557,11 +559,12 @@ def _num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} req/s"
 
 
-def verdict(dflt: dict[str, Any], best: dict[str, Any] | None, gain: float | None) -> str:
+def verdict(dflt: dict[str, Any], best: dict[str, Any] | None, gain: float | None,
+            any_measured: bool = True) -> str:
     """The headline in one sentence, honest when the defaults are as good as it gets."""
-    if best is None:
+    if not any_measured:
         return "nothing was measured within the budget; raise GPU_MINUTES and run again with RESUME=1"
-    if not best["measured"]:
+    if best is None:
         return ("no measured configuration met the SLO at its lowest level: the SLO is out of reach "
                 "of these flags on this backend, or the levels were too high")
     if dflt["measured"] is None:
