@@ -39,6 +39,8 @@ STUDY_STORAGE ?=                      # Optuna storage URL (default: the lab dat
 SEED      ?=                          # sampler seed
 CONFIRM   ?=                          # re-measure the best N configurations on CONFIRM_BACKEND
 CONFIRM_BACKEND ?=                    # with CONFIRM=N: twin (default) | vllm
+#= make autotune (also SEED, CONFIRM: the candidates measured)
+GPU_MINUTES ?=                        # wall minutes of the measuring backend, server starts counted (default 20)
 #= make stress
 SHAPE     ?=                          # ramp | step (staircases of runs) | spike | soak (one run)
 LEVELS    ?=                          # offered loads in req/s, e.g. 2,4,8 (default: fractions of the predicted capacity)
@@ -68,7 +70,7 @@ ARGS      ?=                          # its own arguments, e.g. ARGS="fidelity s
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE LIVE LIVE_HOST PRECISION
+  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE LIVE LIVE_HOST PRECISION GPU_MINUTES
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 
@@ -135,6 +137,10 @@ tune: venv ## Step 3: Optuna search [TRIALS= OBJECTIVE= SPACE= STUDY_STORAGE= CO
 
 stress: venv ## Step 4: make stress SHAPE=ramp|step|spike|soak [LEVELS=2,4,8]: knee, max sustainable load, spike, drift
 	@$(LAB) stress
+
+.PHONY: autotune
+autotune: venv ## Flags by SLO capacity: search on the predictor, measure defaults + best within GPU_MINUTES [CONFIRM=N TRIALS= SPACE=]
+	@$(LAB) autotune
 
 ##@ The guide's claims
 .PHONY: claims

@@ -25,6 +25,7 @@ from vllm_lab.store import (
     StoreError,
     check_experiment_name,
     describe_sqlite_error,
+    experiment_dir,
 )
 from vllm_lab.watch import WatchError
 
@@ -233,6 +234,53 @@ def cmd_stress(args: argparse.Namespace) -> int:
     return experiment.stress(_settings(args), _source(args), args.shape, args.levels, args.refine)
 
 
+def cmd_autotune(args: argparse.Namespace) -> int:
+    """Search the serving flags on the predictor by SLO capacity, measure the defaults and the best
+    few on the backend within GPU_MINUTES, and write the report with a scenario for the winner."""
+    from vllm_lab import autotune, search
+    if args.spread:
+        raise UsageError("SPREAD=1 is not supported by autotune: its candidates are measured one "
+                         "after another on one host")
+    scenario = _source(args).resolve_checked()
+    space = autotune.load_space(args.space, scenario)
+    store_path = experiment.store_path(args.out, args.store)
+    storage = search.storage_url(None, store_path)
+    exp_id = args.experiment or experiment.experiment_name("autotune", scenario)
+    if args.resume and not args.experiment:
+        prefix = experiment.experiment_name("autotune", scenario)[: -len("YYYYmmdd-HHMMSS")]
+        exp_id = autotune.newest_study(storage, prefix) or ""
+        if not exp_id:
+            raise StoreError(f"{store_path}: nothing to resume for {prefix[:-1]}; run without RESUME=1")
+    # A DURATION given on the command line sets the staircase's levels; else the backend's default.
+    step_s = scenario.load.stop.duration_s if any(
+        o.startswith("load.stop.duration_s=") for o in args.overrides) else None
+    settings = autotune.Settings(exp_id, store_path, args.out, storage, args.gpu_minutes,
+                                 trials=args.trials, seed=args.seed, top=args.top, step_s=step_s,
+                                 repeats=args.repeats or 1)
+    backend = experiment.make_backend(_settings(args), exp_id)
+    try:
+        summary = autotune.run(scenario, space, backend, settings)
+    except KeyboardInterrupt:
+        print(f"lab: interrupted; finished runs are kept. Continue with: make autotune ... "
+              f"RESUME=1 EXPERIMENT={exp_id}", file=sys.stderr)
+        return 130
+    print(f"autotune: {summary['verdict']}")
+    print(f"report: {experiment_dir(args.out, exp_id) / 'report.md'}")
+    return 0
+
+
+def _minutes(text: str) -> float:
+    """An argparse type: a positive number of minutes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: minutes of the measuring "
+                                         f"backend, a number above 0")
+    return value
+
+
 def cmd_claims(args: argparse.Namespace) -> int:
     """The guide's claims, each measured by its experiment, with a verdict table."""
     return experiment.claims(_settings(args), _source(args), args.claims)
@@ -394,6 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refine", type=_count(0), default=3, help="ramp: rounds of levels added inside the knee's bracket (or of confirmations)")
     p.set_defaults(func=cmd_stress)
 
+    p = sub.add_parser("autotune", help="search flags on the predictor by SLO capacity, measure the "
+                       "defaults and the best few within GPU_MINUTES")
+    _run_args(p)
+    p.add_argument("--gpu-minutes", type=_minutes, default=20.0,
+                   help="wall minutes of the measuring backend, server starts counted")
+    p.add_argument("--trials", type=_count(1), default=20, help="configurations the predictor ranks")
+    p.add_argument("--space", default=None, help="space name (scenarios/spaces/) or YAML file; default autotune")
+    p.add_argument("--seed", type=int, default=None, help="sampler seed")
+    p.add_argument("--top", type=_count(0), default=None,
+                   help="best configurations measured besides the defaults (default: twin 2, vllm 3)")
+    p.set_defaults(func=cmd_autotune)
+
     p = sub.add_parser("claims", help="measure the tuning guide's claims and give each a verdict")
     _run_args(p)
     p.add_argument("--claims", default=None, help="claim numbers, e.g. 1,3,5-8 (default: all nine)")
@@ -470,6 +530,8 @@ MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
                          ("CONFIRM", "--confirm"), ("CONFIRM_BACKEND", "--confirm-backend")),
     "stress": _RUN_VARS + (("SHAPE", "--shape"), ("LEVELS", "--levels")),
     "claims": _RUN_VARS + (("CLAIMS", "--claims"),),
+    "autotune": _RUN_VARS + (("GPU_MINUTES", "--gpu-minutes"), ("TRIALS", "--trials"),
+                             ("SPACE", "--space"), ("SEED", "--seed"), ("CONFIRM", "--top")),
     "monitor": (("INVENTORY", "--inventory"),),
     "watch": (("INVENTORY", "--inventory"), ("OUT", "--out"), ("URL", "--url"), ("EVERY", "--every"),
               ("COUNT", "--count"), ("BASELINE", "--baseline"), ("HARDWARE", "--hardware"),
@@ -484,7 +546,8 @@ MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "status": (("OUT", "--out"),),
 }
 # Targets that take the scenario's layers (SCENARIO, HARDWARE, SET, MODEL, DURATION).
-_LAYERED = {"baseline", "sweep", "calibrate", "combo", "tune", "stress", "claims", "lint", "show"}
+_LAYERED = {"baseline", "sweep", "calibrate", "combo", "tune", "stress", "claims", "lint", "show",
+            "autotune"}
 _REQUIRED = {"sweep": ("PARAM", "make sweep PARAM=max-num-seqs"),
              "stress": ("SHAPE", "make stress SHAPE=ramp (ramp, step, spike or soak)"),
              "combo": ("PARAMS or GRID", "make combo PARAMS=max-num-seqs,max-num-batched-tokens"),

@@ -1,0 +1,165 @@
+"""autotune: the space, the SLO capacity of a staircase, the budget, the predictor end to end, and
+one short run on the live twin."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.support.processes import private_inventory
+from vllm_lab import autotune, cli, search
+from vllm_lab.backends import PredictBackend
+from vllm_lab.scenarios import ScenarioError, resolve
+from vllm_lab.store import Store
+
+REPO = Path(__file__).resolve().parent.parent
+SUMMARY_KEYS = {"defaults_capacity", "best_capacity", "gain", "predicted_best_capacity",
+                "predicted_defaults_capacity", "gpu_minutes", "best_flags", "backend"}
+
+
+def test_default_space_holds_only_flags_the_twin_models():
+    space = autotune.load_space(None, resolve("realtime-chat"))
+    assert set(space.space) <= set(autotune.MODELLED)
+    assert not set(space.space) & set(autotune.MEASURE_ONLY)
+
+
+def test_a_measure_only_or_unknown_flag_in_the_space_is_one_sentence(tmp_path):
+    scenario = resolve("realtime-chat")
+    path = tmp_path / "s.yaml"
+    path.write_text("space:\n  async-scheduling: {choices: [true, false]}\n")
+    with pytest.raises(ScenarioError, match=r"s\.yaml: key space\.async-scheduling: the twin does "
+                                            r"not model it .*make sweep PARAM=async-scheduling"):
+        autotune.load_space(str(path), scenario)
+    path.write_text("space:\n  max-num-seqz: {low: 8, high: 64}\n")
+    with pytest.raises(ScenarioError, match=r"key space\.max-num-seqz: not a vLLM flag"):
+        autotune.load_space(str(path), scenario)
+    path.write_text("space:\n  seed: {low: 0, high: 4}\n")
+    with pytest.raises(ScenarioError, match=r"key space\.seed: not a flag autotune can search"):
+        autotune.load_space(str(path), scenario)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "abc", "inf"])
+def test_gpu_minutes_must_be_a_positive_number(value, monkeypatch, capsys):
+    monkeypatch.setenv("LAB_MAKE_GPU_MINUTES", value)
+    monkeypatch.setenv("LAB_MAKE_BACKEND", "predict")
+    assert cli.main(["make", "autotune"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lab: GPU_MINUTES='{value}' is not allowed: minutes") and "\n" not in err
+
+
+def test_the_defaults_drop_the_searched_flags_only():
+    scenario = resolve("realtime-chat")
+    space = search.SearchSpace.model_validate({"space": {"max-num-seqs": {"low": 8, "high": 64}}})
+    serve = autotune.defaults_scenario(scenario, space).serve
+    assert "max-num-seqs" not in serve and serve["max-num-batched-tokens"] == 4096
+
+
+def levels(rows):
+    return pd.DataFrame([{"ok": True, "status": "ok", **r} for r in rows])
+
+
+def test_capacity_of_a_staircase_and_its_refinement():
+    t = levels([{"level": 2, "meets_slo": True, "unbounded": False},
+                {"level": 4, "meets_slo": True, "unbounded": False},
+                {"level": 6, "meets_slo": False, "unbounded": False},
+                {"level": 8, "meets_slo": True, "unbounded": True}])
+    found = autotune.capacity_from_levels(t)
+    assert (found["capacity"], found["bound"], found["bracket"]) == (4.0, "=", (4.0, 6.0))
+    assert autotune.refine_level(found) == 5.0
+    all_hold = autotune.capacity_from_levels(t.assign(meets_slo=True, unbounded=False))
+    assert all_hold["bound"] == ">=" and autotune.refine_level(all_hold) == 10.4
+    none_hold = autotune.capacity_from_levels(t.assign(meets_slo=False))
+    assert none_hold["capacity"] == 0.0 and none_hold["bound"] == "<"
+    assert autotune.refine_level(none_hold) == 1.0
+    narrow = autotune.capacity_from_levels(levels([{"level": 4, "meets_slo": True, "unbounded": False},
+                                                   {"level": 4.2, "meets_slo": False, "unbounded": False}]))
+    assert autotune.refine_level(narrow) is None
+    failed = autotune.capacity_from_levels(pd.DataFrame([{"level": 1, "ok": False, "status": "oom"}]))
+    assert failed["capacity"] is None and failed["status"] == "oom"
+
+
+def settings(tmp_path, name="at", minutes=20.0, **kw):
+    return autotune.Settings(name, tmp_path / "lab.db", tmp_path, search.storage_url(None, tmp_path / "lab.db"),
+                             minutes, **kw)
+
+
+def chat():
+    return resolve("realtime-chat")
+
+
+def test_predictor_end_to_end_and_resume(tmp_path):
+    """Search, measure and report on the predictor; a resume measures nothing again."""
+    scenario = chat()
+    space = autotune.load_space(None, scenario)
+    said: list[str] = []
+    summary = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
+                           said.append)
+    assert SUMMARY_KEYS <= set(summary) and summary["backend"] == "predict"
+    assert summary["defaults_capacity"] > 0 and summary["best_capacity"] >= summary["defaults_capacity"]
+    assert math.isclose(summary["gain"], summary["best_capacity"] / summary["defaults_capacity"] - 1,
+                        abs_tol=1e-3)
+    # On the predictor the staircase runs the levels the search probed: prediction and
+    # measurement agree within the staircase's resolution.
+    assert abs(summary["predicted_defaults_capacity"] / summary["defaults_capacity"] - 1) < 0.2
+    folder = tmp_path / "at"
+    saved = json.loads((folder / "summary.json").read_text())
+    assert saved == json.loads(json.dumps(summary, default=str))
+    md = (folder / "report.md").read_text()
+    assert "| defaults " in md and "measure-only" in md.lower() and "starting and stopping" in md
+    assert "<table>" in (folder / "index.html").read_text()
+    if summary["gain"] <= autotune.NOISE:
+        assert "the defaults are within" in summary["verdict"]
+    best = resolve(str(folder / "best.yaml"))
+    for flag, value in summary["best_flags"].items():
+        assert best.serve[flag] == value
+    store = Store(tmp_path / "lab.db")
+    runs = len(store.runs())
+    store.close()
+    again = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
+                         said.append)
+    store = Store(tmp_path / "lab.db")
+    assert len(store.runs()) == runs  # everything was recorded: nothing measured twice
+    store.close()
+    assert again["best_capacity"] == summary["best_capacity"]
+    with pytest.raises(ScenarioError, match="experiment at measures on predict: resume it with BACKEND=predict"):
+        autotune.run(scenario, space, Slow(), settings(tmp_path, trials=4, seed=3, top=1), said.append)
+
+
+class Slow(PredictBackend):
+    """The predictor, costed as the live twin: its server start estimate is what the budget sees."""
+
+    name = "twin"
+
+
+def test_a_candidate_that_would_pass_the_budget_is_not_started(tmp_path):
+    summary = autotune.run(chat(), autotune.load_space(None, chat()), Slow(),
+                           settings(tmp_path, minutes=0.5, trials=3, seed=1, top=1), lambda _: None)
+    assert summary["best_capacity"] is None and summary["gpu_minutes"] == 0
+    assert "raise GPU_MINUTES" in summary["verdict"]
+    store = Store(tmp_path / "lab.db")
+    assert store.runs().empty
+    store.close()
+
+
+@pytest.mark.integration
+def test_live_twin_autotune(tmp_path):
+    """Defaults and one candidate on the live twin (cpu-demo), short levels, within the budget."""
+    inventory = private_inventory(tmp_path)
+    sets = ["slo.tpot.threshold_ms=45", "load.stop.duration_s=10", "run.warmup_requests=2"]
+    cmd = [sys.executable, str(REPO / "scripts/lab.py"), "autotune", "--scenario", "realtime-chat",
+           "--hardware", "cpu-demo", "--inventory", str(inventory), "--out", str(tmp_path / "reports"),
+           "--experiment", "live-at", "--trials", "4", "--top", "1", "--seed", "1",
+           "--gpu-minutes", "6", *[x for s in sets for x in ("--set", s)]]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=540, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((tmp_path / "reports/live-at/summary.json").read_text())
+    assert summary["backend"] == "twin" and summary["defaults_capacity"] is not None
+    assert summary["gpu_minutes_starts"] > 0 and 0 < summary["gpu_minutes"] <= 6, out.stdout
+    assert summary["predicted_defaults_capacity"] > 0
+    assert (tmp_path / "reports/live-at/report.md").exists()
