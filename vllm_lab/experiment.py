@@ -510,7 +510,7 @@ class Experiment:
                   f"RESUME=1 EXPERIMENT={self.id}", file=sys.stderr)
             return 130
         index = report.build(s.store_path, self.id, s.out)
-        say(f"runs this session: {counts or 'none (all were already recorded)'}")
+        say(f"runs taken now: {counts or 'none (all were already recorded)'}")
         progress.closing_table(_runs_of(s.store_path, self.id))
         say(f"report: {index}")
         return 0
@@ -727,7 +727,7 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
         print(f"lab: interrupted; finished trials are kept. Continue with: make tune EXPERIMENT={exp_id}",
               file=sys.stderr)
         return 130
-    print(f"trials this session: {counts}")
+    print(f"trials taken now: {counts}")
     print(f"report: {report.build(settings.store_path, exp_id, settings.out)}")
     if options.confirm:
         study = search.load_study(exp_id, tune_settings.storage)

@@ -242,7 +242,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
             hosts: Sequence[str | None] = (None,),
             on_run: Callable[[Point, Measurement], None] | None = None,
             progress: Progress | None = None) -> dict[str, int]:
-    """Take every point not yet in the store; return counts by status (this session's runs).
+    """Take every point not yet in the store; return counts by status (the runs this call took).
 
     ``progress`` hears of each run's start and end (point i of N, run j of k, its figures).
 
@@ -329,8 +329,8 @@ def _server(point: Point) -> tuple[str, str]:
     return point.serve_key, point.scenario.hardware.model_dump_json()
 
 
-# Work folders (Locust's files, logs) of runs that an interrupted session left behind are kept
-# this long for a look, then pruned; a finished session removes its recorded runs' own at once.
+# Work folders (Locust's files, logs) of runs that an interrupted command left behind are kept
+# this long for a look, then pruned; a finished command removes its recorded runs' own at once.
 WORK_KEEP_S = 7 * 24 * 3600
 
 
