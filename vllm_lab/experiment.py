@@ -304,6 +304,11 @@ def experiment_id(settings: Settings, step: str, scenario: Scenario, param: str 
     if settings.experiment:
         return settings.experiment
     name = experiment_name(step, scenario, param)
+    if not settings.store_path.exists():  # asking must not create the store: a bad input writes nothing
+        if settings.resume:
+            raise StoreError(f"{settings.store_path}: nothing to resume for {name[:-_STAMP]}; "
+                             f"run without RESUME=1")
+        return check_experiment_name(name)
     store = Store(settings.store_path)
     try:
         if settings.resume:
