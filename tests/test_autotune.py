@@ -151,15 +151,15 @@ def test_a_candidate_that_would_pass_the_budget_is_not_started(tmp_path):
 def test_live_twin_autotune(tmp_path):
     """Defaults and one candidate on the live twin (cpu-demo), short levels, within the budget."""
     inventory = private_inventory(tmp_path)
-    sets = ["slo.tpot.threshold_ms=45", "load.stop.duration_s=10", "run.warmup_requests=2"]
+    sets = ["slo.tpot.threshold_ms=45", "load.stop.duration_s=6", "run.warmup_requests=2"]
     cmd = [sys.executable, str(REPO / "scripts/lab.py"), "autotune", "--scenario", "realtime-chat",
            "--hardware", "cpu-demo", "--inventory", str(inventory), "--out", str(tmp_path / "reports"),
            "--experiment", "live-at", "--trials", "4", "--top", "1", "--seed", "1",
-           "--gpu-minutes", "6", *[x for s in sets for x in ("--set", s)]]
+           "--gpu-minutes", "3", *[x for s in sets for x in ("--set", s)]]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=540, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((tmp_path / "reports/live-at/summary.json").read_text())
     assert summary["backend"] == "twin" and summary["defaults_capacity"] is not None
-    assert summary["gpu_minutes_starts"] > 0 and 0 < summary["gpu_minutes"] <= 6, out.stdout
+    assert summary["gpu_minutes_starts"] > 0 and 0 < summary["gpu_minutes"] <= 3, out.stdout
     assert summary["predicted_defaults_capacity"] > 0
     assert (tmp_path / "reports/live-at/report.md").exists()
