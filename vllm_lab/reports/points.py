@@ -102,28 +102,30 @@ def best_point(table: pd.DataFrame) -> pd.Series | None:
     when the interval on their goodput difference includes none (``stats.summary_effect``: its
     repeats' spread, or ``stats.SINGLE_RUN_CV`` for a single run). Among those, the cheapest is
     the one with the lowest values of the varied flags (fewer sequences, less memory, ...): a
-    larger setting that reads a little higher once has not shown it buys anything.
+    larger setting that reads a little higher once has not shown it buys anything. Equal costs
+    go to the higher-ranked point.
     """
-    ok = table[table["meets_slo"]]
-    if ok.empty:
+    ranked, close = _close_to_top(table)
+    if not close:
         return None
-    ranked = ok.sort_values(["goodput", "output_throughput"], ascending=False)
-    top = ranked.iloc[0]
-    close = [i for i, row in ranked.iterrows()
-             if i == top.name or not stats.summary_effect(_runs(row), _runs(top)).significant]
     cost = _cost(table)
-    best = ranked.loc[min(close, key=lambda i: (cost[i], -ranked.index.get_loc(i) * 0))]
-    return best.copy().rename(best.name)  # a copy: within_noise is this choice's, not the table's
+    return ranked.loc[min(close, key=lambda i: (cost[i], ranked.index.get_loc(i)))]
 
 
 def within_noise(table: pd.DataFrame, best: pd.Series | None) -> list[int]:
     """The points meeting the SLO that cannot be told apart from the top one (best among them)."""
-    if best is None:
-        return []
-    ok = table[table["meets_slo"]].sort_values(["goodput", "output_throughput"], ascending=False)
-    top = ok.iloc[0]
-    return [i for i, row in ok.iterrows()
-            if i == top.name or not stats.summary_effect(_runs(row), _runs(top)).significant]
+    return _close_to_top(table)[1] if best is not None else []
+
+
+def _close_to_top(table: pd.DataFrame) -> tuple[pd.DataFrame, list[int]]:
+    """The points meeting the SLO, ranked by goodput (then throughput), and the indices of those
+    within noise of the first."""
+    ranked = table[table["meets_slo"]].sort_values(["goodput", "output_throughput"], ascending=False)
+    if ranked.empty:
+        return ranked, []
+    top = ranked.iloc[0]
+    return ranked, [i for i, row in ranked.iterrows()
+                    if i == top.name or not stats.summary_effect(_runs(row), _runs(top)).significant]
 
 
 def _runs(row: pd.Series) -> tuple[float, float, int]:
