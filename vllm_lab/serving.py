@@ -405,11 +405,17 @@ def provision(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
     """
     run, _, _ = _claiming("provision.yml", inventory=Path(inventory), role_vars=extra_vars or {},
                        limit=limit, timeout=timeout, experiment=experiment)
+    return _checked(run, "provision")
+
+
+def _checked(run: PlaybookRun, action: str) -> PlaybookRun:
+    """A provision or teardown run as it ended: unreachable hosts logged and left out, a reached
+    host's failure (or a failed run no host explains) raised as RuntimeError."""
     for host, why in run.unreachable.items():
-        log.warning("serving: host %s unreachable during provision: %s", host, why)
+        log.warning("serving: host %s unreachable during %s: %s", host, action, why)
     failed = [h for h, c in run.recap.items() if c.get("failed")]
     if failed or (run.returncode and not run.unreachable):
-        raise RuntimeError(f"provision failed on {', '.join(failed) or 'the inventory'}:\n"
+        raise RuntimeError(f"{action} failed on {', '.join(failed) or 'the inventory'}:\n"
                            f"{_play_failure(run.stdout)}")
     return run
 
@@ -424,13 +430,7 @@ def teardown(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
     """
     run, _, _ = _claiming("teardown.yml", inventory=Path(inventory), role_vars={}, limit=limit,
                           timeout=timeout, experiment=experiment)
-    for host, why in run.unreachable.items():
-        log.warning("serving: host %s unreachable during teardown: %s", host, why)
-    failed = [h for h, c in run.recap.items() if c.get("failed")]
-    if failed or (run.returncode and not run.unreachable):
-        raise RuntimeError(f"teardown failed on {', '.join(failed) or 'the inventory'}:\n"
-                           f"{_play_failure(run.stdout)}")
-    return run
+    return _checked(run, "teardown")
 
 
 def check_inventory(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_servers") -> list[str]:
