@@ -23,7 +23,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -209,7 +209,15 @@ def _kv_cache_tokens(metrics: pd.DataFrame) -> float | None:
     return None
 
 
-def steady_window(samples: pd.DataFrame, min_sends: int = 10) -> tuple[float, float] | None:
+class Window(NamedTuple):
+    """A run's steady window, and whether a warm-up was cut from its start past the first reply."""
+
+    start: float
+    end: float
+    warmup_cut: bool = False
+
+
+def steady_window(samples: pd.DataFrame, min_sends: int = 10) -> Window | None:
     """First reply's end to last send, less a warm-up the output rate shows: the span the load
     was on and the server past its fill.
 
@@ -226,7 +234,7 @@ def steady_window(samples: pd.DataFrame, min_sends: int = 10) -> tuple[float, fl
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
     edges, rates = output_rate_series(ok, t0, t1)
     cut = stats.warmup_cut(rates) if len(rates) >= WARMUP_MIN_BINS else 0
-    return (float(edges[cut]), t1) if cut else (t0, t1)
+    return Window(float(edges[cut]), t1, True) if cut else Window(t0, t1)
 
 
 def _window_reason(warmup_s: float, cut: bool) -> str:
@@ -295,7 +303,7 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         in_tokens = float(ok["prompt_tokens"].fillna(0).sum())
         done, good = float(len(ok)), float(meets.sum())
     else:
-        t0, t1 = window
+        t0, t1, cut = window
         duration_s = t1 - t0
         out_tokens = tokens_by(ok, t1) - tokens_by(ok, t0)
         first = ok["start_ts"] + ok["ttft_s"]
@@ -304,8 +312,7 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         finished = (end > t0) & (end <= t1)
         done, good = float(finished.sum()), float((meets & finished).sum())
         out["warmup_s"] = t0 - float(samples["start_ts"].min())
-        loaded = _load_window(samples, 10)
-        out["window_reason"] = _window_reason(out["warmup_s"], loaded is not None and t0 > loaded[0])
+        out["window_reason"] = _window_reason(out["warmup_s"], cut)
         out["drain_s"] = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - t1)
         # Within-run precision: batch means of the window's output rate (10 batches).
         _, rates = output_rate_series(ok, t0, t1)
