@@ -347,6 +347,16 @@ def make_backend(settings: Settings, experiment: str = "") -> Backend:
                        live_host=settings.live_host)
 
 
+def guarded_backend(settings: Settings, exp_id: str) -> Backend:
+    """The experiment's backend, behind a DeadlineGuard when DEADLINE is set (its expected times
+    from this experiment's runs already in the store)."""
+    backend = make_backend(settings, exp_id)
+    if settings.deadline is None:
+        return backend
+    return DeadlineGuard(backend, settings.deadline,
+                         Timing.from_store(settings.store_path, exp_id, backend.name))
+
+
 def _identity(point: plans.Point) -> str:
     """A point apart from its repeat index."""
     return dataclasses.replace(point, repeat=0).key
@@ -489,10 +499,7 @@ class Experiment:
         hosts = s.hosts()
         shown = progress.Progress(self.step, self.id, s.backend, s.out,
                                   window_s=self.points[0].scenario.load.stop.duration_s)
-        backend = make_backend(s, self.id)
-        if s.deadline is not None:
-            backend = DeadlineGuard(backend, s.deadline,
-                                    Timing.from_store(s.store_path, self.id, backend.name))
+        backend = guarded_backend(s, self.id)
         try:
             with Watchdog(s.deadline, getattr(backend, "margin", 0.0)) as watch, \
                     progress.tracking(shown):
@@ -702,10 +709,7 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
         done.append(number)
 
     done: list[int] = []
-    backend = make_backend(settings, exp_id)
-    if settings.deadline is not None:
-        backend = DeadlineGuard(backend, settings.deadline,
-                                Timing.from_store(settings.store_path, exp_id, backend.name))
+    backend = guarded_backend(settings, exp_id)
     try:
         with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch, \
                 progress.tracking(shown):
