@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One phase of the lab on a container GPU host with 2 GPUs and vLLM already installed
-# (inventory/container-pair.yml, inventory/container-tp.yml), bounded in time: for a machine
+# One phase of the lab on a container GPU host with vLLM already installed (inventory/container.yml
+# for one GPU; container-pair.yml, container-tp.yml for two), bounded in time: for a machine
 # booked for a while, or a job with a wall-clock limit. The store lives in STORE between calls;
 # each phase copies it (consistently) and a log to OUT.
 #
 #   MODEL=/models/llama-3-8b VLLM_VENV=/opt/vllm bash scripts/container_phase.sh PHASE
 #
 # PHASE: claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
-#        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2).
+#        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2),
+#        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
+#        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
 # MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
 # are read. VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE
 # (default /tmp/lab), OUT (default /tmp/out), DURATION (s per run, default 10), LAB_PYTHON (the
@@ -15,9 +17,10 @@
 # then the lab is interrupted as Ctrl-C would, so it stops its servers and keeps every finished
 # run; calling the phase again resumes it.
 set -uo pipefail
-phase=${1:?usage: container_phase.sh claims|tp|tp70b}
+phase=${1:?usage: container_phase.sh claims|tp|tp70b|autotune}
 : "${MODEL:?MODEL is required: the model folder on this host, e.g. MODEL=/models/llama-3-8b}"
 budget=${BUDGET_S:-520}
+deadline=$((budget - 20))s  # the lab stops itself by then; the interrupt below is the backstop
 store=${STORE:-/tmp/lab}
 out=${OUT:-/tmp/out}
 mkdir -p "$store" "$out"
@@ -28,7 +31,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 model=$MODEL
 sets="serve.load-format=dummy workload.tokenizer=$MODEL"
 common=(LAB_PYTHON="${LAB_PYTHON:-python3}" BACKEND=vllm OUT="$store" DURATION="${DURATION:-10}"
-        VLLM_VENV="${VLLM_VENV:-}" LAB_ROOT="${LAB_ROOT:-}")
+        VLLM_VENV="${VLLM_VENV:-}" LAB_ROOT="${LAB_ROOT:-}" DEADLINE="$deadline")
 
 case $phase in
   # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
@@ -51,7 +54,14 @@ PY
             EXPERIMENT=tp-scaling-llama-3-70b)
       # The base runs on 2 GPUs (one cannot hold it); TP 1 is then recorded as refused before launch.
       sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2" ;;
-  *) echo "container_phase.sh: unknown phase $phase (claims, tp or tp70b)" >&2; exit 2 ;;
+  # The staircase's levels last DURATION (30 s unless set); the search runs on the predictor for
+  # the H200 preset, then the defaults and the best candidates are measured here.
+  autotune) args=(autotune SCENARIO=realtime-chat HARDWARE=h200 INVENTORY=inventory/container.yml
+                  EXPERIMENT="${EXPERIMENT:-autotune-realtime-chat-h200}" GPU_MINUTES="${GPU_MINUTES:-20}"
+                  CONFIRM="${CONFIRM:-2}")
+      common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
+      sets="$sets run.start_timeout_s=420" ;;
+  *) echo "container_phase.sh: unknown phase $phase (claims, tp, tp70b or autotune)" >&2; exit 2 ;;
 esac
 
 # The TP phases continue the committed example's store, so the runs it holds (TP 1 of the 8B
@@ -64,7 +74,7 @@ fi
 # Servers a killed earlier call left behind (they run in their own process groups) would hold
 # the GPUs: make stop ends them through the same inventories.
 if nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -q .; then
-  for inv in inventory/container-pair.yml inventory/container-tp.yml; do
+  for inv in inventory/container.yml inventory/container-pair.yml inventory/container-tp.yml; do
     make stop INVENTORY=$inv "${common[@]}" || true
   done
 fi
@@ -72,7 +82,7 @@ fi
 set -m  # the lab runs in its own process group: the deadline interrupts all of it at once
 make "${args[@]}" "${common[@]}" MODEL="$model" SET="$sets" > "$out/$phase.log" 2>&1 &
 job=$!
-( sleep "$budget"; echo "container_phase.sh: deadline ($budget s): interrupting" >> "$out/$phase.log";
+( sleep "$((budget + 25))"; echo "container_phase.sh: deadline ($budget s): interrupting" >> "$out/$phase.log";
   kill -INT -- "-$job" 2>/dev/null ) &
 watchdog=$!
 wait $job; rc=$?

@@ -147,6 +147,74 @@ def test_a_candidate_that_would_pass_the_budget_is_not_started(tmp_path):
     store.close()
 
 
+class OnVllm(PredictBackend):
+    """The predictor standing in for real vLLM: measure-only variants are planned for it."""
+
+    name = "vllm"
+
+
+def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
+    """On real vLLM, measure: values become variants after the predictor's best, on whichever
+    configuration measured best by then; the twin and the predictor plan none."""
+    scenario = chat()
+    space = autotune.load_space(None, scenario)
+    assert space.measure == {"api-server-count": [4]}
+    summary = autotune.run(scenario, space, OnVllm(), settings(tmp_path, minutes=60, trials=3, seed=1, top=2),
+                           lambda _: None)
+    names = [c["name"] for c in summary["candidates"]]
+    assert names == ["defaults", "c1", "m1", "c2"]
+    m1 = summary["candidates"][2]
+    assert m1["predicted"] is None and m1["measure"] == {"api-server-count": 4}
+    measured = {c["name"]: c["measured"] or 0 for c in summary["candidates"][:2]}
+    base = max(measured, key=lambda n: (measured[n], n == "defaults"))
+    assert m1["base"] == base
+    assert m1["flags"] == {**summary["candidates"][names.index(base)]["flags"], "api-server-count": 4}
+    assert m1["centre"] == pytest.approx(measured[base], rel=0.16)
+    md = (tmp_path / "at" / "report.md").read_text()
+    assert "| m1" in md and "not modelled" in md and f"api-server-count=4 on {base}" in md
+    twin_plan = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1),
+                             lambda _: None)
+    assert [c["name"] for c in twin_plan["candidates"]] == ["defaults", "c1"]
+
+
+def test_staircase_centre_follows_what_was_measured():
+    plan = {"candidates": [{"name": "defaults", "flags": {}, "predicted": 40.0},
+                           {"name": "c1", "flags": {"max-num-seqs": 64}, "predicted": 50.0},
+                           {"name": "m1", "flags": None, "measure": {"api-server-count": 4},
+                            "predicted": None, "base": "c1"}]}
+    exact = {"capacity": 30.0, "bound": "=", "bracket": (30.0, 33.0), "status": "ok"}
+    # The predictor read the defaults 25% high: the next candidate's staircase moves down alike.
+    assert autotune.staircase_centre(plan["candidates"][0], plan, {}) == 40.0
+    assert autotune.staircase_centre(plan["candidates"][1], plan, {"defaults": exact}) == 37.5
+    # Nothing broke up to 30: aim a little higher; the lowest level broke at 30: aim below it.
+    assert autotune.staircase_centre(plan["candidates"][1], plan,
+                                     {"defaults": {**exact, "bound": ">=", "bracket": (30.0, None)}}) == 43.125
+    assert autotune.staircase_centre(plan["candidates"][1], plan,
+                                     {"defaults": {**exact, "capacity": 0.0, "bound": "<",
+                                                   "bracket": (None, 30.0)}}) == 26.25
+    # A variant starts from its base's measurement, or its base's prediction scaled like the rest.
+    assert autotune.staircase_centre(plan["candidates"][2], plan, {"defaults": exact, "c1": exact}) == 30.0
+    assert autotune.staircase_centre(plan["candidates"][2], plan, {"defaults": exact}) == 37.5
+    assert autotune.best_measured(plan, {"defaults": exact, "c1": {**exact, "capacity": 29.0}})["name"] == "defaults"
+    assert autotune.best_measured(plan, {"defaults": exact, "c1": {**exact, "capacity": 31.0}})["name"] == "c1"
+
+
+def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path):
+    scenario = chat()
+    cases = {"measure:\n  max-num-seqs: [64]\n": r"key measure\.max-num-seqs: only flags the twin does not model",
+             "measure:\n  api-server-count: [0]\n": r"key measure\.api-server-count: 0:",
+             "measure:\n  api-server-count: []\n": r"key measure\.api-server-count: give at least one value"}
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"s{i}.yaml"
+        path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\n" + text)
+        with pytest.raises(ScenarioError, match=message):
+            autotune.load_space(str(path), scenario)
+    path = tmp_path / "tune.yaml"
+    path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\nmeasure:\n  api-server-count: [4]\n")
+    with pytest.raises(ScenarioError, match="key measure: only make autotune reads it"):
+        search.load_space(str(path), scenario)
+
+
 @pytest.mark.integration
 def test_live_twin_autotune(tmp_path):
     """Defaults and one candidate on the live twin (cpu-demo), short levels, within the budget."""

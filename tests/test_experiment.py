@@ -1,5 +1,6 @@
 """The experiment module: ids, the store path, resume, and DEADLINE (predictor and twin)."""
 
+import json
 import shlex
 import time
 from datetime import datetime, timedelta
@@ -202,3 +203,36 @@ def test_stress_ramp_stops_once_for_the_deadline(tmp_path, capsys):
     assert cli.main(argv) == experiment.EXIT_DEADLINE
     err = capsys.readouterr().err
     assert err.count("lab: stopped for DEADLINE=") == 1 and "0 of " in err
+
+
+def _family_runs(path: Path, exp: str) -> int:
+    store = Store(path)
+    try:
+        return len(store.runs(exp, family=True))
+    finally:
+        store.close()
+
+
+def test_autotune_stops_at_the_deadline_reports_what_it_has_and_resumes(tmp_path, capsys):
+    """autotune's candidates are experiments of their own (<id>-defaults, <id>-c1): the deadline
+    and its timing see them all; the stop still writes the report; the resume finishes the rest."""
+    out = tmp_path / "reports"
+    at = time.time() + 3600
+    deadline = Deadline(at, "test", clock=lambda: time.time() if _family_runs(out / "lab.db", "at") < 4 else at + 1)
+    source = experiment.Source("realtime-chat")
+    options = experiment.AutotuneOptions(gpu_minutes=20, trials=3, seed=1, top=1)
+    settings = Settings(backend="predict", out=out, experiment="at", deadline=deadline,
+                        resume_command=lambda e: f"make autotune RESUME=1 EXPERIMENT={e}")
+    rc = experiment.autotune(settings, source, options)
+    err = capsys.readouterr().err
+    assert rc == experiment.EXIT_DEADLINE, err
+    assert "make autotune RESUME=1 EXPERIMENT=at" in err and err.count("\n") == 1
+    assert _family_runs(out / "lab.db", "at") == 4
+    stopped = json.loads((out / "at" / "summary.json").read_text())
+    assert stopped["candidates"][0]["status"] == "ok"  # the defaults' levels measured so far
+    rc = experiment.autotune(Settings(backend="predict", out=out, experiment="at"), source, options)
+    assert rc == 0
+    done = json.loads((out / "at" / "summary.json").read_text())
+    assert all(c["status"] == "ok" for c in done["candidates"]) and _family_runs(out / "lab.db", "at") > 4
+    timing = experiment.Timing.from_store(out / "lab.db", "at", "predict")
+    assert sum(map(len, timing.runs.values())) == _family_runs(out / "lab.db", "at")

@@ -33,7 +33,7 @@ from typing import Any
 
 import pandas as pd
 
-from vllm_lab import plans, search, stress
+from vllm_lab import lint, plans, search, stress
 from vllm_lab.backends import Backend, Measurement, PredictBackend
 from vllm_lab.flags import redact
 from vllm_lab.scenarios import Scenario, ScenarioError
@@ -99,8 +99,20 @@ def _say(line: str) -> None:
 def load_space(spec: str | None, scenario: Scenario) -> search.SearchSpace:
     """SPACE (default scenarios/spaces/autotune.yaml), holding only flags the twin models."""
     spec = spec if spec and spec != "default" else DEFAULT_SPACE
-    space = search.load_space(spec, scenario)
+    space = search.load_space(spec, scenario, measure=True)
     path = Path(spec) if Path(spec).suffix else search.SPACE_DIR / f"{spec}.yaml"
+    for param, values in space.measure.items():
+        if param not in MEASURE_ONLY:
+            raise ScenarioError(f"{path}: key measure.{param}: only flags the twin does not model "
+                                f"are tried live this way (allowed: {', '.join(MEASURE_ONLY)}); "
+                                f"put a modelled flag under space:")
+        if not values:
+            raise ScenarioError(f"{path}: key measure.{param}: give at least one value to try")
+        for value in values:
+            bad = [f for f in lint.lint(scenario.with_serve(**{param: value}))
+                   if f.severity == "error" and f.key == param]
+            if bad:
+                raise ScenarioError(f"{path}: key measure.{param}: {value!r}: {bad[0].message}")
     for param in space.space:
         if param in MEASURE_ONLY:
             raise ScenarioError(f"{path}: key space.{param}: the twin does not model it "
@@ -300,10 +312,70 @@ def refine_level(found: dict[str, Any], tolerance: float = 0.08) -> float | None
     return round((low + high) / 2, 3) if high / low - 1 > tolerance else None
 
 
-def candidate_levels(predicted: float, saturation: float | None, fractions: tuple[float, ...]) -> list[float]:
-    """The staircase around a predicted SLO capacity (a tenth of saturation when it is 0)."""
-    centre = predicted if predicted > 0 else 0.1 * (saturation or 1.0)
+def candidate_levels(centre: float, saturation: float | None, fractions: tuple[float, ...]) -> list[float]:
+    """The staircase around an expected SLO capacity (a tenth of saturation when it is 0)."""
+    centre = centre if centre > 0 else 0.1 * (saturation or 1.0)
     return sorted({round(centre * f, 3) for f in fractions})
+
+
+def _estimate(found: dict[str, Any] | None) -> float | None:
+    """A measured capacity as one number to aim at: the capacity itself when a level broke above
+    it, a little above the top when none broke, a little below the lowest when that one broke."""
+    if not found or found.get("status") != "ok" or found.get("capacity") is None:
+        return None
+    if found["bound"] == "<":
+        return 0.7 * found["bracket"][1]
+    return found["capacity"] * (1.15 if found["bound"] == ">=" else 1.0)
+
+
+def staircase_centre(cand: dict[str, Any], plan: dict[str, Any],
+                     found: dict[str, dict[str, Any]]) -> float:
+    """Where a candidate's staircase is centred, from what was measured before it.
+
+    The defaults: on their prediction. A ranked candidate: on its prediction scaled by how far the
+    predictor was from the defaults' measured capacity (what made the twin optimistic there, a
+    frontend it does not model for one, is there for every candidate). A measure-only variant: on
+    its base's measured capacity, since the flag is tried for a gain over it.
+    """
+    dflt = plan["candidates"][0]
+    seen = _estimate(found.get("defaults"))
+    ratio = seen / dflt["predicted"] if seen and dflt["predicted"] else 1.0
+    if cand.get("measure") is None:
+        return round(cand["predicted"] * (1.0 if cand["name"] == dflt["name"] else ratio), 3)
+    base_seen = _estimate(found.get(cand["base"]))
+    if base_seen:
+        return round(base_seen, 3)
+    base = next(c for c in plan["candidates"] if c["name"] == cand["base"])
+    return round((base["predicted"] or 0.0) * ratio, 3)
+
+
+def best_measured(plan: dict[str, Any], found: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The candidate (not a measure-only variant) with the highest measured capacity so far; the
+    defaults while nothing better was measured."""
+    best = plan["candidates"][0]
+    for cand in plan["candidates"][1:]:
+        f, b = found.get(cand["name"]), found.get(best["name"])
+        if cand.get("measure") is None and f and f.get("capacity") and (
+                not b or not b.get("capacity") or f["capacity"] > b["capacity"]):
+            best = cand
+    return best
+
+
+def plan_candidates(predicted_defaults: float, configs: list[dict[str, Any]],
+                    measure: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The order candidates are measured in: the defaults, the predictor's best, the measure-only
+    flags tried on the best measured by then, then the other ranked configurations."""
+    ranked = [{"name": f"c{i + 1}", **c} for i, c in enumerate(configs)]
+    variants = [{"name": f"m{j + 1}", "flags": None, "measure": {param: value}, "predicted": None}
+                for j, (param, value) in enumerate((p, v) for p, vs in measure.items() for v in vs)]
+    return ([{"name": "defaults", "flags": {}, "predicted": predicted_defaults}]
+            + ranked[:1] + variants + ranked[1:])
+
+
+def measure_section(space: search.SearchSpace, backend: str) -> dict[str, list[Any]]:
+    """The measure-only flags to try: on real vLLM only; the twin and its predictor would read each
+    as no change, and a candidate measured for nothing costs minutes."""
+    return dict(space.measure) if backend not in ("twin", "predict") else {}
 
 
 def _levels(store_path: Path, exp_id: str) -> pd.DataFrame:
@@ -373,10 +445,9 @@ def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, setting
         plan = {"scenario": redact(scenario.to_record()), "defaults": redact(defaults.to_record()),
                 "space": list(space.space), "backend": backend.name, "step_s": step_s,
                 "search_s": round(time.time() - t0, 1), "trials": settings.trials,
-                "saturation": sat["saturation"],
-                "candidates": [{"name": "defaults", "flags": {},
-                                "predicted": predicted_defaults.get("capacity", 0.0)}]
-                + [{"name": f"c{i + 1}", **c} for i, c in enumerate(configs)]}
+                "saturation": sat["saturation"], "measure": measure_section(space, backend.name),
+                "candidates": plan_candidates(predicted_defaults.get("capacity", 0.0), configs,
+                                              measure_section(space, backend.name))}
         study.set_user_attr("plan", plan)
     if plan["backend"] != backend.name:
         raise ScenarioError(f"experiment {settings.experiment_id} measures on {plan['backend']}: "
@@ -414,8 +485,14 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
     before = (0.0, 0.0, 0)
     for cand in plan["candidates"]:
         exp = f"{settings.experiment_id}-{cand['name']}"
-        scenario = open_loop(with_flags(defaults, cand["flags"]), plan["step_s"])
-        levels = candidate_levels(cand["predicted"], plan["saturation"], how.fractions)
+        found = {c["name"]: capacity_from_levels(_levels(settings.store_path, f"{settings.experiment_id}-{c['name']}"))
+                 for c in plan["candidates"] if c is not cand}
+        # Decided when the candidate first starts, then kept: a resume measures the same levels.
+        chosen = {} if "centre" in cand else _choose(cand, plan, found)
+        flags = cand["flags"] if cand["flags"] is not None else chosen["flags"]
+        scenario = open_loop(with_flags(defaults, flags), plan["step_s"])
+        levels = candidate_levels(cand.get("centre", chosen.get("centre", 0.0)), plan["saturation"],
+                                  how.fractions)
         points = stress.staircase_points(scenario, levels, settings.repeats)
         todo = _todo(settings.store_path, exp, points)
         cost = (start_est + todo * run_wall) if todo else 0.0
@@ -423,8 +500,13 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
             say(f"  {cand['name']}: skipped: about {cost / 60:.1f} min, "
                 f"{max(budget_s - spent(), 0) / 60:.1f} of GPU_MINUTES={settings.gpu_minutes:g} left")
             continue
+        if chosen:
+            cand.update(chosen)
+            study.set_user_attr("plan", plan)
+        expected = (f"predicted SLO capacity {cand['predicted']:.2f}" if cand["predicted"] is not None
+                    else f"{_flags_text(cand['measure'])} over {cand['base']}, not modelled")
         say(f"  {cand['name']} {cand['flags'] or '(vLLM defaults)'}: levels {levels} req/s "
-            f"(predicted SLO capacity {cand['predicted']:.2f}; about {cost / 60:.1f} min)")
+            f"({expected}; about {cost / 60:.1f} min)")
         meta = {"shape": "step", "params": ["load.shape.level"], "autotune": settings.experiment_id,
                 "candidate": cand["name"], "flags": cand["flags"]}
         before = (metered.start_s, metered.measure_s, metered.runs)
@@ -477,6 +559,16 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
             + ("; stopped by the budget" if stopped else "") + ")")
 
 
+def _choose(cand: dict[str, Any], plan: dict[str, Any], found: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A candidate's flags (a measure-only variant's on the best measured so far) and centre."""
+    chosen = dict(cand)
+    if cand.get("measure") is not None:
+        base = best_measured(plan, found)
+        chosen |= {"base": base["name"], "flags": {**base["flags"], **cand["measure"]}}
+    chosen["centre"] = staircase_centre(chosen, plan, found)
+    return {k: chosen[k] for k in ("flags", "centre", "base") if k in chosen}
+
+
 def _level_line(point: plans.Point, m: Measurement) -> str:
     """One progress line per measured level."""
     level = point.values["load.shape.level"]
@@ -525,7 +617,7 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
             if best and dflt["measured"] else None)
     start_min = sum(r["start_s"] for r in rows) / 60
     measure_min = sum(r["measure_s"] for r in rows) / 60
-    pred_best = max(rows, key=lambda r: r["predicted"])
+    pred_best = max((r for r in rows if r["predicted"] is not None), key=lambda r: r["predicted"])
     summary = {
         "experiment": experiment_id, "backend": plan["backend"],
         "scenario": plan["scenario"]["name"],
@@ -534,11 +626,15 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
         "best": best["name"] if best else None, "best_flags": best["flags"] if best else None,
         "predicted_defaults_capacity": dflt["predicted"],
         "predicted_best_capacity": (best or pred_best)["predicted"],
+        "prediction_error": (round(best["predicted"] / best["measured"] - 1, 4)
+                             if best and best["predicted"] is not None else None),
         "gpu_minutes": round(start_min + measure_min, 3),
         "gpu_minutes_starts": round(start_min, 3), "gpu_minutes_measuring": round(measure_min, 3),
         "gpu_minutes_budget": budget,
-        "candidates": [{k: r[k] for k in ("name", "flags", "predicted", "measured")}
-                       | {"bound": r["found"]["bound"], "status": r["found"]["status"]} for r in rows],
+        "candidates": [{k: r.get(k) for k in ("name", "flags", "predicted", "measured", "centre")}
+                       | {"bound": r["found"]["bound"], "status": r["found"]["status"]}
+                       | ({"measure": r["measure"], "base": r.get("base")} if r.get("measure") else {})
+                       for r in rows],
         "verdict": verdict(dflt, best, gain, bool(measured)),
         "measure_only_flags": sorted(MEASURE_ONLY),
     }
@@ -553,6 +649,20 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
     (folder / "report.md").write_text(md)
     (folder / "index.html").write_text(markdown_page(md, f"autotune {experiment_id}"))
     return summary
+
+
+def _candidate_flags(row: dict[str, Any]) -> str:
+    if row.get("measure") is None:
+        return _flags_text(row["flags"])
+    if row.get("base") is None:
+        return f"{_flags_text(row['measure'])} on the best measured before it (not reached)"
+    return f"{_flags_text(row['measure'])} on {row['base']}: {_flags_text(row['flags'])}"
+
+
+def _predicted_text(row: dict[str, Any]) -> str:
+    if row["predicted"] is not None:
+        return f"{row['predicted']:.2f}"
+    return "not modelled"
 
 
 def _num(value: float | None) -> str:
@@ -607,7 +717,7 @@ def report_markdown(summary: dict[str, Any], plan: dict[str, Any], rows: list[di
     ]
     for r in rows:
         mark = " **best**" if r["name"] == summary["best"] else ""
-        lines.append(f"| {r['name']}{mark} | {_flags_text(r['flags'])} | {r['predicted']:.2f} | "
+        lines.append(f"| {r['name']}{mark} | {_candidate_flags(r)} | {_predicted_text(r)} | "
                      f"{_fmt_cap(r['found'])} | {r['start_s'] / 60:.2f} | {r['measure_s'] / 60:.2f} |")
     lines += [
         "",
@@ -619,7 +729,8 @@ def report_markdown(summary: dict[str, Any], plan: dict[str, Any], rows: list[di
            "again with RESUME=1." if any(r["found"]["status"] == "not measured" for r in rows) else ""),
         "",
         f"Searched flags (the twin models them): {', '.join(plan['space'])}.",
-        "Measure-only flags (the twin does not model them; sweep them live with make sweep): "
+        "Measure-only flags (the twin does not model them: tried live on real vLLM from the "
+        "space's measure: section, or swept with make sweep): "
         + "; ".join(f"{k} ({v})" for k, v in MEASURE_ONLY.items()) + ".",
         "",
     ]

@@ -25,7 +25,6 @@ from vllm_lab.store import (
     StoreError,
     check_experiment_name,
     describe_sqlite_error,
-    experiment_dir,
 )
 from vllm_lab.watch import WatchError
 
@@ -237,36 +236,8 @@ def cmd_stress(args: argparse.Namespace) -> int:
 def cmd_autotune(args: argparse.Namespace) -> int:
     """Search the serving flags on the predictor by SLO capacity, measure the defaults and the best
     few on the backend within GPU_MINUTES, and write the report with a scenario for the winner."""
-    from vllm_lab import autotune, search
-    if args.spread:
-        raise UsageError("SPREAD=1 is not supported by autotune: its candidates are measured one "
-                         "after another on one host")
-    scenario = _source(args).resolve_checked()
-    space = autotune.load_space(args.space, scenario)
-    store_path = experiment.store_path(args.out, args.store)
-    storage = search.storage_url(None, store_path)
-    exp_id = args.experiment or experiment.experiment_name("autotune", scenario)
-    if args.resume and not args.experiment:
-        prefix = experiment.experiment_name("autotune", scenario)[: -len("YYYYmmdd-HHMMSS")]
-        exp_id = autotune.newest_study(storage, prefix) or ""
-        if not exp_id:
-            raise StoreError(f"{store_path}: nothing to resume for {prefix[:-1]}; run without RESUME=1")
-    # A DURATION given on the command line sets the staircase's levels; else the backend's default.
-    step_s = scenario.load.stop.duration_s if any(
-        o.startswith("load.stop.duration_s=") for o in args.overrides) else None
-    settings = autotune.Settings(exp_id, store_path, args.out, storage, args.gpu_minutes,
-                                 trials=args.trials, seed=args.seed, top=args.top, step_s=step_s,
-                                 repeats=args.repeats or 1)
-    backend = experiment.make_backend(_settings(args), exp_id)
-    try:
-        summary = autotune.run(scenario, space, backend, settings)
-    except KeyboardInterrupt:
-        print(f"lab: interrupted; finished runs are kept. Continue with: make autotune ... "
-              f"RESUME=1 EXPERIMENT={exp_id}", file=sys.stderr)
-        return 130
-    print(f"autotune: {summary['verdict']}")
-    print(f"report: {experiment_dir(args.out, exp_id) / 'report.md'}")
-    return 0
+    return experiment.autotune(_settings(args), _source(args), experiment.AutotuneOptions(
+        args.gpu_minutes, args.trials, args.space, args.seed, args.top))
 
 
 def _minutes(text: str) -> float:

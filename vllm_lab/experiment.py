@@ -126,7 +126,8 @@ class Timing:
         timing = cls(live=backend != "predict")
         store = Store(path)
         try:
-            runs = store.runs(experiment_id)
+            # Its own runs and those of the experiments it is made of (autotune's candidates).
+            runs = store.runs(experiment_id, family=True)
         finally:
             store.close()
         runs = runs[runs["backend"] == backend] if not runs.empty else runs
@@ -831,3 +832,66 @@ def newest_experiment(path: Path) -> str:
         raise StoreError(f"{path}: no experiments yet; run make baseline or make sweep first")
     return newest
 
+
+
+# -- autotune --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AutotuneOptions:
+    """What make autotune takes beyond the common settings."""
+
+    gpu_minutes: float = 20.0
+    trials: int = 20
+    space: str | None = None
+    seed: int | None = None
+    top: int | None = None
+
+
+def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> int:
+    """Search on the predictor by SLO capacity, measure the defaults and the best few within
+    GPU_MINUTES and before DEADLINE; 0, 130 on Ctrl-C, or EXIT_DEADLINE with the resume command."""
+    from vllm_lab import autotune as tuning
+    from vllm_lab import search
+    if settings.spread:
+        raise scenarios.ScenarioError("SPREAD=1 is not supported by autotune: its candidates are measured one "
+                            "after another on one host")
+    scenario = source.resolve_checked()
+    space = tuning.load_space(options.space, scenario)
+    storage = search.storage_url(None, settings.store_path)
+    exp_id = settings.experiment or experiment_name("autotune", scenario)
+    if settings.resume and not settings.experiment:
+        prefix = experiment_name("autotune", scenario)[: -len("YYYYmmdd-HHMMSS")]
+        exp_id = tuning.newest_study(storage, prefix) or ""
+        if not exp_id:
+            raise StoreError(f"{settings.store_path}: nothing to resume for {prefix[:-1]}; run "
+                             f"without RESUME=1")
+    # A DURATION given on the command line sets the staircase's levels; else the backend's default.
+    step_s = scenario.load.stop.duration_s if any(
+        o.startswith("load.stop.duration_s=") for o in source.overrides) else None
+    tune_settings = tuning.Settings(exp_id, settings.store_path, settings.out, storage,
+                                    options.gpu_minutes, trials=options.trials, seed=options.seed,
+                                    top=options.top, step_s=step_s, repeats=settings.repeats or 1)
+    backend = guarded_backend(settings, exp_id)
+    try:
+        with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch:
+            if isinstance(backend, DeadlineGuard):
+                backend.on_stop = watch.disarm
+            try:
+                summary = tuning.run(scenario, space, backend, tune_settings)
+            except KeyboardInterrupt:
+                if not watch.fired.is_set():
+                    raise
+                raise DeadlineReached("") from None
+    except DeadlineReached:
+        summary = tuning.build_report(settings.store_path, exp_id, settings.out, storage)
+        print(f"lab: stopped for DEADLINE={settings.deadline}: {summary['gpu_minutes']:.1f} of "
+              f"GPU_MINUTES={options.gpu_minutes:g} spent, servers stopped; what was measured is "
+              f"kept and reported; resume with: {settings.resume_command(exp_id)}", file=sys.stderr)
+        return EXIT_DEADLINE
+    except KeyboardInterrupt:
+        print(f"lab: interrupted; finished runs are kept. Continue with: "
+              f"{settings.resume_command(exp_id)}", file=sys.stderr)
+        return 130
+    print(f"autotune: {summary['verdict']}")
+    print(f"report: {experiment_dir(settings.out, exp_id) / 'report.md'}")
+    return 0

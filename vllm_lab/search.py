@@ -89,11 +89,14 @@ class ParamRange(BaseModel):
 
 
 class SearchSpace(BaseModel):
-    """The flags a search varies and their ranges (``space:`` in a YAML file)."""
+    """The flags a search varies and their ranges (``space:`` in a YAML file), and for autotune
+    the values of flags the predictor cannot rank, to try live on the best configuration
+    (``measure:``, e.g. ``{api-server-count: [4]}``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     space: dict[str, ParamRange]
+    measure: dict[str, list[Any]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> SearchSpace:
@@ -111,8 +114,9 @@ def default_space(scenario: Scenario) -> SearchSpace:
     return SearchSpace(space=space)
 
 
-def load_space(spec: str | None, scenario: Scenario) -> SearchSpace:
-    """SPACE: empty or 'default' (the hardware's default), a name in scenarios/spaces/, or a file."""
+def load_space(spec: str | None, scenario: Scenario, measure: bool = False) -> SearchSpace:
+    """SPACE: empty or 'default' (the hardware's default), a name in scenarios/spaces/, or a file.
+    ``measure``: the command reads a ``measure:`` section (autotune); others refuse one."""
     if not spec or spec == "default":
         return default_space(scenario)
     path = Path(spec)
@@ -126,10 +130,14 @@ def load_space(spec: str | None, scenario: Scenario) -> SearchSpace:
         key = ".".join(str(p) for p in err["loc"])
         raise ScenarioError(f"{path}: key {key}: {err['msg']} (a space is space: {{flag: {{low: .., "
                             f"high: .., log: true}} or {{choices: [..]}}}})") from None
-    for param in space.space:
-        if plans.is_serve_flag(param) and param not in flagcat.FLAGS:
-            raise ScenarioError(f"{path}: key space.{param}: not a vLLM flag the lab knows "
-                                f"(tuning flags: {', '.join(n for n, f in flagcat.FLAGS.items() if f.tuning)})")
+    if space.measure and not measure:
+        raise ScenarioError(f"{path}: key measure: only make autotune reads it (flags to try live "
+                            f"on its best configuration); drop it for this command")
+    for section, params in (("space", space.space), ("measure", space.measure)):
+        for param in params:
+            if plans.is_serve_flag(param) and param not in flagcat.FLAGS:
+                raise ScenarioError(f"{path}: key {section}.{param}: not a vLLM flag the lab knows "
+                                    f"(tuning flags: {', '.join(n for n, f in flagcat.FLAGS.items() if f.tuning)})")
     return space
 
 

@@ -410,11 +410,15 @@ class Store:
         return {"id": row[0], "step": row[1], "scenario_name": row[2], "created": row[3],
                 "meta": json.loads(row[4])}
 
-    def runs(self, experiment_id: str | None = None) -> pd.DataFrame:
-        """Runs (all, or one experiment's), with ``point`` and ``summary`` decoded."""
+    def runs(self, experiment_id: str | None = None, family: bool = False) -> pd.DataFrame:
+        """Runs (all, or one experiment's), with ``point`` and ``summary`` decoded. ``family``: also
+        the runs of the experiments named ``<experiment_id>-...`` (autotune's candidates)."""
         query = "SELECT * FROM runs"
         params: tuple = ()
-        if experiment_id is not None:
+        if experiment_id is not None and family:
+            query += " WHERE experiment_id=? OR substr(experiment_id, 1, ?)=?"
+            params = (experiment_id, len(experiment_id) + 1, experiment_id + "-")
+        elif experiment_id is not None:
             query += " WHERE experiment_id=?"
             params = (experiment_id,)
         df = pd.read_sql_query(query + " ORDER BY started", self._conn, params=params)
