@@ -177,6 +177,17 @@ def test_watchdog_stops_a_run_that_outlasts_its_estimate():
     assert not watch.fired.is_set()
 
 
+def test_watched_block_turns_the_watchdog_interrupt_into_deadline_reached(tmp_path):
+    from vllm_lab import progress
+
+    shown = progress.Progress("sweep", "w", "predict", tmp_path)
+    with pytest.raises(experiment.DeadlineReached), \
+            experiment.watched(Deadline(time.time() + 0.3, "test"), object(), shown):
+        time.sleep(10)  # a run still going at the deadline
+    with pytest.raises(KeyboardInterrupt), experiment.watched(None, object(), shown):
+        raise KeyboardInterrupt  # the user's Ctrl-C stays one
+
+
 def test_tune_stopped_says_how_many_trials_are_left(tmp_path, capsys):
     argv = ["tune", *SMALL, "--backend", "predict", "--out", str(tmp_path), "--trials", "3",
             "--deadline", "2s"]

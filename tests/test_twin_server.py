@@ -247,6 +247,22 @@ def test_api_key_guards_v1(env):
         server.stop()
 
 
+def test_the_scenario_hardware_reaches_the_twin_through_its_environment(env, monkeypatch):
+    """The lab starts a twin with the scenario's GPU (VLLM_TWIN_HARDWARE, the one schema's JSON):
+    the twin simulates that GPU, and says so in its DCGM series."""
+    from vllm_lab import scenarios
+
+    preset = scenarios.resolve("default", "a100-80g").hardware
+    for key, value in preset.environment().items():
+        monkeypatch.setenv(key, value)
+    server = start_twin(*env)
+    try:
+        text = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        assert f'modelName="{preset.name}"' in text
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(("flags", "words"), [
     (["--swap-space", "4"], "unrecognized arguments: --swap-space"),
     (["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),

@@ -135,8 +135,7 @@ class LiveBackend:
                         # off an address other hosts reach unless the inventory allows it.
                         "vllm_dev_mode": bool(scenario.run.clean),
                         # The twin simulates the scenario's GPU.
-                        "vllm_environment": {
-                            "VLLM_TWIN_HARDWARE": json.dumps(scenario.hardware.model_dump(mode="json"))}},
+                        "vllm_environment": scenario.hardware.environment()},
             timeout=scenario.run.start_timeout_s + 120)
         instance = instances[0]
         self._running[host] = (key, instance)
@@ -363,8 +362,7 @@ class PredictBackend:
             arrivals = Open(rate=level, burstiness=load.burstiness, max_in_flight=load.max_in_flight)
         requests = predicted_requests(scenario, count)
         try:
-            profile = on_hardware(load_profile(scenario.hardware.twin_profile),
-                                  scenario.hardware.model_dump())
+            profile = on_hardware(load_profile(scenario.hardware.twin_profile), scenario.hardware)
             prediction = predict(scenario.serve, profile,
                                  load_model_shape(str(scenario.serve["model"])), requests, arrivals,
                                  seed=scenario.run.seed)

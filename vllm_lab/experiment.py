@@ -23,7 +23,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -231,6 +231,22 @@ class Watchdog:
 
     def __exit__(self, *exc) -> None:
         self.disarm()  # never after the watched block has ended (a report being built)
+
+
+@contextmanager
+def watched(deadline: Deadline | None, backend: Backend, shown: progress.Progress) -> Iterator[Watchdog]:
+    """The block a long command takes its runs in: the progress drawn, a Watchdog armed for the
+    deadline (disarmed once a DeadlineGuard stops), and the Ctrl-C the watchdog sends raised as
+    DeadlineReached; a Ctrl-C of the user's stays a KeyboardInterrupt."""
+    with Watchdog(deadline, getattr(backend, "margin", 0.0)) as watch, progress.tracking(shown):
+        if isinstance(backend, DeadlineGuard):
+            backend.on_stop = watch.disarm
+        try:
+            yield watch
+        except KeyboardInterrupt:
+            if not watch.fired.is_set():
+                raise
+            raise DeadlineReached("") from None
 
 
 # -- what a command runs ---------------------------------------------------------------------------
@@ -502,20 +518,12 @@ class Experiment:
                                   window_s=self.points[0].scenario.load.stop.duration_s)
         backend = guarded_backend(s, self.id)
         try:
-            with Watchdog(s.deadline, getattr(backend, "margin", 0.0)) as watch, \
-                    progress.tracking(shown):
-                if isinstance(backend, DeadlineGuard):
-                    backend.on_stop = watch.disarm
-                try:
-                    if s.precision is None:
-                        counts = plans.execute(plan, backend, s.store_path, s.out / ".work", hosts,
-                                               progress=shown)
-                    else:
-                        counts = self.take_to_precision(backend, hosts, shown, say)
-                except KeyboardInterrupt:
-                    if not watch.fired.is_set():
-                        raise
-                    raise DeadlineReached("") from None
+            with watched(s.deadline, backend, shown):
+                if s.precision is None:
+                    counts = plans.execute(plan, backend, s.store_path, s.out / ".work", hosts,
+                                           progress=shown)
+                else:
+                    counts = self.take_to_precision(backend, hosts, shown, say)
         except DeadlineReached:
             return self.stopped_for_deadline()
         except KeyboardInterrupt:
@@ -712,18 +720,10 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
     done: list[int] = []
     backend = guarded_backend(settings, exp_id)
     try:
-        with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch, \
-                progress.tracking(shown):
-            if isinstance(backend, DeadlineGuard):
-                backend.on_stop = watch.disarm
-            try:
-                with _quiet_deadline_in_threads():
-                    counts = search.run_trials(scenario, tune_settings, backend, settings.store_path,
-                                               settings.out / ".work", hosts, on_trial)
-            except KeyboardInterrupt:
-                if not watch.fired.is_set():
-                    raise
-                raise DeadlineReached("") from None
+        with watched(settings.deadline, backend, shown):
+            with _quiet_deadline_in_threads():
+                counts = search.run_trials(scenario, tune_settings, backend, settings.store_path,
+                                           settings.out / ".work", hosts, on_trial)
             if getattr(backend, "stopped", False):
                 raise DeadlineReached("")  # SPREAD: the hosts' threads stopped, the study did not say
     except DeadlineReached:

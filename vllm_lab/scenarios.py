@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vllm_lab import hardware
 from vllm_lab.flags import DEFAULT_VLLM_VERSION, is_secret
 from vllm_lab.traffic.spec import Load, Workload
 
@@ -34,18 +35,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Hardware(Strict):
-    """One GPU model and how many of them a host has; the twin computes step times from these."""
+class Hardware(hardware.Hardware):
+    """A hardware preset: the one GPU schema, with the short key and the twin profile required."""
 
-    name: str = Field(description="Human name, printed on every report figure.")
     gpu: str = Field(description="Short key, e.g. h200; picks the twin profile.")
-    gpu_count: int = Field(1, ge=1)
-    memory_gib: float = Field(gt=0, description="Memory of one GPU as the driver reports it.")
-    bandwidth_gbs: float = Field(gt=0, description="HBM bandwidth, GB/s.")
-    tflops_bf16: float = Field(gt=0)
-    tflops_fp16: float = Field(gt=0)
-    tflops_fp32: float = Field(gt=0)
-    interconnect_gbs: float = Field(0, ge=0, description="GPU-to-GPU bandwidth per direction, GB/s.")
     twin_profile: str = Field(description="Twin profile (vllm_lab/twin/profiles/) for this GPU.")
 
 

@@ -9,25 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from vllm_lab.hardware import Hardware
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
+# What a profile's GPU leaves out: an eight-GPU host with an NVLink-class interconnect.
+GPU_COUNT = 8
+INTERCONNECT_GBS = 450.0
+INTERCONNECT_LATENCY_US = 8.0
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class Hardware(_Strict):
-    """One GPU as the roofline sees it."""
-
-    name: str
-    memory_gib: float = Field(gt=0, description="GPU memory visible to torch, GiB")
-    bandwidth_gbs: float = Field(gt=0, description="HBM bandwidth, GB/s")
-    tflops: dict[str, float] = Field(description="dense peak TFLOP/s per dtype (bf16, fp16, fp32, fp8)")
-    interconnect_gbs: float = Field(default=450.0, gt=0, description="per-GPU all-reduce bandwidth, GB/s")
-    interconnect_latency_us: float = Field(default=8.0, ge=0, description="latency of one all-reduce")
-    gpu_count: int = Field(default=8, ge=1, description="GPUs per host, the ceiling for tensor parallelism")
 
 
 class Coefficients(_Strict):
@@ -69,31 +63,37 @@ class Profile(_Strict):
     coefficients: Coefficients
     provenance: Provenance = Field(default_factory=Provenance)
 
+    @field_validator("hardware")
+    @classmethod
+    def _host_known(cls, hw: Hardware) -> Hardware:
+        # The roofline of tensor parallelism needs these; a profile that leaves them out gets ours.
+        return hw.model_copy(update={
+            "gpu_count": hw.gpu_count if "gpu_count" in hw.model_fields_set else GPU_COUNT,
+            "interconnect_gbs": hw.interconnect_gbs or INTERCONNECT_GBS,
+            "interconnect_latency_us": (INTERCONNECT_LATENCY_US if hw.interconnect_latency_us is None
+                                        else hw.interconnect_latency_us)})
+
     def to_yaml(self) -> str:
         """The profile as the YAML text ``load_profile`` reads."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=100)
 
 
-def on_hardware(profile: Profile, hardware: dict) -> Profile:
+def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
     """The profile's fitted coefficients on another GPU: the roofline takes that GPU's numbers.
 
-    ``hardware`` is a lab hardware preset's ``hardware:`` block (memory_gib, bandwidth_gbs,
-    tflops_bf16/fp16/fp32, interconnect_gbs, gpu_count), as the lab passes it in
-    ``VLLM_TWIN_HARDWARE``; the overheads stay those measured on the profile's own GPU.
+    ``hardware`` is a lab hardware preset, as the lab passes it in ``VLLM_TWIN_HARDWARE``; the
+    overheads stay those measured on the profile's own GPU, and so do what the preset leaves out
+    (the interconnect, the fp8 peak scaled by the bf16 peaks).
     """
-    tflops = dict(profile.hardware.tflops)
-    for dtype in ("bf16", "fp16", "fp32"):
-        if f"tflops_{dtype}" in hardware:
-            tflops[dtype] = float(hardware[f"tflops_{dtype}"])
-    if "fp8" in tflops and "tflops_bf16" in hardware:
-        tflops["fp8"] = tflops["fp8"] / profile.hardware.tflops["bf16"] * tflops["bf16"]
-    hw = profile.hardware.model_copy(update={
-        "name": hardware.get("name", profile.hardware.name),
-        "memory_gib": float(hardware.get("memory_gib", profile.hardware.memory_gib)),
-        "bandwidth_gbs": float(hardware.get("bandwidth_gbs", profile.hardware.bandwidth_gbs)),
-        "interconnect_gbs": float(hardware.get("interconnect_gbs") or profile.hardware.interconnect_gbs),
-        "gpu_count": int(hardware.get("gpu_count", profile.hardware.gpu_count)),
-        "tflops": tflops})
+    own = profile.hardware
+    fp8 = hardware.tflops_fp8
+    if fp8 is None and own.tflops_fp8 is not None:
+        fp8 = own.tflops_fp8 / own.tflops_bf16 * hardware.tflops_bf16
+    hw = hardware.model_copy(update={
+        "tflops_fp8": fp8,
+        "interconnect_gbs": hardware.interconnect_gbs or own.interconnect_gbs,
+        "interconnect_latency_us": (own.interconnect_latency_us if hardware.interconnect_latency_us is None
+                                    else hardware.interconnect_latency_us)})
     return profile.model_copy(update={"hardware": hw})
 
 

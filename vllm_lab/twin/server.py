@@ -13,7 +13,6 @@ clients can check themselves.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -80,12 +79,13 @@ def _max_model_len(engine: Any, flags: dict[str, Any], model_shape: Any) -> int:
 
 
 def _load_profile(name: str) -> Any:
-    """The profile, moved onto the lab's hardware preset when VLLM_TWIN_HARDWARE (JSON) is set."""
+    """The profile, moved onto the lab's hardware preset when VLLM_TWIN_HARDWARE (its JSON) is set."""
+    from vllm_lab.hardware import Hardware
     from vllm_lab.twin.profile import load_profile, on_hardware
 
     profile = load_profile(name)
-    hardware = os.environ.get("VLLM_TWIN_HARDWARE")
-    return on_hardware(profile, json.loads(hardware)) if hardware else profile
+    hardware = Hardware.from_environment()
+    return on_hardware(profile, hardware) if hardware else profile
 
 
 def _cache_config(flags: dict[str, Any], stats: Any, max_model_len: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ class StepTimeModel:
         attn = h * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
         attn += model.num_heads * model.head_dim * h
         linear_params = layers * (attn + 3 * h * model.intermediate_size)
-        peak = hw.tflops.get(dtype_name) or hw.tflops.get(DTYPE_PEAK_KEY[weight_bytes]) or 100.0
+        peak = hw.tflops(dtype_name) or hw.tflops(DTYPE_PEAK_KEY[weight_bytes]) or 100.0
         bw = hw.bandwidth_gbs * 1e9 * co.bandwidth_efficiency
         self.gemm_s_per_token = 2 * linear_params / tp / (peak * 1e12 * co.gemm_efficiency)
         self.lm_head_s_per_sample = 2 * h * v / tp / (peak * 1e12 * co.gemm_efficiency)

@@ -23,12 +23,41 @@ def caption(runs: pd.DataFrame, period: Period) -> str:
             f"backends: {', '.join(sorted(runs['backend'].unique()))} · workloads: each scenario's own")
 
 
+def _axes(height: float, bottom: float, right: float = 0.72, left: float | None = None):
+    """A one-chart figure 10 inches wide, its title at the top and room for a legend at right."""
+    fig, ax = plt.subplots(figsize=(10, height))
+    fig.subplots_adjust(left=left, bottom=bottom, right=right, top=0.9)
+    return fig, ax
+
+
+def _grid_and_legend(ax, fontsize: float, **grid) -> None:
+    """The light grid every chart has and its legend outside the axes, at right."""
+    ax.grid(alpha=0.3, **grid)
+    ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
 def _barh_axes(rows: int):
     """A horizontal-bar figure sized for ``rows`` labelled rows, with room for a legend at right."""
     height = 0.5 * rows + 1.8
-    fig, ax = plt.subplots(figsize=(10, height))
-    fig.subplots_adjust(left=0.3, bottom=0.75 / height + 0.08, right=0.82, top=0.9)
+    fig, ax = _axes(height, bottom=0.75 / height + 0.08, right=0.82, left=0.3)
     return fig, ax, np.arange(rows)
+
+
+def _panels(count: int, max_cols: int, panel: tuple[float, float], extra_h: float,
+            legend_h: float, bottom: float, **spacing):
+    """A figure of ``count`` gridded panels, up to ``max_cols`` a row, each ``panel`` inches, with
+    ``extra_h`` inches for the title and ``legend_h`` for the legend at the foot; the unused panels
+    of the last row are switched off. Returns the figure and the panels in use."""
+    cols = min(max_cols, count)
+    rows = int(np.ceil(count / cols))
+    height = panel[1] * rows + extra_h
+    fig, axes = plt.subplots(rows, cols, figsize=(panel[0] * cols, height), squeeze=False)
+    fig.subplots_adjust(bottom=legend_h / height + bottom, **spacing)
+    for ax in list(axes.flat)[count:]:
+        ax.axis("off")
+    for ax in list(axes.flat)[:count]:
+        ax.grid(alpha=0.3)
+    return fig, list(axes.flat)[:count]
 
 
 def figure_baseline(cmp: pd.DataFrame, folder: Path, caption: str) -> Path | None:
@@ -50,8 +79,7 @@ def figure_baseline(cmp: pd.DataFrame, folder: Path, caption: str) -> Path | Non
     ax.set_xlabel("baseline output tokens/s (mean ± sd over repeats)")
     ax.set_title("Baseline now vs the previous period (* significant, Welch t-test p < 0.05)",
                  fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.grid(axis="x", alpha=0.3)
+    _grid_and_legend(ax, 8, axis="x")
     return save_captioned(fig, folder / "baseline.png", caption)
 
 
@@ -70,8 +98,7 @@ def figure_best(best: pd.DataFrame, folder: Path, caption: str) -> Path | None:
     ax.set_yticks(y, best["label"], fontsize=8)
     ax.set_xlabel("goodput (requests/s meeting every SLO)")
     ax.set_title("Best configuration found this period vs the baseline", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.grid(axis="x", alpha=0.3)
+    _grid_and_legend(ax, 8, axis="x")
     return save_captioned(fig, folder / "best.png", caption)
 
 
@@ -83,11 +110,8 @@ def figure_sweeps(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
     params = sorted(sweeps["param"].unique())[:6]
     if not params:
         return None
-    cols = min(3, len(params))
-    rows = int(np.ceil(len(params) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.3 * rows + 0.9), squeeze=False)
-    fig.subplots_adjust(hspace=0.55, wspace=0.3, bottom=0.55 / (3.3 * rows + 0.9) + 0.12, top=0.9)
-    for ax, param in zip(axes.flat, params):
+    fig, axes = _panels(len(params), 3, (4.4, 3.3), 0.9, 0.55, 0.12, hspace=0.55, wspace=0.3, top=0.9)
+    for ax, param in zip(axes, params):
         group = sweeps[sweeps["param"] == param].copy()
         group["value"] = group["point"].map(lambda p, param=param: p.get(param))
         group["rel"] = group["goodput"] / group.groupby("experiment_id")["goodput"].transform("max")
@@ -98,11 +122,8 @@ def figure_sweeps(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
                                                   for v in curve.index], fontsize=7)
         ax.set_title(param, fontsize=9)
         ax.set_ylim(0, 1.05)
-        ax.grid(alpha=0.3)
         ax.set_ylabel("goodput / sweep's best", fontsize=7)
-    for ax in list(axes.flat)[len(params):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7,
                bbox_to_anchor=(0.5, 0.035), frameon=False)
     fig.suptitle("Single-flag sweeps of the period (median over repeated sweeps)", fontsize=11)
@@ -115,11 +136,8 @@ def figure_combos(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
     labels = sorted(combos["label"].unique())[:8]
     if not labels:
         return None
-    cols = min(4, len(labels))
-    rows = int(np.ceil(len(labels) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows + 0.8), squeeze=False)
-    fig.subplots_adjust(hspace=0.6, wspace=0.35, bottom=0.5 / (3.2 * rows + 0.8) + 0.1, top=0.88)
-    for ax, label in zip(axes.flat, labels):
+    fig, axes = _panels(len(labels), 4, (3.6, 3.2), 0.8, 0.5, 0.1, hspace=0.6, wspace=0.35, top=0.88)
+    for ax, label in zip(axes, labels):
         group = combos[combos["label"] == label]
         x, y = group["output_throughput"].to_numpy(), group["ttft_p99"].to_numpy() * 1000
         ok = group["meets_slo"].to_numpy()
@@ -133,10 +151,7 @@ def figure_combos(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
         ax.set_ylabel("TTFT p99 (ms)", fontsize=7)
         ax.set_yscale("log")
         ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(labels):]:
-        ax.axis("off")
-    handles, names = axes.flat[0].get_legend_handles_labels()
+    handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="upper right", fontsize=7, ncol=3, frameon=False)
     fig.suptitle("Combinations: throughput against TTFT p99", fontsize=11, x=0.3)
     return save_captioned(fig, folder / "combos.png", caption)
@@ -148,8 +163,7 @@ def figure_stress(points: pd.DataFrame, stress: pd.DataFrame, folder: Path,
     if stress.empty:
         return None
     latest = stress.groupby("label").tail(1)
-    fig, ax = plt.subplots(figsize=(10, 4.6))
-    fig.subplots_adjust(bottom=0.33, right=0.72, top=0.9)
+    fig, ax = _axes(4.6, bottom=0.33)
     for _, s in latest.iterrows():
         group = points[points["experiment_id"] == s["experiment_id"]].copy()
         group["level"] = group["point"].map(lambda p: p.get("load.shape.level", np.nan))
@@ -165,8 +179,7 @@ def figure_stress(points: pd.DataFrame, stress: pd.DataFrame, folder: Path,
     ax.set_ylabel("TTFT p99 (ms)")
     ax.set_title("Stress tests: latency against load (◇ = knee: the highest load meeting the SLO)",
                  fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _grid_and_legend(ax, 7, which="both")
     return save_captioned(fig, folder / "stress.png", caption)
 
 
@@ -175,8 +188,7 @@ def figure_watch(runs: pd.DataFrame, folder: Path, caption: str) -> Path | None:
     watch = ok_runs(runs[runs["step"].isin(["watch", "monitor"])])
     if watch.empty:
         return None
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    fig.subplots_adjust(bottom=0.3, right=0.72, top=0.9)
+    fig, ax = _axes(4.2, bottom=0.3)
     flagged = watch["summary_json"].map(lambda s: bool(json.loads(s).get("regression", False)))
     for host, group in watch.groupby("host"):
         t = pd.to_datetime(group["started"], unit="s")
@@ -186,7 +198,6 @@ def figure_watch(runs: pd.DataFrame, folder: Path, caption: str) -> Path | None:
     ax.plot([], [], "x", color="red", label="regression flagged")
     ax.set_ylabel("probe output tokens/s")
     ax.set_title("Regression watch: the probe load on each deployment", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _grid_and_legend(ax, 7)
     fig.autofmt_xdate()
     return save_captioned(fig, folder / "watch.png", caption)

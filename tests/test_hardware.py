@@ -1,0 +1,39 @@
+"""The one hardware schema: a preset, a profile's GPU, and the bridge to a twin server."""
+
+from vllm_lab import scenarios
+from vllm_lab.hardware import ENV_VAR, Hardware
+from vllm_lab.twin.profile import Profile, load_profile, on_hardware
+
+
+def test_a_preset_reaches_the_twin_as_the_same_gpu():
+    preset = scenarios.resolve("default", "a100-80g").hardware
+    env = preset.environment()
+    assert list(env) == [ENV_VAR]
+    assert Hardware.from_environment(env).model_dump() == preset.model_dump()
+    assert Hardware.from_environment({}) is None
+
+
+def test_a_preset_record_keeps_its_keys():
+    record = scenarios.resolve("default", "h200").to_record()["hardware"]
+    assert list(record) == ["name", "gpu", "gpu_count", "memory_gib", "bandwidth_gbs", "tflops_bf16",
+                            "tflops_fp16", "tflops_fp32", "interconnect_gbs", "twin_profile"]
+
+
+def test_a_profile_written_with_a_tflops_mapping_still_loads():
+    data = load_profile("h200-llama-3-8b").model_dump(mode="json")
+    hw = data["hardware"]
+    hw["tflops"] = {d: hw.pop(f"tflops_{d}") for d in ("bf16", "fp16", "fp32", "fp8")}
+    del hw["gpu_count"], hw["interconnect_latency_us"]
+    profile = Profile.model_validate(data)
+    assert profile.hardware.tflops("fp8") == 1979.0 and profile.hardware.tflops("int4") is None
+    assert profile.hardware.gpu_count == 8 and profile.hardware.interconnect_latency_us == 8.0
+
+
+def test_on_hardware_takes_the_preset_and_keeps_what_it_leaves_out():
+    profile = load_profile("h200-llama-3-8b")
+    preset = scenarios.resolve("default", "a100-80g").hardware.model_copy(
+        update={"interconnect_gbs": 0})
+    hw = on_hardware(profile, preset).hardware
+    assert hw.memory_gib == preset.memory_gib and hw.gpu_count == preset.gpu_count
+    assert hw.interconnect_gbs == profile.hardware.interconnect_gbs
+    assert hw.tflops("fp8") == 1979.0 / 989.0 * 312.0
