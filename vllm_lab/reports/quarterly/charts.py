@@ -14,6 +14,9 @@ from vllm_lab.reports.points import pareto_front
 from vllm_lab.reports.quarterly.analyses import SIGNIFICANCE, ok_runs
 from vllm_lab.reports.quarterly.period import Period
 
+# Inches: a figure of one small panel is still as wide as its title and its caption line.
+MIN_WIDTH = 9.0
+
 
 def caption(runs: pd.DataFrame, period: Period) -> str:
     """What the period's figures came from: GPUs, models, vLLM versions, backends."""
@@ -85,7 +88,8 @@ def figure_sweeps(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
         return None
     cols = min(3, len(params))
     rows = int(np.ceil(len(params) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.3 * rows + 0.9), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(4.4 * cols, MIN_WIDTH), 3.3 * rows + 0.9),
+                             squeeze=False)
     fig.subplots_adjust(hspace=0.55, wspace=0.3, bottom=0.55 / (3.3 * rows + 0.9) + 0.12, top=0.9)
     for ax, param in zip(axes.flat, params):
         group = sweeps[sweeps["param"] == param].copy()
@@ -103,8 +107,9 @@ def figure_sweeps(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
     for ax in list(axes.flat)[len(params):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
+    # Above the caption's two lines (0.3 in), whatever the figure's height.
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7,
-               bbox_to_anchor=(0.5, 0.035), frameon=False)
+               bbox_to_anchor=(0.5, 0.3 / fig.get_figheight()), frameon=False)
     fig.suptitle("Single-flag sweeps of the period (median over repeated sweeps)", fontsize=11)
     return save_captioned(fig, folder / "sweeps.png", caption)
 
@@ -117,7 +122,8 @@ def figure_combos(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
         return None
     cols = min(4, len(labels))
     rows = int(np.ceil(len(labels) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows + 0.8), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(3.6 * cols, MIN_WIDTH), 3.2 * rows + 0.8),
+                             squeeze=False)
     fig.subplots_adjust(hspace=0.6, wspace=0.35, bottom=0.5 / (3.2 * rows + 0.8) + 0.1, top=0.88)
     for ax, label in zip(axes.flat, labels):
         group = combos[combos["label"] == label]
