@@ -19,7 +19,7 @@ missing_packages() {
   have ps || m+=("procps (the serving tests)")
   { have prometheus && have promtool; } || m+=("prometheus (the monitoring tests)")
   have prometheus-node-exporter || m+=("prometheus-node-exporter (the monitoring tests)")
-  have_chromium || m+=("chromium (the quarterly PDF test)")
+  have_chromium || m+=("chromium (the quarterly PDF and report browser tests)")
   have_initdb || m+=("postgresql (the Optuna-on-PostgreSQL test)")
   local IFS=","
   echo "${m[*]}"

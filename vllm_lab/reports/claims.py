@@ -221,6 +221,7 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
     return page.Page(exp["id"], blocks, CSS)
 
 
-CSS = """body{font-family:system-ui,sans-serif;max-width:1300px;margin:2em auto;color:#222}
+# Wider than a laptop's window: the padding keeps the text off its edges there.
+CSS = """body{font-family:system-ui,sans-serif;max-width:1300px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}
 th{background:#f3f3f3}img{max-width:100%}.ctx{color:#555;white-space:pre-line}"""

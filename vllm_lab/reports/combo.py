@@ -191,7 +191,8 @@ def importance_figure(study, ctx: Context, folder: Path) -> tuple[Path | None, d
     ax.barh(names, [imp[n] for n in names], color="tab:blue")
     ax.set_xlabel("importance (optuna.importance, PED-ANOVA, normalized)")
     ax.set_title("Parameter importances", fontsize=10)
-    fig.text(0.01, -0.1, ctx.caption, fontsize=7, va="top")
+    # Half an inch under the axes, below the x label, however few bars make the figure short.
+    fig.text(0.01, -0.5 / fig.get_figheight(), ctx.caption, fontsize=7, va="top")
     return save(fig, folder / "importances.png"), imp
 
 

@@ -28,13 +28,15 @@ table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;paddin
 th{background:#f3f3f3}img{max-width:100%}.headline{font-size:1.2em;background:#eef7ee;padding:.6em}
 .ctx{color:#555;white-space:pre-line}"""
 # Every page's tables fit it: a wide or long table scrolls inside its frame, its header stays in
-# view, and its column groups are named above the columns. Figures carry a one-line caption.
+# view, and its column groups are named above the columns. Figures carry a one-line caption. A file
+# shown as it is (best.yaml: its first comment is one long line) wraps rather than widen the page.
 TABLE_CSS = """
 .table-wrap{max-width:100%;max-height:75vh;overflow:auto;margin:.6em 0;border:1px solid #ddd}
 .table-wrap table{margin:0}
 .table-wrap thead{position:sticky;top:0;z-index:1}
 .table-wrap thead tr.groups th{text-align:center;font-weight:600;background:#e6e9ef}
 figcaption{color:#555;font-size:13px;margin:.2em 0 1em}
+pre{white-space:pre-wrap;overflow-wrap:break-word;background:#f7f7f7;padding:.6em}
 @media print{.table-wrap{max-height:none;overflow:visible;border:0}
   .table-wrap thead{position:static}}"""
 FOOTER_STYLE = "color:#888;font-size:12px"

@@ -14,6 +14,9 @@ from vllm_lab.reports.points import pareto_front
 from vllm_lab.reports.quarterly.analyses import SIGNIFICANCE, ok_runs
 from vllm_lab.reports.quarterly.period import Period
 
+# Inches: a figure of one small panel is still as wide as its title and its caption line.
+MIN_WIDTH = 9.0
+
 
 def caption(runs: pd.DataFrame, period: Period) -> str:
     """What the period's figures came from: GPUs, models, vLLM versions, backends."""
@@ -51,7 +54,8 @@ def _panels(count: int, max_cols: int, panel: tuple[float, float], extra_h: floa
     cols = min(max_cols, count)
     rows = int(np.ceil(count / cols))
     height = panel[1] * rows + extra_h
-    fig, axes = plt.subplots(rows, cols, figsize=(panel[0] * cols, height), squeeze=False)
+    # At least MIN_WIDTH wide: one narrow panel would clip its title and the caption.
+    fig, axes = plt.subplots(rows, cols, figsize=(max(panel[0] * cols, MIN_WIDTH), height), squeeze=False)
     fig.subplots_adjust(bottom=legend_h / height + bottom, **spacing)
     for ax in list(axes.flat)[count:]:
         ax.axis("off")
@@ -125,7 +129,7 @@ def figure_sweeps(points: pd.DataFrame, folder: Path, caption: str) -> Path | No
         ax.set_ylabel("goodput / sweep's best", fontsize=7)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7,
-               bbox_to_anchor=(0.5, 0.035), frameon=False)
+               bbox_to_anchor=(0.5, 0.3 / fig.get_figheight()), frameon=False)
     fig.suptitle("Single-flag sweeps of the period (median over repeated sweeps)", fontsize=11)
     return save_captioned(fig, folder / "sweeps.png", caption)
 
