@@ -60,7 +60,7 @@ PY
                   EXPERIMENT="${EXPERIMENT:-autotune-realtime-chat-h200}" GPU_MINUTES="${GPU_MINUTES:-20}"
                   CONFIRM="${CONFIRM:-2}")
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
-      sets="$sets run.start_timeout_s=420" ;;
+      sets="$sets run.start_timeout_s=300" ;;
   *) echo "container_phase.sh: unknown phase $phase (claims, tp, tp70b or autotune)" >&2; exit 2 ;;
 esac
 

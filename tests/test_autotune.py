@@ -162,16 +162,14 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
     summary = autotune.run(scenario, space, OnVllm(), settings(tmp_path, minutes=60, trials=3, seed=1, top=2),
                            lambda _: None)
     names = [c["name"] for c in summary["candidates"]]
-    assert names == ["defaults", "c1", "m1", "c2"]
-    m1 = summary["candidates"][2]
+    assert names == ["defaults", "m1", "c1", "c2"]
+    m1 = summary["candidates"][1]
     assert m1["predicted"] is None and m1["measure"] == {"api-server-count": 4}
-    measured = {c["name"]: c["measured"] or 0 for c in summary["candidates"][:2]}
-    base = max(measured, key=lambda n: (measured[n], n == "defaults"))
-    assert m1["base"] == base
-    assert m1["flags"] == {**summary["candidates"][names.index(base)]["flags"], "api-server-count": 4}
-    assert m1["centre"] == pytest.approx(measured[base], rel=0.16)
+    # The first variant comes right after the defaults: it is tried on them, from their capacity up.
+    assert m1["base"] == "defaults" and m1["flags"] == {"api-server-count": 4}
+    assert m1["centre"] == pytest.approx(summary["defaults_capacity"], rel=0.16)
     md = (tmp_path / "at" / "report.md").read_text()
-    assert "| m1" in md and "not modelled" in md and f"api-server-count=4 on {base}" in md
+    assert "| m1" in md and "not modelled" in md and "api-server-count=4 on defaults" in md
     twin_plan = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1),
                              lambda _: None)
     assert [c["name"] for c in twin_plan["candidates"]] == ["defaults", "c1"]
@@ -231,3 +229,17 @@ def test_live_twin_autotune(tmp_path):
     assert summary["gpu_minutes_starts"] > 0 and 0 < summary["gpu_minutes"] <= 3, out.stdout
     assert summary["predicted_defaults_capacity"] > 0
     assert (tmp_path / "reports/live-at/report.md").exists()
+
+
+def test_the_h200_example_rebuilds_from_its_store(tmp_path):
+    """reports/examples/autotune-h200: the committed report is what its store gives today."""
+    example = REPO / "reports/examples/autotune-h200"
+    db = tmp_path / "lab.db"
+    db.write_bytes((example / "lab.db").read_bytes())
+    (tmp_path / "lab.samples").symlink_to(example / "lab.samples")
+    exp = "autotune-realtime-chat-h200"
+    summary = autotune.build_report(db, exp, tmp_path, search.storage_url(None, db))
+    assert summary["backend"] == "vllm" and summary["gpu_minutes"] <= 20
+    assert summary["best_flags"] == {"api-server-count": 4} and summary["gain"] > autotune.NOISE
+    for name in ("summary.json", "report.md", "best.yaml"):
+        assert (tmp_path / exp / name).read_text() == (example / exp / name).read_text(), name

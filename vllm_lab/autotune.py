@@ -363,13 +363,13 @@ def best_measured(plan: dict[str, Any], found: dict[str, dict[str, Any]]) -> dic
 
 def plan_candidates(predicted_defaults: float, configs: list[dict[str, Any]],
                     measure: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    """The order candidates are measured in: the defaults, the predictor's best, the measure-only
-    flags tried on the best measured by then, then the other ranked configurations."""
+    """The order candidates are measured in: the defaults, the measure-only flags (each on the best
+    configuration measured before it: on a fresh plan, the defaults; they test what the predictor
+    cannot see, so they come before configurations it ranks alike), then the ranked ones."""
     ranked = [{"name": f"c{i + 1}", **c} for i, c in enumerate(configs)]
     variants = [{"name": f"m{j + 1}", "flags": None, "measure": {param: value}, "predicted": None}
                 for j, (param, value) in enumerate((p, v) for p, vs in measure.items() for v in vs)]
-    return ([{"name": "defaults", "flags": {}, "predicted": predicted_defaults}]
-            + ranked[:1] + variants + ranked[1:])
+    return [{"name": "defaults", "flags": {}, "predicted": predicted_defaults}, *variants, *ranked]
 
 
 def measure_section(space: search.SearchSpace, backend: str) -> dict[str, list[Any]]:
@@ -491,8 +491,11 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
         chosen = {} if "centre" in cand else _choose(cand, plan, found)
         flags = cand["flags"] if cand["flags"] is not None else chosen["flags"]
         scenario = open_loop(with_flags(defaults, flags), plan["step_s"])
+        # A measure-only flag is tried for a gain: its staircase starts at its base's capacity.
+        fractions = how.fractions if cand.get("measure") is None else tuple(
+            round(f + 1 - min(how.fractions), 3) for f in how.fractions)
         levels = candidate_levels(cand.get("centre", chosen.get("centre", 0.0)), plan["saturation"],
-                                  how.fractions)
+                                  fractions)
         points = stress.staircase_points(scenario, levels, settings.repeats)
         todo = _todo(settings.store_path, exp, points)
         cost = (start_est + todo * run_wall) if todo else 0.0
@@ -522,7 +525,8 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
         try:
             for round_ in range(how.refine + 1):
                 for point in points:
-                    if _todo(settings.store_path, exp, [point]) == 0:
+                    if _todo(settings.store_path, exp, [point]) == 0 or _above_a_break(
+                            point, capacity_from_levels(_levels(settings.store_path, exp))):
                         continue
                     if metered.runs > before[2] and spent() + next_run() + stop_est > budget_s:
                         stopped = True  # the estimate was low: no run past the budget
@@ -559,6 +563,12 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
             + ("; stopped by the budget" if stopped else "") + ")")
 
 
+def _above_a_break(point: plans.Point, found: dict[str, Any]) -> bool:
+    """A level above one that already broke the SLO cannot change the capacity: not run."""
+    broke = found["bracket"][1] if found.get("bracket") else None
+    return broke is not None and point.values["load.shape.level"] > broke
+
+
 def _choose(cand: dict[str, Any], plan: dict[str, Any], found: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A candidate's flags (a measure-only variant's on the best measured so far) and centre."""
     chosen = dict(cand)
@@ -589,7 +599,10 @@ def _fmt_cap(found: dict[str, Any]) -> str:
         return found.get("status") or "not measured"
     bound = {"=": "", ">=": ">= ", "<": "< "}[found["bound"]]
     value = found["bracket"][1] if found["bound"] == "<" else found["capacity"]
-    return f"{bound}{value:.2f} req/s"
+    low, high = found["bracket"] or (None, None)
+    # A bracket left wide (the budget or the deadline cut the refinement) is shown as such.
+    wide = found["bound"] == "=" and high and high / low - 1 > 0.08
+    return f"{bound}{value:.2f} req/s" + (f" (breaks by {high:.2f})" if wide else "")
 
 
 def _flags_text(flags: dict[str, Any]) -> str:
@@ -656,6 +669,8 @@ def _candidate_flags(row: dict[str, Any]) -> str:
         return _flags_text(row["flags"])
     if row.get("base") is None:
         return f"{_flags_text(row['measure'])} on the best measured before it (not reached)"
+    if row["flags"] == row["measure"]:
+        return f"{_flags_text(row['measure'])} on {row['base']}"
     return f"{_flags_text(row['measure'])} on {row['base']}: {_flags_text(row['flags'])}"
 
 
