@@ -1,6 +1,7 @@
 """The experiment module: ids, the store path, resume, and DEADLINE (predictor and twin)."""
 
 import json
+import re
 import shlex
 import time
 from datetime import datetime, timedelta
@@ -247,3 +248,15 @@ def test_autotune_stops_at_the_deadline_reports_what_it_has_and_resumes(tmp_path
     assert all(c["status"] == "ok" for c in done["candidates"]) and _family_runs(out / "lab.db", "at") > 4
     timing = experiment.Timing.from_store(out / "lab.db", "at", "predict")
     assert sum(map(len, timing.runs.values())) == _family_runs(out / "lab.db", "at")
+
+
+def test_autotune_shows_its_levels_as_progress(tmp_path):
+    """Each level is a progress run naming its candidate; make status reads the heartbeat."""
+    out = tmp_path / "reports"
+    rc = experiment.autotune(Settings(backend="predict", out=out, experiment="at"),
+                             experiment.Source("realtime-chat"),
+                             experiment.AutotuneOptions(trials=3, seed=1, top=1))
+    assert rc == 0
+    beat = json.loads((out / ".work" / "status.json").read_text())
+    assert beat["step"] == "autotune" and beat["state"] == "finished" and beat["runs_done"] >= 6
+    assert re.fullmatch(r"level \d+/\d+ c1 · load\.shape\.level=[\d.]+: \d+ tok/s, .*", beat["last"]), beat

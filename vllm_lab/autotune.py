@@ -36,6 +36,7 @@ import pandas as pd
 from vllm_lab import lint, plans, search, stress
 from vllm_lab.backends import Backend, Measurement, PredictBackend
 from vllm_lab.flags import redact
+from vllm_lab.progress import Progress
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import Store, experiment_dir
 
@@ -413,7 +414,7 @@ class Settings:
 
 
 def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, settings: Settings,
-        say: Callable[[str], Any] = _say) -> dict[str, Any]:
+        say: Callable[[str], Any] = _say, progress: Progress | None = None) -> dict[str, Any]:
     """Search on the predictor, measure the defaults and the top-k within the budget, report.
 
     Returns the summary (also written to OUT/<experiment>/summary.json).
@@ -457,13 +458,14 @@ def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, setting
     say(f"autotune: search done in {time.time() - t0:.0f} s; measuring "
         f"{', '.join(c['name'] for c in plan['candidates'])} on {backend.name} "
         f"(budget {settings.gpu_minutes:g} min)")
-    measure_candidates(plan, defaults, backend, settings, how, study, say)
+    measure_candidates(plan, defaults, backend, settings, how, study, say, progress)
     summary = build_report(settings.store_path, settings.experiment_id, settings.out, settings.storage)
     return summary
 
 
 def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backend, settings: Settings,
-                       how: Measuring, study, say: Callable[[str], Any]) -> None:
+                       how: Measuring, study, say: Callable[[str], Any],
+                       progress: Progress | None = None) -> None:
     """Each candidate's staircase, in order, while the budget lasts.
 
     A candidate starts only when its estimate (a server start and stop, and its levels) fits what
@@ -483,6 +485,8 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
         return recorded + metered.start_s + metered.measure_s - sum(before[:2])
 
     before = (0.0, 0.0, 0)
+    if progress:  # at most: every level of every candidate and its refinements
+        progress.expect(len(plan["candidates"]) * (len(how.fractions) + how.refine))
     for cand in plan["candidates"]:
         exp = f"{settings.experiment_id}-{cand['name']}"
         found = {c["name"]: capacity_from_levels(_levels(settings.store_path, f"{settings.experiment_id}-{c['name']}"))
@@ -531,9 +535,11 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
                     if metered.runs > before[2] and spent() + next_run() + stop_est > budget_s:
                         stopped = True  # the estimate was low: no run past the budget
                         break
+                    if progress:
+                        progress.part = cand["name"]
                     plans.execute(plans.Plan(exp, "stress", [point], meta), metered,
                                   settings.store_path, workdir,
-                                  on_run=lambda pt, m: say(_level_line(pt, m)))
+                                  on_run=lambda pt, m: say(_level_line(pt, m)), progress=progress)
                 found = capacity_from_levels(_levels(settings.store_path, exp))
                 extra = refine_level(found) if round_ < how.refine and not stopped else None
                 if extra is None or extra in levels or spent() + next_run() + stop_est > budget_s:

@@ -872,16 +872,12 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
                                     options.gpu_minutes, trials=options.trials, seed=options.seed,
                                     top=options.top, step_s=step_s, repeats=settings.repeats or 1)
     backend = guarded_backend(settings, exp_id)
+    shown = progress.Progress("autotune", exp_id, settings.backend, settings.out, noun="level",
+                              window_s=step_s or tuning.MEASURING.get(settings.backend,
+                                                                      tuning.MEASURING["vllm"]).step_s)
     try:
-        with Watchdog(settings.deadline, getattr(backend, "margin", 0.0)) as watch:
-            if isinstance(backend, DeadlineGuard):
-                backend.on_stop = watch.disarm
-            try:
-                summary = tuning.run(scenario, space, backend, tune_settings)
-            except KeyboardInterrupt:
-                if not watch.fired.is_set():
-                    raise
-                raise DeadlineReached("") from None
+        with watched(settings.deadline, backend, shown):
+            summary = tuning.run(scenario, space, backend, tune_settings, progress=shown)
     except DeadlineReached:
         summary = tuning.build_report(settings.store_path, exp_id, settings.out, storage)
         print(f"lab: stopped for DEADLINE={settings.deadline}: {summary['gpu_minutes']:.1f} of "

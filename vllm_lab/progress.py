@@ -128,15 +128,29 @@ class Progress:
         self._last_beat = 0.0
         self._last_done = self.started
         self._learned = self._read_timings()
+        self.unfolding = False  # expect() was called: begin() only adds to the plan
+        self.part = ""  # the part of an unfolding plan in flight (autotune's candidate): named in labels
         self.stage = "preparing"  # provisioning, checking the plan: no run yet
         self._beat(force=True)
 
     # -- the plan ----------------------------------------------------------------------------
     def begin(self, points: Sequence[Any], todo: Sequence[Any], groups: int, hosts: int = 1) -> None:
-        """The plan's points (for i/N and j/k) and what this command will take of them."""
+        """The plan's points (for i/N and j/k) and what this command will take of them. After
+        ``expect`` (a plan that unfolds in parts: tune's trials, autotune's levels) each part only
+        adds its points and server starts to what was expected."""
         with self.lock:
+            if self.unfolding:
+                for p in points:
+                    label = self._label(p.values)
+                    if label not in self.repeats:
+                        self.points.append(label)
+                        self.repeats[label] = 0
+                    self.repeats[label] += 1
+                self.groups_left += groups if self.backend != "predict" else 0
+                self.stage = "running"
+                return
             for p in points:
-                label = point_label(p.values)
+                label = self._label(p.values)
                 if label not in self.repeats:
                     self.points.append(label)
                 self.repeats[label] = self.repeats.get(label, 0) + 1
@@ -155,9 +169,14 @@ class Progress:
                 self._open_live()
             self._beat(force=True)
 
+    def _label(self, values: dict[str, Any]) -> str:
+        label = point_label(values)
+        return f"{self.part} · {label}" if self.part else label
+
     def expect(self, total: int) -> None:
-        """A plan that unfolds as it goes (tune's trials): only its size is known."""
+        """A plan that unfolds as it goes (tune's trials, autotune's levels): only its size is known."""
         with self.lock:
+            self.unfolding = True
             self.total_runs = total
             self._last_done = time.time()
             if not self.plain and self.stream is not None:
@@ -166,7 +185,7 @@ class Progress:
 
     def point_started(self, values: dict[str, Any], repeat: int, host: str | None = None) -> None:
         """A run begins on ``host``."""
-        label = point_label(values)
+        label = self._label(values)
         with self.lock:
             if label not in self.repeats:  # a trial: numbered as it comes
                 self.points.append(label)
@@ -226,7 +245,7 @@ class Progress:
             f = self.flight.pop(threading.get_ident(), None)
             now = time.time()
             if f is None:  # a run nobody announced (a predicted trial): it took since the last one
-                label = point_label(values)
+                label = self._label(values)
                 f = _InFlight(label, (self.points.index(label) + 1) if label in self.points else 0,
                               repeat + 1, self.repeats.get(label, 1), self._last_done,
                               "running", self._last_done)
