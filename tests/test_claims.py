@@ -58,13 +58,37 @@ def verdict(base, number, runs_by_arm):
 
 def test_eager_verdict_follows_the_measured_change_and_the_noise(base):
     defaults = [run(ttft_p50=0.100), run(ttft_p50=0.102)]
-    assert verdict(base, 3, {"defaults": defaults, "eager": [run(ttft_p50=0.065)]}).verdict == claims.HOLDS
-    assert verdict(base, 3, {"defaults": defaults, "eager": [run(ttft_p50=0.090)]}).verdict == claims.PARTLY
-    v = verdict(base, 3, {"defaults": defaults, "eager": [run(ttft_p50=0.110)]})
-    assert v.verdict == claims.NO and "+9%" in v.parts[0].evidence
+
+    def light(eager, dflt=defaults):
+        return verdict(base, 3, {"defaults-light": dflt, "eager-light": eager})
+
+    assert light([run(ttft_p50=0.065)]).parts[0].verdict == claims.HOLDS
+    assert light([run(ttft_p50=0.090)]).parts[0].verdict == claims.PARTLY
+    v = light([run(ttft_p50=0.110)])
+    assert v.parts[0].verdict == claims.NO and "+9%" in v.parts[0].evidence
+    assert "one run per arm: no interval" in v.parts[0].evidence
     # Noisy defaults swallow a 10% cut: no effect is claimed inside the noise.
     noisy = [run(ttft_p50=0.080), run(ttft_p50=0.120)]
-    assert verdict(base, 3, {"defaults": noisy, "eager": [run(ttft_p50=0.090)]}).verdict == claims.NO
+    assert light([run(ttft_p50=0.090)], noisy).parts[0].verdict == claims.NO
+
+
+def test_eager_is_judged_in_each_load_regime_with_its_interval(base):
+    """Eager doubles TTFT at light load and cuts it when saturated: one verdict each, not one."""
+    claim = next(c for c in claims.catalog(base) if c.number == 3)
+    traffics = {a.name: a.traffic for a in claim.arms}
+    assert traffics == {f"{kind}-{r}": r for r, _ in claims.REGIMES for kind in ("defaults", "eager")}
+    levels = {p.values["arm"]: p.scenario.load.shape.level for p in claims.points(base, [3])}
+    assert sorted(set(levels.values())) == [16, 64, 256]
+    twice = lambda *ttft: [run(ttft_p50=t, tpot_p50=0.01, output_throughput=1000.0) for t in ttft]  # noqa: E731
+    v = verdict(base, 3, {"defaults-light": twice(0.040, 0.041), "eager-light": twice(0.080, 0.082),
+                          "defaults-near-capacity": twice(0.30, 0.31), "eager-near-capacity": twice(0.30, 0.31),
+                          "defaults-saturating": twice(0.54, 0.55), "eager-saturating": twice(0.37, 0.38)})
+    by = {p.statement.split("(")[1].rstrip(")"): p for p in v.parts}
+    assert [p.verdict for p in by.values()] == [claims.NO, claims.NO, claims.HOLDS]
+    assert "95% interval +83% to +117%" in by["light load, 16 users"].evidence
+    assert by["saturated, 256 users"].measured == pytest.approx(-0.31, abs=0.01)
+    assert "95% interval -3" in by["saturated, 256 users"].evidence
+    assert v.verdict == claims.PARTLY
 
 
 def test_memory_claim_reads_failed_starts_as_evidence(base):
