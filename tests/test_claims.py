@@ -79,7 +79,7 @@ def test_eager_is_judged_in_each_load_regime_with_its_interval(base):
     assert traffics == {f"{kind}-{r}": r for r, _ in claims.REGIMES for kind in ("defaults", "eager")}
     levels = {p.values["arm"]: p.scenario.load.shape.level for p in claims.points(base, [3])}
     assert sorted(set(levels.values())) == [16, 64, 256]
-    twice = lambda *ttft: [run(ttft_p50=t, tpot_p50=0.01, output_throughput=1000.0) for t in ttft]  # noqa: E731
+    twice = lambda *ttft: [run(ttft_p50=t, tpot_p50=0.01, output_throughput=1000.0) for t in ttft]
     v = verdict(base, 3, {"defaults-light": twice(0.040, 0.041), "eager-light": twice(0.080, 0.082),
                           "defaults-near-capacity": twice(0.30, 0.31), "eager-near-capacity": twice(0.30, 0.31),
                           "defaults-saturating": twice(0.54, 0.55), "eager-saturating": twice(0.37, 0.38)})
