@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vllm_lab import stress
 from vllm_lab.models import load_model_shape
 from vllm_lab.twin.engine import Engine
 from vllm_lab.twin.fit import compare, load_point
@@ -114,3 +115,34 @@ def test_direction_enforce_eager_and_long_prompts():
     big = _p({"max-num-batched-tokens": 8192}, long, users=32)
     assert small.ttft["p50"] > 1.3 * big.ttft["p50"]
     assert not math.isnan(small.itl["p99"])
+
+
+def test_api_server_processes_queue_requests_and_share_tokens():
+    """One API-server process is a FIFO queue: requests and streamed tokens wait their turn;
+    N processes take requests in turn and share a step's tokens."""
+    from vllm_lab.twin.frontend import Frontend
+
+    one = Frontend(token_cost_s=0.001, request_cost_s=0.0, servers=1, chat_cost_s=0.004)
+    assert one.admit(0.0) == 0.0  # completions: no admission cost in this profile
+    assert one.admit(0.0, chat=True) == pytest.approx(0.004)
+    assert one.admit(0.001, chat=True) == pytest.approx(0.008)  # queued behind the first
+    assert one.release(0.010, 4) == pytest.approx(0.014)
+    four = Frontend(token_cost_s=0.001, servers=4, chat_cost_s=0.004)
+    assert [four.admit(0.0, chat=True) for _ in range(4)] == pytest.approx([0.004] * 4)
+    assert four.release(0.010, 4) == pytest.approx(0.011)
+
+
+def test_one_api_server_caps_chat_traffic_on_the_h200_and_four_lift_it():
+    """The H200 measurement (reports/examples/autotune-h200): at 38 req/s of chat one API-server
+    process breaks TTFT p99 < 300 ms while the engine keeps up; four processes hold it."""
+    from vllm_lab import autotune
+    from vllm_lab.backends import PredictBackend
+    from vllm_lab.scenarios import resolve
+
+    chat = resolve("realtime-chat", "h200")
+    base = autotune.open_loop(autotune.defaults_scenario(chat, autotune.load_space(None, chat)), 30)
+    point = lambda flags: stress.staircase_points(autotune.with_flags(base, flags), [38.0])[0].scenario
+    one = PredictBackend().measure(point({}), None, Path("."))
+    four = PredictBackend().measure(point({"api-server-count": 4}), None, Path("."))
+    assert one.summary["ttft_p99"] > 0.3 and not one.summary["meets_slo"]
+    assert four.summary["ttft_p99"] < 0.15 and four.summary["meets_slo"]

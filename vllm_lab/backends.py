@@ -416,15 +416,16 @@ def predicted_requests(scenario: Scenario, count: int):
                          f"distribution the predictor can use; give input: and output: lengths")
     prompts, outputs = sample_lengths(lin, rng, count), sample_lengths(lout, rng, count)
     shared = int(scenario.workload.shared_prefix_ratio * lin.mean)
+    chat = scenario.workload.api == "chat"
     if not shared:
-        return [PredictRequest(int(p), int(o)) for p, o in zip(prompts, outputs)]
+        return [PredictRequest(int(p), int(o), chat) for p, o in zip(prompts, outputs)]
     # Token ids only matter for prefix caching: a common system prompt, then unique tokens.
     groups = scenario.workload.prefix_groups
     prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
     out = []
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + int(p)))
-        out.append(PredictRequest(prefix[i % groups] + unique, int(o)))
+        out.append(PredictRequest(prefix[i % groups] + unique, int(o), chat))
     return out
 
 

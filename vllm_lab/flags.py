@@ -94,7 +94,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("async-scheduling", "bool", False, "Overlap scheduling with the model step.", tuning=True, twin_models=False),
     _f("stream-interval", "int", 1, "Tokens per streamed chunk.", min=1),
     _f("api-server-count", "int", 1, "API-server (frontend) processes in front of the engine.", min=1,
-       tuning=True, twin_models=False),
+       tuning=True),
     _f("quantization", "str", None, "Weight quantization method.", twin_models=False),
     _f("seed", "int", 0, "Random seed."),
     # Model loading.

@@ -25,7 +25,7 @@ FRONTEND_FLAGS = {"host", "port", "api-key", "served-model-name", "uvicorn-log-l
 # (the catalog's twin_models). The rest are accepted, as vLLM accepts them, and change nothing.
 SERVER_FLAGS = frozenset({"host", "port", "api-key", "served-model-name", "uvicorn-log-level",
                           "chat-template", "disable-uvicorn-access-log", "model", "tokenizer",
-                          "stream-interval", "max-logprobs", "seed"})
+                          "stream-interval", "max-logprobs", "seed", "api-server-count"})
 # vLLM parses these with human_readable_int ("8k", "1K"); max-model-len also takes "auto"/-1.
 HUMAN_INT_FLAGS = {"max-num-batched-tokens", "kv-cache-memory-bytes", "max-model-len"}
 

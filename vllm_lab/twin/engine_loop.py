@@ -52,10 +52,10 @@ class _Req:
 class EngineLoop:
     """Steps the engine on the ideal timeline and hands each step's outputs to the requests."""
 
-    def __init__(self, engine: Any, metrics: TwinMetrics):
+    def __init__(self, engine: Any, metrics: TwinMetrics, flags: dict | None = None):
         self.engine = engine
         self.metrics = metrics
-        self.frontend = Frontend(float(getattr(engine.profile.coefficients, "frontend_token_s", 0.0)))
+        self.frontend = Frontend.of(engine.profile.coefficients, flags or {})
         # Steps whose tokens the modelled API server has not streamed yet: (due, result, start).
         self.streaming: deque[tuple[float, Any, float]] = deque()
         self.streamed = asyncio.Event()

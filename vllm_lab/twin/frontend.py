@@ -1,25 +1,62 @@
-"""vLLM's API server as the twin models it: one process that streams every token it is handed.
+"""vLLM's API server as the twin models it: processes that admit requests and stream their tokens.
 
-The engine core does not wait for it, but clients see a step's tokens only once the API server has
-spent ``frontend_token_s`` on each of them (detokenize, build the SSE chunk, write it). At high
-token rates it falls behind and tokens, finishes and so the next closed-loop requests come late:
-the fit to the H200's c128/c512 measurements needs this. The predictor and the twin's server both
-use this one model, so they cannot drift apart.
+Each API-server process is a single-server FIFO queue. A request costs ``request_cost_s`` of its
+process's time when it arrives (HTTP, tokenizing, the hand-off to the engine core), a chat request
+``chat_cost_s`` more (its chat template, its larger chunks), and each streamed token ``token_cost_s`` (detokenize, build the SSE chunk, write it). The engine
+core does not wait for them, but it sees a request only once its process has admitted it, and
+clients see a step's tokens only once the processes have streamed them: at high request or token
+rates one process falls behind, and TTFT's tail grows while the engine's queue stays empty (what
+the H200 showed on chat traffic at 36 req/s). ``--api-server-count N`` runs N processes: requests
+go to them in turn and a step's tokens are shared among them. The predictor and the twin's server
+both use this one model, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
 
 class Frontend:
-    """A single-server FIFO queue with a fixed cost per streamed token."""
+    """``servers`` FIFO queues with a cost per admitted request and per streamed token."""
 
-    def __init__(self, token_cost_s: float):
-        self.token_cost_s = token_cost_s
-        self.free_at = 0.0
+    def __init__(self, token_cost_s: float, request_cost_s: float = 0.0, servers: int = 1,
+                 chat_cost_s: float = 0.0):
+        self.token_cost_s, self.request_cost_s = token_cost_s, request_cost_s
+        self.chat_cost_s = chat_cost_s
+        self.free = [0.0] * max(1, int(servers))
+        self._turn = 0
+
+    @property
+    def free_at(self) -> float:
+        """When every process has caught up."""
+        return max(self.free)
+
+    def admit(self, arrival: float, chat: bool = False) -> float:
+        """When a request that reached the server at ``arrival`` is handed to the engine core; a
+        chat request also renders its chat template and streams larger chunks (``chat_cost_s``)."""
+        cost = self.request_cost_s + (self.chat_cost_s if chat else 0.0)
+        if not cost:
+            return arrival
+        k, self._turn = self._turn, (self._turn + 1) % len(self.free)
+        self.free[k] = max(self.free[k], arrival) + cost
+        return self.free[k]
 
     def release(self, ready_at: float, tokens: int) -> float:
         """When a step's ``tokens``, ready on the GPU at ``ready_at``, reach the clients."""
-        if not self.token_cost_s:
+        if not (self.token_cost_s or self.request_cost_s or self.chat_cost_s):
             return ready_at
-        self.free_at = max(self.free_at, ready_at) + tokens * self.token_cost_s
-        return self.free_at
+        share = tokens * self.token_cost_s / len(self.free)
+        self.free = [max(f, ready_at) + share for f in self.free]
+        return max(self.free)
+
+    @classmethod
+    def of(cls, coefficients, flags: dict) -> Frontend:
+        """The API server a profile's coefficients and the serve flags describe."""
+        return cls(float(getattr(coefficients, "frontend_token_s", 0.0) or 0.0),
+                   float(getattr(coefficients, "frontend_request_s", 0.0) or 0.0),
+                   int(flags.get("api-server-count") or 1),
+                   float(getattr(coefficients, "frontend_chat_s", 0.0) or 0.0))
+
+    @staticmethod
+    def delay(coefficients) -> float:
+        """The rest of a request's way to the engine core, which occupies no API-server process."""
+        return max(0.0, float(coefficients.frontend_latency_s)
+                   - float(getattr(coefficients, "frontend_request_s", 0.0) or 0.0))

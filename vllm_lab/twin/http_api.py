@@ -19,6 +19,7 @@ from aiohttp.abc import AbstractAccessLogger
 from vllm_lab import flags as flag_catalog
 from vllm_lab.twin.cli_args import ServeArgs
 from vllm_lab.twin.engine_loop import EngineLoop, _Req
+from vllm_lab.twin.frontend import Frontend
 from vllm_lab.twin.metrics import CONTENT_TYPE, TwinMetrics
 from vllm_lab.twin.tokenizer import TwinTokenizer, draw_eos_after, pseudo_word
 from vllm_lab.twin.vllm_log import log
@@ -92,7 +93,7 @@ class TwinServer:
         self.tok = tokenizer
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self.loop = EngineLoop(engine, metrics)
+        self.loop = EngineLoop(engine, metrics, args.flags)
         names = args.flags.get("served-model-name") or [args.model]
         self.served_names = list(names)
         self.model_name = self.served_names[0]
@@ -105,7 +106,7 @@ class TwinServer:
         self.debug = args.flags.get("uvicorn-log-level") in ("debug", "trace")
         self.created = int(time.time())
         coeffs = getattr(getattr(engine, "profile", None), "coefficients", None)
-        self.frontend_latency_s = float(getattr(coeffs, "frontend_latency_s", 0.0) or 0.0)
+        self.frontend_delay_s = Frontend.delay(coeffs) if coeffs is not None else 0.0
 
     def app(self) -> web.Application:
         """The aiohttp application with vLLM's routes."""
@@ -316,11 +317,12 @@ class TwinServer:
         return {"max_tokens": max_tokens, "min_tokens": min_tokens, "ignore_eos": ignore_eos,
                 "eos_after": eos_after}
 
-    def _new_req(self, rid: str, prompt_ids: list[int], params: dict, arrival: float) -> _Req:
+    def _new_req(self, rid: str, prompt_ids: list[int], params: dict, arrival: float,
+                 chat: bool = False) -> _Req:
         if rid in self.loop.reqs:  # a client reused its X-Request-Id: keep ids unique
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
         req = _Req(rid=rid, arrival=arrival, prompt_ids=prompt_ids, **params,
-                   engine_arrival=arrival + self.frontend_latency_s)
+                   engine_arrival=self.loop.frontend.admit(arrival, chat) + self.frontend_delay_s)
         self.metrics.observe_request_start(params["max_tokens"])
         self.loop.submit(req)
         return req
@@ -390,18 +392,18 @@ class TwinServer:
         except _BadRequest as e:
             return e.response()
         rid = self._request_id(request, "chatcmpl")
-        reqs = self._submit(rid, plan, arrival)
+        reqs = self._submit(rid, plan, arrival, chat=True)
         choices = [_Choice(i, r) for i, r in enumerate(reqs)]
         if body.get("stream"):
             return await self._stream(request, rid, choices, body, True, logprobs,
                                       len(prompt_ids))
         return await self._full(rid, choices, True, logprobs, len(prompt_ids))
 
-    def _submit(self, rid: str, plan: list, arrival: float) -> list[_Req]:
+    def _submit(self, rid: str, plan: list, arrival: float, chat: bool = False) -> list[_Req]:
         # One engine request per choice, as vLLM fans n and prompt lists out; ids stay unique.
         if len(plan) == 1:
-            return [self._new_req(rid, plan[0][0], plan[0][2], arrival)]
-        return [self._new_req(f"{rid}-{i}", ids, params, arrival)
+            return [self._new_req(rid, plan[0][0], plan[0][2], arrival, chat)]
+        return [self._new_req(f"{rid}-{i}", ids, params, arrival, chat)
                 for i, (ids, _text, params) in enumerate(plan)]
 
     def _prompt_text(self, ids: list[int], text: str | None) -> str:

@@ -29,6 +29,7 @@ class PredictRequest:
 
     prompt_tokens: int | list[int]
     output_tokens: int
+    chat: bool = False  # sent to /v1/chat/completions: the API server does more for it
 
 
 @dataclass
@@ -110,7 +111,11 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
     SLOs are not judged here: the lab judges the per-request samples (``Prediction.requests``)
     with ``vllm_lab.summary``, the same code that judges a measured run."""
     eng = Engine.from_flags(flags, profile, model)
-    lat = profile.coefficients.frontend_latency_s
+    # The API server admits each request (its process busy meanwhile), then the rest of the way
+    # to the engine core takes ``lat``; it streams each step's tokens after the GPU made them and
+    # before the next step's: when it falls behind, requests and tokens reach their side late.
+    frontend = Frontend.of(profile.coefficients, flags)
+    lat = Frontend.delay(profile.coefficients)
     n = len(requests)
     prompt_n = np.array([len(r.prompt_tokens) if isinstance(r.prompt_tokens, list)
                          else int(r.prompt_tokens) for r in requests], dtype=np.int64)
@@ -136,7 +141,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         think = arrivals.think_time_s
         for _ in range(min(arrivals.users, n)):
             send[nxt] = 0.0
-            heapq.heappush(pending, (lat, nxt))
+            heapq.heappush(pending, (frontend.admit(0.0, requests[nxt].chat) + lat, nxt))
             nxt += 1
     else:
         shape = max(arrivals.burstiness, 1e-6)
@@ -148,7 +153,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         nonlocal in_flight
         send[i] = t
         in_flight += 1
-        heapq.heappush(pending, (t + lat, i))
+        heapq.heappush(pending, (frontend.admit(t, requests[i].chat) + lat, i))
 
     def submit(i: int, t: float) -> None:
         r = requests[i]
@@ -166,7 +171,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         if isinstance(arrivals, Closed):
             if nxt < n:
                 send[nxt] = t + think
-                heapq.heappush(pending, (t + think + lat, nxt))
+                heapq.heappush(pending, (frontend.admit(t + think, requests[nxt].chat) + lat, nxt))
                 nxt += 1
         else:
             in_flight -= 1
@@ -175,9 +180,6 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
                 send_req(nxt_backlog.pop(0), t)
 
     nxt_backlog: list[int] = []
-    # The API server is one process: it streams each step's tokens after the GPU made them and
-    # before the next step's; when it falls behind, clients see tokens (and finishes) late.
-    frontend = Frontend(profile.coefficients.frontend_token_s)
     last_seen = 0.0
     now = 0.0
     ai = 0
@@ -208,7 +210,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         if run is not None:
             times, nb = run.step_times, run.batch_size
             ends = now + np.cumsum(times)
-            if frontend.token_cost_s:
+            if frontend.token_cost_s or frontend.request_cost_s or frontend.chat_cost_s:
                 vis = np.array([frontend.release(e, nb) for e in ends])
             else:
                 vis = ends

@@ -38,6 +38,11 @@ class Coefficients(_Strict):
     frontend_latency_s: float = Field(ge=0, description="API server path of a request: HTTP, tokenize, detokenize")
     frontend_token_s: float = Field(default=0.0, ge=0, description=(
         "API server CPU per streamed token (detokenize, SSE); one process serves all streams"))
+    frontend_request_s: float = Field(default=0.0, ge=0, description=(
+        "API server CPU per request (HTTP, chat template, tokenize, hand-off), part of "
+        "frontend_latency_s; with --api-server-count N, N processes share the requests"))
+    frontend_chat_s: float = Field(default=0.0, ge=0, description=(
+        "API server CPU a chat request adds (chat template, larger SSE chunks)"))
     cuda_graph_memory_gib: float = Field(ge=0, description="memory CUDA graphs take (none with enforce-eager)")
     non_torch_memory_gib: float = Field(ge=0, description="NCCL, CUDA context and other memory outside torch")
     cuda_graph_max_tokens: int = Field(default=512, ge=0, description="largest batch (tokens) run as a CUDA graph")
