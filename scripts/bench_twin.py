@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from vllm_lab.models import load_model_shape
+from vllm_lab.scenarios import Scenario
 from vllm_lab.twin.fit import compare, load_point
 from vllm_lab.twin.predictor import Closed, PredictRequest, predict, sharegpt_like
 from vllm_lab.twin.profile import load_profile
@@ -32,6 +34,39 @@ def fidelity(profile, model, ref: Path) -> None:
     for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
         errs = [abs(r["error"]) for r in rows if r["metric"] == metric]
         print(f"{metric:18s} median |error| {statistics.median(errs):6.1%}   worst {max(errs):6.1%}")
+
+
+# Open-loop staircases measured on real vLLM and stored by the lab: each level is re-predicted from
+# its recorded scenario. The defaults' levels fitted frontend_chat_s; the other candidates' are
+# held out (api-server-count 4 among them).
+STAIRCASES = Path(__file__).resolve().parents[1] / "reports/examples/autotune-h200/lab.db"
+FITTED_ON = ("-defaults",)
+
+
+def staircases(db: Path = STAIRCASES) -> None:
+    """Each stored staircase level: TTFT p99, TPOT p99 and the SLO verdict, measured vs predicted."""
+    from vllm_lab.backends import PredictBackend
+    from vllm_lab.store import Store
+
+    store = Store(db)
+    try:
+        runs = store.runs()
+    finally:
+        store.close()
+    print(f"\n## Fidelity on stored staircases: {db}")
+    print(f"{'candidate':24s} {'set':8s} {'level':>7s} {'TTFT p99 ms':>17s} {'TPOT p99 ms':>15s} {'SLO':>13s}")
+    agree = {"fit": [], "held-out": []}
+    for run in runs.sort_values(["experiment_id", "started"]).itertuples():
+        scenario = Scenario.model_validate(json.loads(run.scenario_json))
+        p = PredictBackend().measure(scenario, None, Path(".")).summary
+        kind = "fit" if run.experiment_id.endswith(FITTED_ON) else "held-out"
+        agree[kind].append(bool(run.summary["meets_slo"]) == bool(p["meets_slo"]))
+        print(f"{run.experiment_id.rsplit('-', 1)[-1]:24s} {kind:8s} {run.point['load.shape.level']:7.2f} "
+              f"{run.ttft_p99 * 1e3:8.0f} /{p['ttft_p99'] * 1e3:7.0f} {run.tpot_p99 * 1e3:6.1f} /"
+              f"{p['tpot_p99'] * 1e3:6.1f} {bool(run.summary['meets_slo'])!s:>6s}/{p['meets_slo']!s:6s}")
+    for kind, same in agree.items():
+        if same:
+            print(f"SLO verdict agrees on {sum(same)} of {len(same)} {kind} levels")
 
 
 def _run(flags, profile, model, reqs, users=256):
@@ -95,6 +130,8 @@ def main(argv=None) -> int:
             print(f"error: --reference {args.reference}: no such folder", file=sys.stderr)
             return 2
         fidelity(profile, model, args.reference)
+        if args.profile == "h200-llama-3-8b" and STAIRCASES.exists():
+            staircases()
     if "direction" in args.which:
         direction(profile, model)
     if "speed" in args.which:
