@@ -260,3 +260,18 @@ def test_autotune_shows_its_levels_as_progress(tmp_path):
     beat = json.loads((out / ".work" / "status.json").read_text())
     assert beat["step"] == "autotune" and beat["state"] == "finished" and beat["runs_done"] >= 6
     assert re.fullmatch(r"level \d+/\d+ c1 · load\.shape\.level=[\d.]+: \d+ tok/s, .*", beat["last"]), beat
+
+
+def test_watchdog_works_when_the_lab_was_started_with_sigint_ignored():
+    """nohup or `make ... &` from a script starts the lab with SIGINT ignored: the deadline still
+    stops a run, and the disposition is given back afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt), \
+                experiment.Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0):
+            time.sleep(10)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

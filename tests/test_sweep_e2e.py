@@ -119,10 +119,11 @@ def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
     assert json.loads(runs.loc[4, "summary_json"]) is not None
 
 
-def test_claim_three_on_the_live_twin(lab):
-    """`lab claims` on the live twin (the host the sweeps provisioned): the arms, the verdicts."""
+def test_claim_six_on_the_live_twin(lab):
+    """`lab claims` on the live twin (the host the sweeps provisioned): the arms, the verdicts.
+    Claim 6 (dtypes) runs all its arms on the scenario's own light traffic, so it stays short."""
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts/lab.py"), "claims", "--claims", "3", "--hardware", "cpu-demo",
+        [sys.executable, str(REPO / "scripts/lab.py"), "claims", "--claims", "6", "--hardware", "cpu-demo",
          "--inventory", str(lab / "inv.yml"), "--out", str(lab / "claims"), "--experiment", "claims-live",
          "--set", "load.stop.duration_s=3", "--set", "load.shape.level=4",
          "--set", "workload.source=alpaca-like", "--set", "run.warmup_requests=1"],
@@ -130,9 +131,12 @@ def test_claim_three_on_the_live_twin(lab):
     assert out.returncode == 0, out.stdout + out.stderr
     runs = Store(lab / "claims/lab.db").runs("claims-live")
     assert sorted(runs["point"].map(lambda p: p["arm"])) == \
-        ["base · defaults", "base · defaults", "base · enforce-eager=True"]
-    assert set(runs["status"]) == {"ok"}
+        ["base · defaults", "base · defaults", "base · dtype=float16", "base · dtype=float32"]
+    status = dict(zip(runs["point"].map(lambda p: p["arm"]), runs["status"]))
+    # float32 doubles the weights: on the small simulated GPU it does not fit, which is evidence.
+    assert status["base · defaults"] == status["base · dtype=float16"] == "ok"
+    assert status["base · dtype=float32"] in ("ok", "oom")
     table = pd.read_csv(lab / "claims/claims-live/verdicts.csv").set_index("claim")
     # The measured claim, and those no experiment can test here (swap; TP on one GPU).
-    assert list(table.index) == [3, 7, 9]
-    assert "TTFT p50" in table.loc[3, "measured"]
+    assert list(table.index) == [6, 7, 9]
+    assert "float16 → bfloat16: output" in table.loc[6, "measured"]

@@ -224,13 +224,21 @@ class Watchdog:
             self._timer.cancel()
 
     def __enter__(self) -> Self:
+        self._ignored = None
         if self._timer:
+            # A lab started in the background (nohup, `make ... &` from a script) inherits SIGINT
+            # ignored, and then the watchdog's signal would do nothing: take it as Ctrl-C again.
+            if (threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+                self._ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
             self._timer.daemon = True
             self._timer.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.disarm()  # never after the watched block has ended (a report being built)
+        if self._ignored is not None:
+            signal.signal(signal.SIGINT, self._ignored)
 
 
 @contextmanager
