@@ -143,3 +143,11 @@ def test_the_pdf_is_printed_by_chromium(store_path, tmp_path):
 def test_a_period_without_runs_says_so(store_path, tmp_path):
     with pytest.raises(quarterly.ReportError, match="no runs started in 2025Q1"):
         quarterly.build(store_path, "2025Q1", tmp_path, pdf=False)
+
+
+def test_the_build_says_each_stage(store_path, tmp_path):
+    """make report PERIOD= prints where it is: the runs read, the figures, the PDF."""
+    said: list[str] = []
+    quarterly.build(store_path, "2026Q4", tmp_path, pdf=False, say=said.append)
+    assert len(said) == 2 and said[0].startswith("2026Q4: ") and " runs of " in said[0]
+    assert said[1].startswith("2026Q4: analyses done, ") and said[1].endswith("figures drawn")

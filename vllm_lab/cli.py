@@ -10,6 +10,7 @@ import re
 import shlex
 import sqlite3
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -339,7 +340,11 @@ def cmd_quarterly(args: argparse.Namespace) -> int:
     """Build the quarterly report of every experiment of PERIOD."""
     from vllm_lab.reports import quarterly
     store_path = experiment.store_path(args.out, args.store)
-    print(f"report: {quarterly.build(store_path, args.period, args.out, pdf=not args.no_pdf)}")
+    began = time.time()
+
+    def say(line: str) -> None:  # plain, timestamped: a short command needs no live view
+        print(f"{time.strftime('%H:%M:%S')} {line} ({time.time() - began:.1f} s)", flush=True)
+    print(f"report: {quarterly.build(store_path, args.period, args.out, pdf=not args.no_pdf, say=say)}")
     return 0
 
 

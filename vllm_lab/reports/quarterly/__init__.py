@@ -12,8 +12,10 @@ figures), ``analyses`` (the tables), ``charts`` (the figures) and ``document`` (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from vllm_lab.reports import page
 from vllm_lab.reports.pdf import ReportError, chromium, print_pdf
@@ -48,8 +50,11 @@ __all__ = ["Period", "ReportError", "all_findings", "baseline_comparison", "best
            "sweep_summary", "watch_summary"]
 
 
-def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True) -> Path:
-    """Write the period's report folder (HTML, Markdown, PDF, figures, scenario files); return index.html."""
+def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True,
+          say: Callable[[str], Any] = lambda line: None) -> Path:
+    """Write the period's report folder (HTML, Markdown, PDF, figures, scenario files); return
+    index.html. ``say`` hears each stage as it ends (the command prints them: a large store takes
+    a while to read, and the PDF a while to print)."""
     period = parse_period(period_text)
     store_path = Path(store_path)
     if not store_path.exists():
@@ -62,6 +67,8 @@ def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True) 
                           f"({datetime.fromtimestamp(period.start, UTC):%Y-%m-%d} to "
                           f"{datetime.fromtimestamp(period.end, UTC):%Y-%m-%d}, UTC)")
     now = now.join(sample_figures(store_path, now))
+    say(f"{period.name}: {len(now)} runs of {now['experiment_id'].nunique()} experiments read "
+        f"({len(before)} of the period before)")
     folder = out_root / "quarterly" / period.name
     folder.mkdir(parents=True, exist_ok=True)
     text = caption(now, period)
@@ -77,9 +84,11 @@ def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True) 
                "combos": figure_combos(points, folder, text),
                "stress": figure_stress(points, stress, folder, text),
                "watch": figure_watch(now, folder, text)}
+    say(f"{period.name}: analyses done, {sum(f is not None for f in figures.values())} figures drawn")
     parts = sections(period, now, cmp, best, sweeps, stress, watch, found, recs, figures, points)
     index = page.write_page(quarterly_page(period, parts, text), folder)
     best.drop(columns=["serve", "base_serve"], errors="ignore").to_csv(folder / "best.csv", index=False)
     if pdf:
+        say(f"{period.name}: page written; printing the PDF")
         print_pdf(index, folder / "report.pdf")
     return index
