@@ -3,7 +3,6 @@ local serve -> /health -> stop through the playbooks, zero changes on a second r
 
 from __future__ import annotations
 
-import os
 import stat
 import urllib.error
 import urllib.request
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fleet import TWIN_MODEL, kill_instances, lab_source_snapshot, shared_site_vars
+from tests.support.processes import process_table
 from vllm_lab import serving
 from vllm_lab.serving import ServeError, classify_failure
 
@@ -172,17 +172,7 @@ def test_local_serve_health_stop_idempotent_and_secret_free(lab_vars, monkeypatc
 
 def _group_alive(pgid: int) -> bool:
     """Whether any live (non-zombie) process is in process group ``pgid``."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+    return any(fields[0] != "Z" and int(fields[2]) == pgid for fields in process_table().values())
 
 
 def _get_refused(url):

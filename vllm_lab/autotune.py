@@ -89,6 +89,11 @@ MEASURING = {
 }
 
 
+def measuring(backend: str) -> Measuring:
+    """How ``backend`` measures a candidate (a backend not listed: as real vLLM)."""
+    return MEASURING.get(backend, MEASURING["vllm"])
+
+
 def _say(line: str) -> None:
     """Progress on stdout, flushed: a make log written to a file shows each level as it ends."""
     print(line, flush=True)
@@ -418,7 +423,7 @@ def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, setting
 
     Returns the summary (also written to OUT/<experiment>/summary.json).
     """
-    how = MEASURING.get(backend.name, MEASURING["vllm"])
+    how = measuring(backend.name)
     top = settings.top if settings.top is not None else how.top
     step_s = settings.step_s or how.step_s
     if not scenario.slo.targets():
@@ -445,7 +450,7 @@ def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, setting
         plan = {"scenario": redact(scenario.to_record()), "defaults": redact(defaults.to_record()),
                 "space": list(space.space), "backend": backend.name, "step_s": step_s,
                 "search_s": round(time.time() - t0, 1), "trials": settings.trials,
-                "saturation": sat["saturation"], "measure": measure_section(space, backend.name),
+                "saturation": sat["saturation"],
                 "candidates": plan_candidates(predicted_defaults.get("capacity", 0.0), configs,
                                               measure_section(space, backend.name))}
         study.set_user_attr("plan", plan)
@@ -488,10 +493,10 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
         progress.expect(len(plan["candidates"]) * (len(how.fractions) + how.refine))
     for cand in plan["candidates"]:
         exp = f"{settings.experiment_id}-{cand['name']}"
-        found = {c["name"]: capacity_from_levels(_levels(settings.store_path, f"{settings.experiment_id}-{c['name']}"))
-                 for c in plan["candidates"] if c is not cand}
         # Decided when the candidate first starts, then kept: a resume measures the same levels.
-        chosen = {} if "centre" in cand else _choose(cand, plan, found)
+        chosen = {} if "centre" in cand else _choose(cand, plan, {
+            c["name"]: capacity_from_levels(_levels(settings.store_path, f"{settings.experiment_id}-{c['name']}"))
+            for c in plan["candidates"] if c is not cand})
         flags = cand["flags"] if cand["flags"] is not None else chosen["flags"]
         scenario = open_loop(with_flags(defaults, flags), plan["step_s"])
         # A measure-only flag is tried for a gain: its staircase starts at its base's capacity.
@@ -526,10 +531,10 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
             seen = [calls[0][1]] + [wall for wall, _ in calls[1:]] if calls else []
             return max([run_wall, *seen])
         try:
+            found = capacity_from_levels(_levels(settings.store_path, exp))
             for round_ in range(how.refine + 1):
                 for point in points:
-                    if _todo(settings.store_path, exp, [point]) == 0 or _above_a_break(
-                            point, capacity_from_levels(_levels(settings.store_path, exp))):
+                    if _todo(settings.store_path, exp, [point]) == 0 or _above_a_break(point, found):
                         continue
                     if metered.runs > before[2] and spent() + next_run() + stop_est > budget_s:
                         stopped = True  # the estimate was low: no run past the budget
@@ -539,7 +544,7 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
                     plans.execute(plans.Plan(exp, "stress", [point], meta), metered,
                                   settings.store_path, workdir,
                                   on_run=lambda pt, m: say(_level_line(pt, m)), progress=progress)
-                found = capacity_from_levels(_levels(settings.store_path, exp))
+                    found = capacity_from_levels(_levels(settings.store_path, exp))
                 extra = refine_level(found) if round_ < how.refine and not stopped else None
                 if extra is None or extra in levels or spent() + next_run() + stop_est > budget_s:
                     break

@@ -881,8 +881,7 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
                                     top=options.top, step_s=step_s, repeats=settings.repeats or 1)
     backend = guarded_backend(settings, exp_id)
     shown = progress.Progress("autotune", exp_id, settings.backend, settings.out, noun="level",
-                              window_s=step_s or tuning.MEASURING.get(settings.backend,
-                                                                      tuning.MEASURING["vllm"]).step_s)
+                              window_s=step_s or tuning.measuring(settings.backend).step_s)
     try:
         with watched(settings.deadline, backend, shown):
             summary = tuning.run(scenario, space, backend, tune_settings, progress=shown)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.support.processes import process_table
+
 REPO = Path(__file__).resolve().parents[2]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TWIN_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -76,15 +78,8 @@ def kill_instances(root: Path) -> None:
 def _descendants(pid: int) -> list[int]:
     """Processes below ``pid`` (sshd's per-connection children start their own sessions)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(raw[raw.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+    for child, fields in process_table().items():
+        children.setdefault(int(fields[1]), []).append(child)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

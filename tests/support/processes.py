@@ -20,6 +20,20 @@ from tests.support import require
 REPO = Path(__file__).resolve().parents[2]
 
 
+def process_table() -> dict[int, list[str]]:
+    """Every live process id and the fields of its /proc stat after the name: state, ppid, pgrp, ..."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # it ended while we looked
+        table[int(entry)] = raw[raw.rindex(")") + 2:].split()
+    return table
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the kernel's pick)."""
     with socket.socket() as s:
