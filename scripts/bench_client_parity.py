@@ -55,7 +55,7 @@ def lab_scenario(model: str, users: int, prompts: int, inp: int, out: int, extra
 
 def start(args) -> str:
     """Start the server with vLLM's defaults and leave it running; return its URL."""
-    s = lab_scenario(args.model, 1, 1, args.input_len, args.output_len)
+    s = lab_scenario(args.model, 1, 1, args.input_len, args.output_len, args.set)
     inst = serving.start(s.serve, inventory=args.inventory, backend=args.backend,
                          extra_vars={"vllm_dev_mode": True,  # /reset_prefix_cache
                                      "vllm_health_timeout_s": 900})[0]
@@ -214,7 +214,7 @@ def run_lab(args, url: str, users: int, n: int, opts: dict, tag: str) -> dict:
 
     extra = [f"workload.temperature={opts['temperature'].replace('none', 'null')}"] \
         if "temperature" in opts else []
-    s = lab_scenario(args.model, users, n, args.input_len, args.output_len, extra)
+    s = lab_scenario(args.model, users, n, args.input_len, args.output_len, [*args.set, *extra])
     backend = LiveBackend(args.backend, args.inventory,
                           processes=int(opts["processes"]) if "processes" in opts else None)
     port = int(url.rsplit(":", 1)[1].strip("/"))
@@ -326,6 +326,9 @@ def main() -> int:
     ap.add_argument("--min-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--set", action="append", default=[],
+                    help="a scenario override (start: the server's flags, measure: what the lab records), "
+                         "e.g. serve.enforce-eager=true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.levels = [int(x) for x in args.levels.split(",")]
