@@ -147,6 +147,31 @@ def test_a_candidate_that_would_pass_the_budget_is_not_started(tmp_path):
     store.close()
 
 
+class StopInterrupted(PredictBackend):
+    """The predictor whose first server stop is cut by a deadline (Ctrl-C), as on a bounded host."""
+
+    def __init__(self):
+        super().__init__()
+        self.stops = 0
+
+    def close(self, host=None):
+        self.stops += 1
+        if self.stops == 1:
+            raise KeyboardInterrupt
+
+
+def test_minutes_spent_are_kept_when_the_deadline_cuts_a_server_stop(tmp_path):
+    """A deadline during the defaults' server stop used to lose their minutes from the budget and
+    the report; they are recorded before the interrupt goes on."""
+    scenario = chat()
+    with pytest.raises(KeyboardInterrupt):
+        autotune.run(scenario, autotune.load_space(None, scenario), StopInterrupted(),
+                     settings(tmp_path, trials=3, seed=1, top=1), lambda _: None)
+    study = search.load_study("at", search.storage_url(None, tmp_path / "lab.db"))
+    spent = study.user_attrs["spend"]["defaults"]
+    assert spent["runs"] >= 3 and spent["measure_s"] > 0
+
+
 class OnVllm(PredictBackend):
     """The predictor standing in for real vLLM: measure-only variants are planned for it."""
 

@@ -551,15 +551,17 @@ def measure_candidates(plan: dict[str, Any], defaults: Scenario, backend: Backen
                 levels = sorted([*levels, extra])
                 points = stress.staircase_points(scenario, [extra], settings.repeats)
         finally:
-            metered.release()
-            used = {"start_s": metered.start_s - before[0], "measure_s": metered.measure_s - before[1]}
-            runs = metered.runs - before[2]
-            old = spend.get(cand["name"], {"start_s": 0.0, "measure_s": 0.0, "runs": 0})
-            spend[cand["name"]] = {"start_s": old["start_s"] + used["start_s"],
-                                   "measure_s": old["measure_s"] + used["measure_s"],
-                                   "runs": old.get("runs", 0) + runs}
-            before = (metered.start_s, metered.measure_s, metered.runs)
-            study.set_user_attr("spend", spend)
+            try:
+                metered.release()
+            finally:  # a deadline or Ctrl-C during the server's stop must not lose the minutes spent
+                used = {"start_s": metered.start_s - before[0], "measure_s": metered.measure_s - before[1]}
+                runs = metered.runs - before[2]
+                old = spend.get(cand["name"], {"start_s": 0.0, "measure_s": 0.0, "runs": 0})
+                spend[cand["name"]] = {"start_s": old["start_s"] + used["start_s"],
+                                       "measure_s": old["measure_s"] + used["measure_s"],
+                                       "runs": old.get("runs", 0) + runs}
+                before = (metered.start_s, metered.measure_s, metered.runs)
+                study.set_user_attr("spend", spend)
         calls = metered.calls[first_call:]
         if calls and backend.name != "predict":
             # The first call of a candidate paid its server's start; the stop came at release.
