@@ -75,9 +75,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop a process group we started: SIGTERM, then SIGKILL after a grace period."""
-    if proc.poll() is not None:
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group is still running (zombies left to a container's PID 1,
+    which may never reap them, do not count)."""
+    stats = list(Path("/proc").glob("[0-9]*/stat"))
+    if not stats:  # no /proc: ask the kernel, zombies included
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in stats:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0, drain_s: float = 0.0) -> None:
+    """Stop a process group we started: let it end by itself for up to ``drain_s``, then SIGTERM,
+    then SIGKILL after a grace period.
+
+    The drain matters for Locust's ``--processes``: its master quits at once while the workers it
+    forked still finish their in-flight requests and write their samples (a graceful stop); read
+    before they end, a run loses exactly its slowest last requests.
+    """
+    deadline = time.monotonic() + drain_s
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(drain_s)
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is not None and not _group_alive(proc.pid):
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -87,6 +116,12 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    end = time.monotonic() + grace_s
+    while _group_alive(proc.pid) and time.monotonic() < end:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -413,10 +448,13 @@ def run_load(
         # The shape stops the run; this limit only catches a hung Locust.
         rc = _wait(proc, load.stop.duration_s + 90, samples_dir, on_progress)
     finally:
-        _stop_group(proc)
+        # A graceful stop waits up to the request timeout for the requests in flight (Locust's
+        # --stop-timeout); the workers get as long to finish them and write their samples.
+        drain_s = load.request_timeout_s + 15 if proc.poll() is not None else 0.0
+        _stop_group(proc, drain_s=drain_s)
         # The master tells its workers to quit; a worker writes its samples' summary on the way
         # out, so it gets time to finish (a remote one ends its ssh session) before being stopped.
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + max(drain_s, 15)
         for w in worker_procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.wait(max(0.1, deadline - time.monotonic()))
