@@ -36,6 +36,57 @@ def fidelity(profile, model, ref: Path) -> None:
         print(f"{metric:18s} median |error| {statistics.median(errs):6.1%}   worst {max(errs):6.1%}")
 
 
+# Closed-loop runs on the same H200, held out of the fit: file -> the flags over vLLM's defaults.
+HELD_OUT = REFERENCE / "lab-closed-loop-2026-12-01"
+HELD_OUT_FLAGS = {"defaults-runs.jsonl": {}, "eager-runs.jsonl": {"enforce-eager": True}}
+HELD_OUT_METRICS = (("output_throughput", "output_throughput", 1.0),
+                    ("ttft_p50", "ttft_p50", 1e3), ("tpot_p50", "tpot_p50", 1e3),
+                    ("server_queue_mean", "queue_mean", 1e3))
+
+
+def held_out_prediction(flags, profile, model, users: int, requests: int, whole_run: bool) -> dict:
+    """The predictor's figures for one closed-loop run of 512/128-token requests, as it was summarized:
+    over the lab's steady window, or first send to last reply (``whole_run``, vllm bench serve)."""
+    from vllm_lab.backends import _prediction_samples
+    from vllm_lab.scenarios import Slo
+    from vllm_lab.summary import summarize
+
+    p = predict(flags, profile, model, [PredictRequest(512, 128)] * requests, Closed(users))
+    s = summarize(_prediction_samples(p.requests), Slo(),
+                  duration_s=p.duration_s if whole_run else None)
+    s["queue_mean"] = float(p.requests["queue_s"].mean())
+    return s
+
+
+def held_out(profile, model, folder: Path = HELD_OUT) -> None:
+    """Every held-out run re-predicted: throughput, TTFT p50, TPOT p50, the server's queue mean."""
+    print(f"\n## Fidelity held out: {profile.name} vs {folder}")
+    print(f"{'run':24s} {'metric':18s} {'measured':>10s} {'twin':>10s} {'error':>8s}")
+    errs: dict[str, list[float]] = {m: [] for m, _k, _s in HELD_OUT_METRICS}
+    cache: dict[tuple, dict] = {}
+    for name, flags in HELD_OUT_FLAGS.items():
+        for line in (folder / name).read_text().splitlines():
+            run = json.loads(line)
+            measured = {**run["figures"], **run.get("server", {})}
+            key = (name, run["users"], run["requests"], run["tool"])
+            if key not in cache:
+                cache[key] = held_out_prediction(flags, profile, model, run["users"],
+                                                 run["requests"], run["tool"] == "bench")
+            got = cache[key]
+            label = f"{name.split('-')[0]} {run['users']} {run['run']}"
+            for metric, key_p, scale in HELD_OUT_METRICS:
+                m = measured.get(metric)
+                if m is None:
+                    continue
+                e = (got[key_p] - m) / m
+                errs[metric].append(abs(e))
+                print(f"{label:24s} {metric:18s} {m * scale:10.2f} {got[key_p] * scale:10.2f} {e:+8.1%}")
+    for metric, values in errs.items():
+        if values:
+            print(f"{metric:18s} median |error| {statistics.median(values):6.1%}   "
+                  f"worst {max(values):6.1%}   ({len(values)} runs)")
+
+
 # Open-loop staircases measured on real vLLM and stored by the lab: each level is re-predicted from
 # its recorded scenario. The defaults' levels fitted frontend_chat_s; the other candidates' are
 # held out (api-server-count 4 among them).
@@ -130,6 +181,8 @@ def main(argv=None) -> int:
             print(f"error: --reference {args.reference}: no such folder", file=sys.stderr)
             return 2
         fidelity(profile, model, args.reference)
+        if args.profile == "h200-llama-3-8b" and HELD_OUT.is_dir():
+            held_out(profile, model)
         if args.profile == "h200-llama-3-8b" and STAIRCASES.exists():
             staircases()
     if "direction" in args.which:

@@ -114,6 +114,7 @@ class StepSummary:
     num_decode_tokens: int
     num_prefill_tokens: int
     first_token_ids: list            # requests whose first token this step made
+    first_scheduled: list            # when each of them was first scheduled (vLLM's scheduled_ts)
     finished: list[FinishedRequest]
 
 
@@ -724,6 +725,7 @@ class Engine:
         dur, tokens, first, finished, _d, _p, chunks = self._run_step(now, False)
         n_prefill = sum(q for _r, q, _c in chunks)
         return StepSummary(dur, tokens - n_prefill, n_prefill, [r.id for r in first],
+                           [r.first_sched for r in first],
                            [_finished(r) for r in finished])
 
     def fast_forward(self, now: float, horizon: float, max_steps: int = 4096) -> DecodeRun | None:

@@ -121,6 +121,9 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
                          else int(r.prompt_tokens) for r in requests], dtype=np.int64)
     send = np.full(n, np.nan)
     first = np.full(n, np.nan)
+    queued = np.full(n, np.nan)                 # engine core: arrival to first scheduled
+    prefill = np.full(n, np.nan)                # engine core: first scheduled to first token
+    engine_in = np.full(n, np.nan)
     finish = np.full(n, np.nan)
     outs = np.zeros(n, dtype=np.int64)
     cached = np.zeros(n, dtype=np.int64)
@@ -158,6 +161,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
     def submit(i: int, t: float) -> None:
         r = requests[i]
         ids = r.prompt_tokens if isinstance(r.prompt_tokens, list) else []
+        engine_in[i] = t
         eng.add_request(EngineRequest(i, ids, int(r.output_tokens), ignore_eos=True,
                                       arrival_time=t, num_prompt_tokens=int(prompt_n[i])))
 
@@ -242,8 +246,10 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         usage = eng.kv_cache_usage
         usage_area += usage * dur
         usage_peak = max(usage_peak, usage)
-        for i in firsts:
+        for i, sched in zip(firsts, step.first_scheduled):
             first[i] = seen
+            queued[i] = sched - engine_in[i]
+            prefill[i] = now - sched
         for r in step.finished:
             done(r, seen)
 
@@ -256,7 +262,8 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         tpot = np.where(outs > 1, (e2e - ttft) / (outs - 1), np.nan)
     df = pd.DataFrame({"prompt_tokens": prompt_n, "output_tokens": outs, "cached_tokens": cached,
                        "send_s": send, "first_token_s": first, "finish_s": finish, "ttft_s": ttft,
-                       "tpot_s": tpot, "e2e_s": e2e, "preemptions": preempt})
+                       "tpot_s": tpot, "e2e_s": e2e, "preemptions": preempt,
+                       "queue_s": queued, "prefill_s": prefill})
     if step_t:
         itl_t.append(np.array(step_t))
         itl_w.append(np.array(step_w))

@@ -34,7 +34,12 @@ class Coefficients(_Strict):
     seq_overhead_s: float = Field(ge=0, description="cost per scheduled sequence (inputs, sampling, output)")
     token_overhead_s: float = Field(default=0.0, ge=0, description="cost per scheduled token")
     block_overhead_s: float = Field(default=2e-8, ge=0, description="attention cost per KV block visited")
-    eager_layer_overhead_s: float = Field(ge=0, description="kernel-launch cost per layer per step without CUDA graphs")
+    eager_layer_overhead_s: float = Field(ge=0, description=(
+        "CPU time per layer per step to launch its kernels under --enforce-eager (no torch.compile, "
+        "no CUDA graph); it overlaps the GPU's work"))
+    compiled_layer_launch_s: float = Field(default=0.0003, ge=0, description=(
+        "CPU time per layer per step to launch a compiled step too large for a CUDA graph; it "
+        "overlaps the GPU's work"))
     frontend_latency_s: float = Field(ge=0, description="API server path of a request: HTTP, tokenize, detokenize")
     frontend_token_s: float = Field(default=0.0, ge=0, description=(
         "API server CPU per streamed token (detokenize, SSE); one process serves all streams"))
