@@ -32,9 +32,9 @@ def test_default_space_holds_only_flags_the_twin_models():
 def test_a_measure_only_or_unknown_flag_in_the_space_is_one_sentence(tmp_path):
     scenario = resolve("realtime-chat")
     path = tmp_path / "s.yaml"
-    path.write_text("space:\n  async-scheduling: {choices: [true, false]}\n")
-    with pytest.raises(ScenarioError, match=r"s\.yaml: key space\.async-scheduling: the twin does "
-                                            r"not model it .*make sweep PARAM=async-scheduling"):
+    path.write_text("space:\n  stream-interval: {choices: [1, 8]}\n")
+    with pytest.raises(ScenarioError, match=r"s\.yaml: key space\.stream-interval: the twin does "
+                                            r"not model it .*make sweep PARAM=stream-interval"):
         autotune.load_space(str(path), scenario)
     path.write_text("space:\n  max-num-seqz: {low: 8, high: 64}\n")
     with pytest.raises(ScenarioError, match=r"key space\.max-num-seqz: not a vLLM flag"):
@@ -187,20 +187,20 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
     spec = tmp_path / "space.yaml"
     spec.write_text("space:\n  max-num-seqs: {low: 64, high: 1024, log: true}\n"
                     "  max-num-batched-tokens: {low: 2048, high: 16384, log: true}\n"
-                    "measure:\n  async-scheduling: [true]\n")
+                    "measure:\n  max-num-partial-prefills: [2]\n")
     space = autotune.load_space(str(spec), scenario)
-    assert space.measure == {"async-scheduling": [True]}
+    assert space.measure == {"max-num-partial-prefills": [2]}
     summary = autotune.run(scenario, space, OnVllm(), settings(tmp_path, minutes=60, trials=3, seed=1, top=2),
                            lambda _: None)
     names = [c["name"] for c in summary["candidates"]]
     assert names == ["defaults", "m1", "c1", "c2"]
     m1 = summary["candidates"][1]
-    assert m1["predicted"] is None and m1["measure"] == {"async-scheduling": True}
+    assert m1["predicted"] is None and m1["measure"] == {"max-num-partial-prefills": 2}
     # The first variant comes right after the defaults: it is tried on them, from their capacity up.
-    assert m1["base"] == "defaults" and m1["flags"] == {"async-scheduling": True}
+    assert m1["base"] == "defaults" and m1["flags"] == {"max-num-partial-prefills": 2}
     assert m1["centre"] == pytest.approx(summary["defaults_capacity"], rel=0.16)
     md = (tmp_path / "at" / "report.md").read_text()
-    assert "| m1" in md and "not modelled" in md and "async-scheduling=True on defaults" in md
+    assert "| m1" in md and "not modelled" in md and "max-num-partial-prefills=2 on defaults" in md
     twin_plan = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1),
                              lambda _: None)
     assert [c["name"] for c in twin_plan["candidates"]] == ["defaults", "c1"]
@@ -232,14 +232,14 @@ def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path)
     scenario = chat()
     cases = {"measure:\n  max-num-seqs: [64]\n": r"key measure\.max-num-seqs: only flags the twin does not model",
              "measure:\n  max-num-partial-prefills: [0]\n": r"key measure\.max-num-partial-prefills: 0:",
-             "measure:\n  async-scheduling: []\n": r"key measure\.async-scheduling: give at least one value"}
+             "measure:\n  max-num-partial-prefills: []\n": r"key measure\.max-num-partial-prefills: give at least one value"}
     for i, (text, message) in enumerate(cases.items()):
         path = tmp_path / f"s{i}.yaml"
         path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\n" + text)
         with pytest.raises(ScenarioError, match=message):
             autotune.load_space(str(path), scenario)
     path = tmp_path / "tune.yaml"
-    path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\nmeasure:\n  async-scheduling: [true]\n")
+    path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\nmeasure:\n  max-num-partial-prefills: [2]\n")
     with pytest.raises(ScenarioError, match="key measure: only make autotune reads it"):
         search.load_space(str(path), scenario)
 

@@ -46,12 +46,11 @@ log = logging.getLogger(__name__)
 # only these can be ranked on the predictor.
 MODELLED = ("max-num-seqs", "max-num-batched-tokens", "long-prefill-token-threshold",
             "gpu-memory-utilization", "block-size", "kv-cache-dtype", "enable-prefix-caching",
-            "enforce-eager", "api-server-count")
+            "enforce-eager", "api-server-count", "async-scheduling")
 # Serving flags of vLLM 0.26 the twin does not model, and why: a ranking on the predictor would
 # call every value equal, so they are left to a live sweep.
 MEASURE_ONLY = {
     "max-num-partial-prefills": "the twin's scheduler does not limit concurrent partial prefills",
-    "async-scheduling": "the twin does not overlap scheduling with the model step",
     "stream-interval": "the predictor streams every token as it is made",
     "enable-chunked-prefill": "chunked prefill is always on in vLLM's V1 engine",
 }

@@ -91,7 +91,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True, twin_models=False),
     _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache"), twin_models=False),
     _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True, twin_models=False),
-    _f("async-scheduling", "bool", False, "Overlap scheduling with the model step.", tuning=True, twin_models=False),
+    # On by default since vLLM turned it on where compatible (None -> True); the twin plans each step
+    # while the one before it runs, so a request taken in mid-flight joins a step later.
+    _f("async-scheduling", "bool", True, "Overlap scheduling with the model step.", tuning=True),
     _f("stream-interval", "int", 1, "Tokens per streamed chunk.", min=1),
     _f("api-server-count", "int", 1, "API-server (frontend) processes in front of the engine.", min=1,
        tuning=True),

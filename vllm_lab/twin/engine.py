@@ -39,6 +39,7 @@ ENGINE_FLAGS = frozenset({
     "max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "block-size",
     "max-model-len", "enforce-eager", "dtype", "kv-cache-dtype", "tensor-parallel-size",
     "enable-prefix-caching", "long-prefill-token-threshold", "num-gpu-blocks-override",
+    "async-scheduling",
 })
 WAITING, RUNNING, FINISHED = 0, 1, 2
 
@@ -77,7 +78,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    queue_time_s: float | None = None   # arrival to first scheduled, on the first output only
+    queue_time_s: float | None = None   # queued to first scheduled, on the first output only
+    scheduled_s: float | None = None    # when it was first scheduled (vLLM's scheduled_ts), idem
 
 
 @dataclass
@@ -114,7 +116,7 @@ class StepSummary:
     num_decode_tokens: int
     num_prefill_tokens: int
     first_token_ids: list            # requests whose first token this step made
-    first_scheduled: list            # when each of them was first scheduled (vLLM's scheduled_ts)
+    first_scheduled: list            # (queued_ts, scheduled_ts) of each of them, as vLLM stamps them
     finished: list[FinishedRequest]
 
 
@@ -178,6 +180,10 @@ class EngineConfig:
     enable_prefix_caching: bool
     long_prefill_token_threshold: int
     num_gpu_blocks_override: int | None
+    # vLLM 0.26 schedules step N+1 while step N runs unless an incompatible option turns it off
+    # (config/vllm.py: async_scheduling None -> True); --no-async-scheduling plans each step after
+    # the previous one ends.
+    async_scheduling: bool = True
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -252,6 +258,7 @@ def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfi
         kv_bytes=kv_bytes, tensor_parallel_size=tp,
         enable_prefix_caching=bool(merged["enable-prefix-caching"]),
         long_prefill_token_threshold=int(merged.get("long-prefill-token-threshold") or 0),
+        async_scheduling=merged.get("async-scheduling") is not False,
         num_gpu_blocks_override=int(override) if override else None, raw=merged)
 
 
@@ -314,6 +321,8 @@ class _Req:
         "num_prompt",
         "num_tokens",
         "preemptions",
+        "queued",
+        "eligible",
         "reason",
         "seed",
         "state",
@@ -334,6 +343,8 @@ class _Req:
         self.g0 = self.t0 = self.fepoch = self.cepoch = 0
         self.cached_tokens = 0
         self.first_sched: float | None = None
+        self.queued = arrival           # vLLM's queued_ts: when the engine core took it in
+        self.eligible = 0               # the first step (Engine.steps) it may be scheduled in
         self.preemptions = 0
 
 
@@ -368,6 +379,8 @@ class Engine:
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.busy_s = 0.0
         self.clock = 0.0
+        self.steps = 0                           # steps run so far: the next step's index
+        self._last_step = (-math.inf, -math.inf)  # (start, end) of the last step run
         self._recent: deque[tuple[float, float]] = deque()
         self._vocab = max(2, min(model.vocab_size, 32000))
 
@@ -413,6 +426,14 @@ class Engine:
                   if ids and self.cfg.enable_prefix_caching else None)
         self._n += 1
         r = _Req(req.request_id, hashes, n, target, reason, req.arrival_time, self._n * 2654435761)
+        # The engine core takes requests in between steps: vLLM's queue time starts then, not when
+        # the request reached its socket. Under async scheduling the next step was planned while
+        # the last one ran, so a request taken in while work is in flight can join the step after.
+        r.queued = max(req.arrival_time, self.clock)
+        if self.cfg.async_scheduling and self.running:
+            r.eligible = self.steps + 1
+        else:
+            r.eligible = self.steps
         self.reqs[req.request_id] = r
         self.waiting.append(r)
         self.prompt_tokens_total += n
@@ -580,6 +601,8 @@ class Engine:
         waiting, running = self.waiting, self.running
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             r = waiting[0]
+            if r.eligible > self.steps and (running or chunks):
+                break   # async: this step was planned before the request came in
             hits = evictable = 0
             if r.hashes:
                 hits, evictable = kv.lookup(r.hashes, (r.num_tokens - 1) // bs)
@@ -598,7 +621,11 @@ class Engine:
                 self.prefix_queries += r.num_tokens
                 self.prefix_hits += computed
             if r.first_sched is None:
-                r.first_sched = now
+                # Async scheduling plans a step while the one before it runs: the request was
+                # scheduled when that one started (or when it was taken in, if later).
+                start, end = self._last_step
+                r.first_sched = (max(start, r.queued) if cfg.async_scheduling and end >= now
+                                 else now)
                 r.cached_tokens = computed
             waiting.popleft()
             r.state = RUNNING
@@ -679,6 +706,8 @@ class Engine:
             if r.state == RUNNING:
                 self._join(r)
         self._account(now, dur)
+        self.steps += 1
+        self._last_step = (now, now + dur)
         return dur, tokens, first, finished, decoders, preempted, chunks
 
     def _account(self, now: float, dur: float) -> None:
@@ -700,11 +729,11 @@ class Engine:
         def emit(r: _Req) -> None:
             out = self._tokens(r) - r.num_prompt
             tok = (r.seed + out * 40503) % self._vocab
-            queue = (r.first_sched - r.arrival) if id(r) in first_ids and r.first_sched is not None \
-                else None
+            sched = r.first_sched if id(r) in first_ids else None
+            queue = sched - r.queued if sched is not None else None
             done = r.state == FINISHED
             outputs[r.id] = RequestOutput(r.id, [tok], done, r.reason if done else None,
-                                          r.num_prompt, out, r.cached_tokens, queue)
+                                          r.num_prompt, out, r.cached_tokens, queue, sched)
 
         for r in decoders or ():
             emit(r)
@@ -725,7 +754,7 @@ class Engine:
         dur, tokens, first, finished, _d, _p, chunks = self._run_step(now, False)
         n_prefill = sum(q for _r, q, _c in chunks)
         return StepSummary(dur, tokens - n_prefill, n_prefill, [r.id for r in first],
-                           [r.first_sched for r in first],
+                           [(r.queued, r.first_sched) for r in first],
                            [_finished(r) for r in finished])
 
     def fast_forward(self, now: float, horizon: float, max_steps: int = 4096) -> DecodeRun | None:
@@ -771,6 +800,8 @@ class Engine:
         self._pop_finished(finished)
         total = float(times.sum())
         self._account(now, total)
+        self.steps += k
+        self._last_step = (now + total - float(times[-1]), now + total)
         return DecodeRun(times, B, [_finished(r) for r in finished])
 
     # -- stats -------------------------------------------------------------------------------

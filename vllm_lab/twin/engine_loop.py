@@ -41,6 +41,7 @@ class _Req:
     finished: bool = False
     finish_reason: str | None = None
     sched_plan: float | None = None
+    queue_s: float | None = None
     first_plan: float | None = None
     last_plan: float | None = None
     first_sent: float | None = None
@@ -197,8 +198,9 @@ class EngineLoop:
             if r is None:
                 continue
             if r.sched_plan is None:
-                queued = getattr(out, "queue_time_s", None)
-                r.sched_plan = r.engine_arrival + queued if queued is not None else start
+                sched = getattr(out, "scheduled_s", None)
+                r.sched_plan = sched if sched is not None else start
+                r.queue_s = getattr(out, "queue_time_s", None)
             if out.num_cached_tokens:
                 r.num_cached = out.num_cached_tokens
             if out.new_token_ids:
@@ -221,9 +223,11 @@ class EngineLoop:
         first = r.first_plan if r.first_plan is not None else r.last_plan or r.arrival
         last = r.last_plan if r.last_plan is not None else first
         sched = r.sched_plan if r.sched_plan is not None else r.arrival
-        # vLLM's queue time ends when the request is first scheduled; prefill ends at the first token.
+        # vLLM's queue time runs from when the engine core took the request in (between steps) to
+        # when it was first scheduled; prefill from then to the first token.
+        queue = r.queue_s if r.queue_s is not None else sched - r.engine_arrival
         self.metrics.observe_finished(
-            r.finish_reason, e2e_s=last - r.arrival, queue_s=sched - r.engine_arrival,
+            r.finish_reason, e2e_s=last - r.arrival, queue_s=queue,
             prefill_s=first - sched, decode_s=last - first, num_prompt=len(r.prompt_ids),
             num_cached=r.num_cached, num_generated=r.n_out)
 
@@ -236,7 +240,8 @@ class EngineLoop:
             "id": r.rid, "arrival_s": r.arrival, "prompt_tokens": len(r.prompt_ids),
             "completion_tokens": r.n_out, "finish_reason": r.finish_reason,
             "ttft_s": r.first_plan - r.arrival, "tpot_s": tpot, "e2e_s": r.last_plan - r.arrival,
-            "queue_s": (r.sched_plan or r.engine_arrival) - r.engine_arrival,
+            "queue_s": (r.queue_s if r.queue_s is not None
+                        else (r.sched_plan or r.engine_arrival) - r.engine_arrival),
             "first_token_late_s": (r.first_sent - r.first_plan) if r.first_sent else None,
             "last_token_late_s": (r.last_sent - r.last_plan) if r.last_sent else None,
             "sse_events": r.events, "coalesced_tokens": r.coalesced})

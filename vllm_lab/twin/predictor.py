@@ -121,7 +121,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
                          else int(r.prompt_tokens) for r in requests], dtype=np.int64)
     send = np.full(n, np.nan)
     first = np.full(n, np.nan)
-    queued = np.full(n, np.nan)                 # engine core: arrival to first scheduled
+    queued = np.full(n, np.nan)                 # engine core: taken in to first scheduled
     prefill = np.full(n, np.nan)                # engine core: first scheduled to first token
     engine_in = np.full(n, np.nan)
     finish = np.full(n, np.nan)
@@ -246,9 +246,9 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         usage = eng.kv_cache_usage
         usage_area += usage * dur
         usage_peak = max(usage_peak, usage)
-        for i, sched in zip(firsts, step.first_scheduled):
+        for i, (q, sched) in zip(firsts, step.first_scheduled):
             first[i] = seen
-            queued[i] = sched - engine_in[i]
+            queued[i] = sched - q
             prefill[i] = now - sched
         for r in step.finished:
             done(r, seen)
