@@ -91,7 +91,8 @@ def held_out(profile, model, folder: Path = HELD_OUT) -> None:
 # its recorded scenario. The defaults' levels fitted frontend_chat_s; the other candidates' are
 # held out (api-server-count 4 among them).
 STAIRCASES = Path(__file__).resolve().parents[1] / "reports/examples/autotune-h200/lab.db"
-FITTED_ON = ("-defaults",)
+# frontend_chat_s was fitted to the first run's defaults only; the second run (-b) is held out whole.
+FITTED_ON = ("autotune-realtime-chat-h200-defaults",)
 
 
 def staircases(db: Path = STAIRCASES) -> None:
@@ -110,9 +111,9 @@ def staircases(db: Path = STAIRCASES) -> None:
     for run in runs.sort_values(["experiment_id", "started"]).itertuples():
         scenario = Scenario.model_validate(json.loads(run.scenario_json))
         p = PredictBackend().measure(scenario, None, Path(".")).summary
-        kind = "fit" if run.experiment_id.endswith(FITTED_ON) else "held-out"
+        kind = "fit" if run.experiment_id in FITTED_ON else "held-out"
         agree[kind].append(bool(run.summary["meets_slo"]) == bool(p["meets_slo"]))
-        print(f"{run.experiment_id.rsplit('-', 1)[-1]:24s} {kind:8s} {run.point['load.shape.level']:7.2f} "
+        print(f"{run.experiment_id.removeprefix('autotune-realtime-chat-h200-'):24s} {kind:8s} {run.point['load.shape.level']:7.2f} "
               f"{run.ttft_p99 * 1e3:8.0f} /{p['ttft_p99'] * 1e3:7.0f} {run.tpot_p99 * 1e3:6.1f} /"
               f"{p['tpot_p99'] * 1e3:6.1f} {bool(run.summary['meets_slo'])!s:>6s}/{p['meets_slo']!s:6s}")
     for kind, same in agree.items():
