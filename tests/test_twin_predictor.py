@@ -170,8 +170,8 @@ def test_enforce_eager_cuts_saturated_ttft_through_the_waiting_queue():
     at64 = _p({"enforce-eager": True}, [PredictRequest(512, 128)] * 384, users=64)
     assert at64.tpot["p50"] == pytest.approx(0.0284, rel=0.15)
     graphed, launched = (Engine.from_flags(f, H200, MODEL).stm for f in ({}, {"enforce-eager": True}))
-    big = dict(num_tokens=8192, num_seqs=16, num_sampled=16, attn_pairs=16 * 512 * 256.0,
-               kv_tokens=8192)
+    big = {"num_tokens": 8192, "num_seqs": 16, "num_sampled": 16, "attn_pairs": 16 * 512 * 256.0,
+           "kv_tokens": 8192}
     assert launched.step_time(**big) == pytest.approx(graphed.step_time(**big))
     # At light load (16 users, short chat prompts) every step is small and CPU-bound: eager adds TTFT.
     light = sharegpt_like(160, seed=3)
@@ -197,7 +197,7 @@ def test_async_scheduling_moves_a_step_from_the_queue_to_prefill():
         steps = [eng.step(t)]
         t += steps[-1].duration_s
         steps.append(eng.step(t))
-        b = [(s, o) for s in steps for o in s.outputs if o.request_id == "b"][0]
+        b = next((s, o) for s in steps for o in s.outputs if o.request_id == "b")
         return steps, b[0], b[1], t - steps[0].duration_s
 
     steps, step_b, out, t0 = engine({})

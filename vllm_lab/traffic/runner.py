@@ -93,6 +93,16 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _wait_group(pgid: int, seconds: float) -> bool:
+    """Wait up to ``seconds`` for every process of the group to end; True when none is left."""
+    deadline = time.monotonic() + seconds
+    while _group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0, drain_s: float = 0.0) -> None:
     """Stop a process group we started: let it end by itself for up to ``drain_s``, then SIGTERM,
     then SIGKILL after a grace period.
@@ -104,9 +114,7 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0, drain_s: float = 
     deadline = time.monotonic() + drain_s
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(drain_s)
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if proc.poll() is not None and not _group_alive(proc.pid):
+    if _wait_group(proc.pid, deadline - time.monotonic()) and proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -116,11 +124,8 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0, drain_s: float = 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    end = time.monotonic() + grace_s
-    while _group_alive(proc.pid) and time.monotonic() < end:
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        if _group_alive(proc.pid):
+    if not _wait_group(proc.pid, grace_s):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
 

@@ -50,6 +50,12 @@ class _Req:
     coalesced: int = 0
 
 
+def _queue_s(r: _Req, scheduled: float) -> float:
+    """vLLM's queue time: from when the engine core took the request in (between steps) to when it
+    was first scheduled, as the engine stamped it; ``scheduled`` when it has no stamp."""
+    return r.queue_s if r.queue_s is not None else scheduled - r.engine_arrival
+
+
 class EngineLoop:
     """Steps the engine on the ideal timeline and hands each step's outputs to the requests."""
 
@@ -223,11 +229,8 @@ class EngineLoop:
         first = r.first_plan if r.first_plan is not None else r.last_plan or r.arrival
         last = r.last_plan if r.last_plan is not None else first
         sched = r.sched_plan if r.sched_plan is not None else r.arrival
-        # vLLM's queue time runs from when the engine core took the request in (between steps) to
-        # when it was first scheduled; prefill from then to the first token.
-        queue = r.queue_s if r.queue_s is not None else sched - r.engine_arrival
         self.metrics.observe_finished(
-            r.finish_reason, e2e_s=last - r.arrival, queue_s=queue,
+            r.finish_reason, e2e_s=last - r.arrival, queue_s=_queue_s(r, sched),
             prefill_s=first - sched, decode_s=last - first, num_prompt=len(r.prompt_ids),
             num_cached=r.num_cached, num_generated=r.n_out)
 
@@ -240,8 +243,7 @@ class EngineLoop:
             "id": r.rid, "arrival_s": r.arrival, "prompt_tokens": len(r.prompt_ids),
             "completion_tokens": r.n_out, "finish_reason": r.finish_reason,
             "ttft_s": r.first_plan - r.arrival, "tpot_s": tpot, "e2e_s": r.last_plan - r.arrival,
-            "queue_s": (r.queue_s if r.queue_s is not None
-                        else (r.sched_plan or r.engine_arrival) - r.engine_arrival),
+            "queue_s": _queue_s(r, r.sched_plan or r.engine_arrival),
             "first_token_late_s": (r.first_sent - r.first_plan) if r.first_sent else None,
             "last_token_late_s": (r.last_sent - r.last_plan) if r.last_sent else None,
             "sse_events": r.events, "coalesced_tokens": r.coalesced})
