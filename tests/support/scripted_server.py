@@ -50,10 +50,11 @@ class Script:
         self.slots = asyncio.Semaphore(args.max_running) if args.max_running else None
         self.truth = open(args.truth_log, "a", buffering=1) if args.truth_log else None  # noqa: SIM115
 
-    def log_truth(self, request_id: str, recv: float, sent: list[float]) -> None:
+    def log_truth(self, request_id: str, recv: float, sent: list[float], done: float) -> None:
         """Append what really happened to one request (perf_counter times) to the truth log."""
         if self.truth is not None:
-            self.truth.write(json.dumps({"request_id": request_id, "recv": recv, "sent": sent}) + "\n")
+            row = {"request_id": request_id, "recv": recv, "sent": sent, "done": done}
+            self.truth.write(json.dumps(row) + "\n")
 
     def pick(self, model: str) -> str:
         """Return the mode for one request."""
@@ -139,9 +140,10 @@ async def _emit(request, resp, script, kind, rid, model, mode, n, prompt_tokens,
         final = _chunk(kind, rid, model, None, usage=usage)
         final = final[:-3] + b', "script": ' + json.dumps({"recv": recv, "sent": sent}).encode()
         await resp.write(final + b"}\n\n")
+        done = time.perf_counter()  # the end of the stream leaves now, after the usage chunk
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        script.log_truth(request.headers.get("X-Request-Id", rid), recv, sent)
+        script.log_truth(request.headers.get("X-Request-Id", rid), recv, sent, done)
     except (ConnectionResetError, asyncio.CancelledError):
         pass
     finally:
