@@ -7,9 +7,12 @@ clock as the clients on one host). Truth TTFT runs from the client's send to the
 token send, so the error is the client's own lateness in noticing tokens. Prints, per client:
   1. accuracy at light load: TTFT p50/p99 and TPOT p50 error against the truth;
   2. capacity: streamed tokens/s as concurrency grows, and the most tokens/s one client process
-     (one core) sustains before its TTFT p50 or TPOT p50 drifts more than 5% from the truth.
+     (one core) sustains before its TTFT p50 or TPOT p50 drifts more than 5% from the truth;
+  3. turnaround: how long a closed-loop user waits between a reply's end and its next send, with
+     512-token prompts built by a real tokenizer (--tokenizer DIR, or one trained here).
 
     .venv/bin/python scripts/bench_traffic.py [--quick] [--out DIR] [--server-processes N]
+                                              [--tokenizer MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -126,9 +129,11 @@ def run_reference(url, conc, dur, tokens) -> tuple[list[dict], float]:
     return data["rows"], data["cpu_fraction"]
 
 
-def run_locust(url, conc, dur, tokens, out_dir: Path) -> tuple[list[dict], float, bool]:
+def run_locust(url, conc, dur, tokens, out_dir: Path, prompt: int = 32,
+               tokenizer: Path | None = None) -> tuple[list[dict], float, bool]:
     """Run the lab's Locust user (one process); return its rows, CPU share and overload flag."""
-    workload = Workload(source="synthetic", input=Lengths(mean=32), output=Lengths(mean=tokens))
+    workload = Workload(source="synthetic", input=Lengths(mean=prompt), output=Lengths(mean=tokens),
+                        tokenizer=tokenizer)
     load = Load(shape={"level": conc}, stop={"duration_s": dur}, request_timeout_s=600)
     r = run_load(url, "ok", workload, load, out_dir, scrape_metrics=False)
     df = r.samples[r.samples.status == "ok"].copy()
@@ -168,6 +173,36 @@ def compare(rows: list[dict], truth: dict[str, dict]) -> dict[str, float]:
             out[f"{name}_p{p}_err_rel"] = (cp - tp) / tp
     out["drift"] = max(abs(out["ttft_p50_err_rel"]), abs(out["tpot_p50_err_rel"]))
     return out
+
+
+def turnaround(rows: list[dict], users: int) -> dict[str, float]:
+    """A closed loop's wait between a reply's end and the next send: the k-th send after the
+    first wave follows the k-th end, whichever user it was."""
+    starts = np.sort([r["start"] for r in rows])[users:]
+    ends = np.sort([r["start"] + r["e2e_s"] for r in rows])[:len(starts)]
+    gap = (starts - ends) * 1e3
+    return {"n": len(rows), "turnaround_p50_ms": float(np.median(gap)),
+            "turnaround_p90_ms": float(np.percentile(gap, 90)),
+            "turnaround_p99_ms": float(np.percentile(gap, 99))}
+
+
+def _tokenizer(out: Path) -> Path:
+    """A byte-level BPE tokenizer trained on the standard library: real per-prompt CPU cost."""
+    import glob
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:300]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator((Path(f).read_text(errors="ignore") for f in files), trainers.BpeTrainer(
+        vocab_size=16000, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = out / "tokenizer"
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    return d
 
 
 def _truth(path: Path) -> dict[str, dict]:
@@ -210,31 +245,49 @@ def main() -> None:
     p.add_argument("--server-cores", default=None, help="taskset core list for the server")
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--levels", default="1,8,32,64,128,256,512")
+    p.add_argument("--tokenizer", type=Path, help="model folder with tokenizer.json (turnaround)")
+    p.add_argument("--only", choices=["accuracy", "capacity", "turnaround"], action="append",
+                   help="run only this section (repeatable); all by default")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     dur = 4.0 if a.quick else a.duration
     levels = [1, 8, 32, 128] if a.quick else [int(x) for x in a.levels.split(",")]
     report: dict = {"cpu_count": os.cpu_count(), "server_processes": a.server_processes}
+    only = set(a.only or ["accuracy", "capacity", "turnaround"])
+    wrap = _pin(a.server_cores)
+    if "accuracy" in only:
+        report["accuracy"] = accuracy(a, dur, wrap)
+    if "capacity" in only:
+        report.update(capacity(a, dur, levels, wrap))
+    if "turnaround" in only:
+        report["turnaround"] = turnaround_phase(a, dur, wrap)
+    (a.out / "bench_traffic.json").write_text(json.dumps(report, indent=1, default=float))
+    print(f"wrote {a.out / 'bench_traffic.json'}")
 
+
+def accuracy(a, dur: float, wrap) -> dict:
+    """Section 1: both clients against the truth at light load."""
     print("== accuracy: TTFT 200 ms, ITL 20 ms, 50 tokens, 4 users ==")
     truth_log = a.out / "truth-accuracy.jsonl"
     truth_log.unlink(missing_ok=True)
-    wrap = _pin(a.server_cores)
     with running("--ttft-ms", "200", "--itl-ms", "20", "--tokens", "50", "--truth-log",
                  str(truth_log), "--processes", str(a.server_processes), wrap=wrap) as url:
         _pin_self(a.client_core)
         acc = phase(url, truth_log, 4, max(dur, 6.0), 50, a.out)
+    _pin_self(None)
     for k, m in acc.items():
         print(_line(k, m))
-    report["accuracy"] = acc
+    return acc
 
+
+def capacity(a, dur: float, levels: list[int], wrap) -> dict:
+    """Section 2: tokens/s as concurrency grows, and the most one process sustains within 2%."""
     print("== capacity: TTFT 50 ms, ITL 5 ms, 400 tokens per reply (200 tok/s per stream) ==")
     cap: dict[str, list] = {"locust": [], "aiohttp": []}
     truth_log = a.out / "truth-capacity.jsonl"
     truth_log.unlink(missing_ok=True)
     server = ["--ttft-ms", "50", "--itl-ms", "5", "--tokens", "400", "--no-precise",
               "--truth-log", str(truth_log), "--processes", str(a.server_processes)]
-    _pin_self(None)
     with running(*server, wrap=wrap) as url:
         _pin_self(a.client_core)
         for c in levels:
@@ -243,7 +296,8 @@ def main() -> None:
             for k, m in res.items():
                 print(_line(k, m))
                 cap[k].append({"concurrency": c, **m})
-    report["capacity"] = cap
+    _pin_self(None)
+    report: dict = {"capacity": cap}
     print("== most streamed tokens/s one client process sustains with drift <= 2% ==")
     for k, pts in cap.items():
         good = [m for m in pts if m.get("n") and m["drift"] <= 0.02 and not m.get("overloaded")]
@@ -251,8 +305,26 @@ def main() -> None:
         report[f"max_tokens_per_s_{k}"] = best["tokens_per_s"] if best else 0.0
         print(f"  {k:8s} {best['tokens_per_s']:9.0f} tok/s at concurrency {best['concurrency']}"
               if best else f"  {k:8s} none within 2%")
-    (a.out / "bench_traffic.json").write_text(json.dumps(report, indent=1, default=float))
-    print(f"wrote {a.out / 'bench_traffic.json'}")
+    return report
+
+
+def turnaround_phase(a, dur: float, wrap) -> dict:
+    """Section 3: a closed-loop user's wait between a reply's end and its next send, when the
+    lab builds 512-token prompts with a real tokenizer (vllm bench serve builds them all first)."""
+    print("== turnaround: 32 users, 512-token prompts, TTFT 50 ms, ITL 5 ms, 128 tokens ==")
+    tok = a.tokenizer or _tokenizer(a.out)
+    with running("--ttft-ms", "50", "--itl-ms", "5", "--tokens", "128", "--processes",
+                 str(a.server_processes), wrap=wrap) as url:
+        _pin_self(a.client_core)
+        rows, _cpu, _over = run_locust(url, 32, max(dur, 8.0), 128, a.out / "locust-turnaround",
+                                       prompt=512, tokenizer=tok)
+        ta = {"locust": turnaround(rows, 32)}
+        ta["aiohttp"] = turnaround(run_reference(url, 32, max(dur, 8.0), 128)[0], 32)
+    _pin_self(None)
+    for k, m in ta.items():
+        print(f"  {k:8s} n={m['n']:5d}  turnaround p50 {m['turnaround_p50_ms']:6.2f} ms  "
+              f"p90 {m['turnaround_p90_ms']:6.2f} ms  p99 {m['turnaround_p99_ms']:6.2f} ms")
+    return ta
 
 
 if __name__ == "__main__":

@@ -221,15 +221,16 @@ def test_loop_lag_counts_only_in_flight_time():
 
 @pytest.fixture(scope="module")
 def small_tokenizer(tmp_path_factory):
-    """A byte-level BPE tokenizer.json, so prompts are built exactly (and cost real CPU)."""
+    """A byte-level BPE tokenizer.json of little more than bytes: it holds too few common words
+    whole for prompts to be drawn from them, so each prompt is encoded and trimmed (real CPU)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:60]
+    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:20]
     tok.train_from_iterator((Path(f).read_text(errors="ignore") for f in files), trainers.BpeTrainer(
-        vocab_size=4000, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     d = tmp_path_factory.mktemp("tok")
     tok.save(str(d / "tokenizer.json"))
     return d

@@ -107,6 +107,44 @@ def test_prompts_land_within_5_percent_with_a_tokenizer(tokenizer_dir):
         assert abs(got - t.prompt_tokens) <= max(1, 0.05 * t.prompt_tokens), (got, t.prompt_tokens)
 
 
+def test_synthetic_prompts_are_exact_without_tokenizing_each(tokenizer_dir, monkeypatch):
+    # Built from words the tokenizer holds as one token each: exact, and no tokenizer call per
+    # prompt (a call costs milliseconds in the loop that times every other stream).
+    gen = WorkloadGenerator(Workload(source="synthetic", input=Lengths(mean=300, dist="uniform",
+                                                                      min=1, max=600),
+                                     output=Lengths(mean=8), tokenizer=tokenizer_dir), 0)
+    assert gen.builder.words is not None and len(gen.builder.words) >= 16
+    turns = [gen.request(i).turns[0] for i in range(40)]
+    assert all(gen.builder.count(t.text) == t.prompt_tokens for t in turns)
+
+    def no_encode(*_a, **_kw):
+        raise AssertionError("tokenizer called while building a prompt")
+
+    monkeypatch.setattr(gen.builder.tokenizer, "encode", no_encode, raising=False)
+    assert gen.request(99).turns[0].text
+
+
+def test_a_tokenizer_without_enough_one_token_words_falls_back_to_trimming(tmp_path):
+    # A vocabulary of little more than bytes holds few common words whole: prompts are then
+    # built by encoding and trimming, and still land within 5%.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:20]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator((Path(f).read_text(encoding="utf-8", errors="ignore") for f in files),
+                            trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    gen = WorkloadGenerator(Workload(source="synthetic", input=Lengths(mean=200),
+                                     output=Lengths(mean=8), tokenizer=tmp_path), 0)
+    assert gen.builder.words is None and gen.builder.approximation is None
+    for i in range(5):
+        t = gen.request(i).turns[0]
+        assert abs(gen.builder.count(t.text) - t.prompt_tokens) <= 10
+
+
 def test_without_tokenizer_the_approximation_is_stated():
     gen = WorkloadGenerator(Workload(source="alpaca-like"), 0)
     assert "1 token per common English word" in gen.builder.approximation
