@@ -212,3 +212,20 @@ def test_async_scheduling_moves_a_step_from_the_queue_to_prefill():
     assert at64["prefill_s"].mean() > at64["queue_s"].mean() * 2
     sync = _p({"async-scheduling": False}, [PredictRequest(512, 128)] * 384, users=64).requests
     assert at64["prefill_s"].mean() > sync["prefill_s"].iloc[128:].mean() + 0.02
+
+
+def test_a_clients_turnaround_keeps_identical_users_out_of_lockstep():
+    # 64 users of identical 512/128 requests: with a client that sends again the instant a reply
+    # ends, the twin locks them into the same four prefill batches wave after wave and TTFT takes
+    # four values. A real client's millisecond of turnaround reshuffles the batches from wave to
+    # wave. (On the H200 each batch's TTFTs also spread over ~150 ms, which the twin does not.)
+    reqs = [PredictRequest(512, 128)] * 768
+    locked = predict({}, H200, MODEL, reqs, Closed(64, turnaround_s=0.0)).requests
+    real = predict({}, H200, MODEL, reqs, Closed(64)).requests
+    def distinct_ttfts(df) -> int:  # past the first waves, to the millisecond
+        return len(np.unique(df[df.send_s > df.send_s.quantile(0.3)].ttft_s.round(3)))
+
+    assert distinct_ttfts(locked) <= 6 and distinct_ttfts(real) > 20
+    # Each user's next send follows its previous end by the turnaround, 1.5 ms on average.
+    gaps = np.sort(real.send_s.to_numpy())[64:] - np.sort(real.finish_s.to_numpy())[:len(real) - 64]
+    assert 0.001 < gaps.mean() < 0.002 and (gaps >= 0).all()
