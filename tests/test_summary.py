@@ -69,3 +69,21 @@ def test_a_slow_start_after_the_first_reply_is_cut_as_warm_up():
     assert "MSER" in s["window_reason"]
     plain = summarize(closed_loop([2, 2, 2, 10], [100, 100, 100, 500]), Slo())
     assert plain["window_reason"].startswith("from the first reply (2.0 s")
+
+
+def test_a_closed_loops_turnaround_is_each_users_wait_before_its_next_send():
+    # Two users on two workers, the same user id on each: user 0 comes back 10 ms after each
+    # reply, user 1 after 30 ms. Matched per (worker, user), never across them.
+    rows = []
+    for worker, wait in (("a", 0.010), ("b", 0.030)):
+        t = 0.0
+        for k in range(5):
+            rows.append((f"{worker}-{k}", worker, 7, t, 1.0))
+            t += 1.0 + wait
+    df = pd.DataFrame(rows, columns=["request_id", "worker", "user", "start_ts", "e2e_s"])
+    df = df.assign(ttft_s=0.1, tpot_s=0.01, output_tokens=91, prompt_tokens=50, status="ok",
+                   error="", itl_s=[[] for _ in range(len(df))])
+    s = summarize(df, Slo())
+    assert s["turnaround_mean"] == pytest.approx(0.020)
+    assert s["turnaround_p50"] == pytest.approx(0.020)
+    assert "turnaround_mean" not in summarize(closed_loop([2] * 4, [100] * 4), Slo())  # no user ids

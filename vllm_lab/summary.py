@@ -282,6 +282,24 @@ def tokens_by(ok: pd.DataFrame, t: float) -> float:
     return float(np.nansum(np.clip(emitted, 0.0, n)))
 
 
+def client_turnaround(samples: pd.DataFrame) -> dict[str, float]:
+    """How long a closed-loop user waited between a reply's end and its own next send.
+
+    Part of the load, not of the server: a user that comes back late spreads the next wave of
+    a closed loop, and a spread wave batches fewer prefills together (lower TTFT, a little less
+    throughput). vllm bench serve's users wait about a millisecond. Empty without user ids.
+    """
+    if not {"worker", "user", "start_ts", "e2e_s"} <= set(samples.columns) or len(samples) < 2:
+        return {}
+    s = samples.sort_values("start_ts")
+    end = s["start_ts"] + s["e2e_s"]
+    gap = (s["start_ts"] - end.groupby([s["worker"], s["user"]]).shift()).dropna()
+    if gap.empty:
+        return {}
+    return {"turnaround_mean": float(gap.mean()), "turnaround_p50": float(gap.median()),
+            "turnaround_p90": float(gap.quantile(0.9))}
+
+
 def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
               server_metrics: pd.DataFrame | None = None) -> dict[str, Any]:
     """The run's summary: throughput, goodput, latency percentiles, SLO verdict, server view."""
@@ -335,6 +353,7 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
             verdicts[metric] = at <= target.threshold_ms / 1000
     out["meets_slo"] = bool(verdicts) and all(verdicts.values()) and out["errors"] == 0
     out["slo_verdicts"] = verdicts
+    out.update(client_turnaround(samples))
     out.update(_server_view(server_metrics))
     return out
 
