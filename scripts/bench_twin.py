@@ -75,8 +75,9 @@ def held_out_prediction(flags, profile, model, users: int, requests: int, whole_
                                                               "tpot_p50", "queue_mean")}
 
 
-def held_out(profile, model, folder: Path = HELD_OUT) -> None:
-    """Every held-out run re-predicted: throughput, TTFT p50, TPOT p50, the server's queue mean."""
+def held_out(profile, model, folder: Path = HELD_OUT) -> dict[str, list[float]]:
+    """Every held-out run re-predicted: throughput, TTFT p50, TPOT p50, the server's queue mean.
+    Returns each metric's |relative error| per run."""
     print(f"\n## Fidelity held out: {profile.name} vs {folder}")
     print(f"{'run':24s} {'metric':18s} {'measured':>10s} {'twin':>10s} {'error':>8s}")
     errs: dict[str, list[float]] = {m: [] for m, _k, _s in HELD_OUT_METRICS}
@@ -103,6 +104,7 @@ def held_out(profile, model, folder: Path = HELD_OUT) -> None:
         if values:
             print(f"{metric:18s} median |error| {statistics.median(values):6.1%}   "
                   f"worst {max(values):6.1%}   ({len(values)} runs)")
+    return errs
 
 
 # Open-loop staircases measured on real vLLM and stored by the lab: each level is re-predicted from

@@ -229,3 +229,18 @@ def test_a_clients_turnaround_keeps_identical_users_out_of_lockstep():
     # Each user's next send follows its previous end by the turnaround, 1.5 ms on average.
     gaps = np.sort(real.send_s.to_numpy())[64:] - np.sort(real.finish_s.to_numpy())[:len(real) - 64]
     assert 0.001 < gaps.mean() < 0.002 and (gaps >= 0).all()
+
+
+def test_held_out_h200_runs_are_predicted_within_the_goals(capsys):
+    # Closed loops of 64-512 users with and without --enforce-eager, never fitted on: median
+    # |error| <= 10% and worst <= 25% on output throughput, TTFT p50 and TPOT p50.
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts/bench_twin.py"
+    spec = importlib.util.spec_from_file_location("bench_twin", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    errs = bench.held_out(H200, MODEL)
+    for metric in ("output_throughput", "ttft_p50", "tpot_p50"):
+        assert len(errs[metric]) == 12
+        assert np.median(errs[metric]) <= 0.10 and max(errs[metric]) <= 0.25, (metric, errs[metric])
