@@ -17,54 +17,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+# The twin's process helper lives with the tests in tests/support/: put the checkout on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
+from tests.support.processes import TwinProcess
 from vllm_lab.models import make_model_folder
+from vllm_lab.summary import closed_loop_gaps
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 
 PROMPT, OUTPUT = 512, 128
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def twin(model: Path, log: Path):
-    """A fresh twin in its own process group, stopped by that group when the block ends."""
-    port = _free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_lab.twin.server", "serve", str(model), "--host",
-             "127.0.0.1", "--port", str(port), "--twin-startup-seconds", "0.2"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+def twin(model: Path, log_dir: Path):
+    """A fresh twin (H200 profile) in its own process group, stopped by that group at the end."""
+    proc = TwinProcess(log_dir, model=str(model), profile="h200-llama-3-8b", startup_s=0.2)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the twin did not start; see {log}") from None
-                time.sleep(0.1)
-        yield url
+        yield proc.url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        proc.stop()
 
 
 def figures(start, end, tokens, tpot_s, ttft_s, streams: int) -> dict[str, float]:
@@ -72,7 +50,7 @@ def figures(start, end, tokens, tpot_s, ttft_s, streams: int) -> dict[str, float
     wait between a reply's end and the next send (the k-th send after the first wave follows
     the k-th end), which sets how tightly a closed loop's waves arrive and so its TTFT."""
     start, end = np.asarray(start, dtype=float), np.asarray(end, dtype=float)
-    gap = np.sort(start)[streams:] - np.sort(end)[:len(start) - streams]
+    gap = closed_loop_gaps(start, end, streams)
     return {"requests": len(start), "turnaround_p50_ms": float(np.median(gap) * 1e3),
             "output_throughput": float(np.sum(tokens) / (np.max(end) - np.min(start))),
             "tpot_mean_ms": float(np.mean(tpot_s) * 1e3),
@@ -124,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = make_model_folder("llama-3-8b", out / "model")
     res = {}
-    with twin(model, out / "twin-guidellm.log") as url:
+    with twin(model, out) as url:
         res["guidellm"] = run_guidellm(a.guidellm, url, model, a.streams, a.requests, out)
-    with twin(model, out / "twin-lab.log") as url:
+    with twin(model, out) as url:
         res["lab"] = run_lab(url, model, a.streams, a.requests, out)
     print(f"{a.streams} streams, {a.requests} requests of {PROMPT}/{OUTPUT} tokens, the twin")
     print(f"{'client':9s} {'requests':>8s} {'output tok/s':>13s} {'TPOT mean ms':>13s} "

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from tests.support.scripted_server import running
+from vllm_lab.summary import closed_loop_gaps
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 
 
@@ -178,9 +179,8 @@ def compare(rows: list[dict], truth: dict[str, dict]) -> dict[str, float]:
 def turnaround(rows: list[dict], users: int) -> dict[str, float]:
     """A closed loop's wait between a reply's end and the next send: the k-th send after the
     first wave follows the k-th end, whichever user it was."""
-    starts = np.sort([r["start"] for r in rows])[users:]
-    ends = np.sort([r["start"] + r["e2e_s"] for r in rows])[:len(starts)]
-    gap = (starts - ends) * 1e3
+    gap = closed_loop_gaps([r["start"] for r in rows], [r["start"] + r["e2e_s"] for r in rows],
+                           users) * 1e3
     return {"n": len(rows), "turnaround_p50_ms": float(np.median(gap)),
             "turnaround_p90_ms": float(np.percentile(gap, 90)),
             "turnaround_p99_ms": float(np.percentile(gap, 99))}

@@ -10,6 +10,7 @@ import pytest
 
 from vllm_lab import stress
 from vllm_lab.models import load_model_shape
+from vllm_lab.summary import closed_loop_gaps
 from vllm_lab.twin.engine import Engine
 from vllm_lab.twin.fit import compare, load_point
 from vllm_lab.twin.predictor import (
@@ -227,7 +228,7 @@ def test_a_clients_turnaround_keeps_identical_users_out_of_lockstep():
 
     assert distinct_ttfts(locked) <= 6 and distinct_ttfts(real) > 20
     # Each user's next send follows its previous end by the turnaround, 1.5 ms on average.
-    gaps = np.sort(real.send_s.to_numpy())[64:] - np.sort(real.finish_s.to_numpy())[:len(real) - 64]
+    gaps = closed_loop_gaps(real.send_s, real.finish_s, 64)
     assert 0.001 < gaps.mean() < 0.002 and (gaps >= 0).all()
 
 

@@ -300,6 +300,13 @@ def client_turnaround(samples: pd.DataFrame) -> dict[str, float]:
             "turnaround_p90": float(gap.quantile(0.9))}
 
 
+def closed_loop_gaps(starts, ends, users: int) -> np.ndarray:
+    """A closed loop's turnarounds (seconds) from send and end times alone, for a client that
+    records no user ids: the k-th send after the first wave follows the k-th end."""
+    starts = np.sort(np.asarray(starts, dtype=float))[users:]
+    return starts - np.sort(np.asarray(ends, dtype=float))[:len(starts)]
+
+
 def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
               server_metrics: pd.DataFrame | None = None) -> dict[str, Any]:
     """The run's summary: throughput, goodput, latency percentiles, SLO verdict, server view."""
