@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
 """The lab's client beside `vllm bench serve` and the server's own metrics, on one running server.
 
-One server (started through the lab's playbooks, or given by --url) serves every run. At each
-concurrency the runs named by --runs take turns against it with the same workload (random-like
-prompts of fixed length, fixed output length, ignore_eos, closed loop, the same request count),
-the prefix cache reset before each. Around every run the server's /metrics are scraped, so each
-run carries vLLM's own account of it (`vllm_lab.audit`), and the CPU each process used is sampled.
+One server (started through the lab's playbooks, or given by --url) serves every run. For each
+traffic case the runs named by --runs take turns against it with the same traffic (the same
+request count, lengths, arrival process and API), the prefix cache reset before each. Around every
+run the server's /metrics are scraped, so each run carries vLLM's own account of it
+(`vllm_lab.audit`, and every vllm: counter and histogram's difference in server-raw.jsonl), and
+the CPU each process used is sampled.
 
-    python scripts/bench_client_parity.py all --inventory INV --model DIR --out DIR \\
-        [--levels 1,16,64,256,512,1024] [--runs bench+lab]
+    python scripts/bench_client_parity.py all --inventory INV --model DIR --out DIR \
+        [--cases closed:1,closed:64,sharegpt:64,poisson:30,gamma:30:0.5,chat:64] [--runs bench+lab]
 
+A case is `kind:level[:burstiness]`:
+- `closed:U` U users, random-like prompts of --input-len, --output-len tokens (ignore_eos);
+- `sharegpt:U` U users over a ShareGPT-format file of variable lengths (--sharegpt FILE, or one
+  this script writes: `make_sharegpt`), the bench's `--dataset-name sharegpt` on the same file;
+- `poisson:R`, `gamma:R:B` an open loop at R req/s (the bench's --request-rate, --burstiness B);
+- `chat:U` U users on /v1/chat/completions (the bench's openai-chat backend).
 A run spec is `bench` or `lab`, with `:key=value` options: `processes=N` (lab: Locust processes;
 default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no periodic
 /metrics and GPU scrapes during the run). Phases: `start` leaves the server running and writes
 server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
-`all` does all four.
+`all` does all four. `--levels 1,16` is short for `--cases closed:1,closed:16`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,25 +45,136 @@ import pandas as pd
 
 from vllm_lab import audit, scenarios, serving
 from vllm_lab.summary import summarize
+from vllm_lab.traffic.arrivals import planned_arrivals
 from vllm_lab.traffic.scrape import frame, parse_metrics
 
 METRICS = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50")
 
 
+# ---- the traffic cases ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One traffic both clients send: a kind, users or a rate, and a gamma shape."""
+
+    kind: str          # closed | sharegpt | chat | poisson | gamma
+    level: float       # users (closed loops) or requests per second (open loops)
+    burstiness: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        kind, level, *rest = text.split(":")
+        if kind not in ("closed", "sharegpt", "chat", "poisson", "gamma"):
+            raise SystemExit(f"--cases: {text!r}: the kind is one of closed, sharegpt, chat, "
+                             f"poisson, gamma")
+        return cls(kind, float(level), float(rest[0]) if rest else (0.5 if kind == "gamma" else 1.0))
+
+    @property
+    def open(self) -> bool:
+        return self.kind in ("poisson", "gamma")
+
+    @property
+    def users(self) -> int:
+        return int(self.level)
+
+    @property
+    def tag(self) -> str:
+        b = f"-b{self.burstiness:g}" if self.kind == "gamma" else ""
+        return f"{self.kind}{self.level:g}{b}"
+
+    def requests(self, args) -> int:
+        """How many requests a run of this case sends (the same for both clients)."""
+        if self.open:
+            return max(args.min_requests, round(self.level * args.open_s))
+        per_user = args.sharegpt_per_user if self.kind == "sharegpt" else args.requests_per_user
+        return max(args.min_requests, self.users * per_user)
+
+    def lab_overrides(self, args, n: int) -> list[str]:
+        """The scenario overrides that make the lab send this case's traffic."""
+        out = [f"load.stop.max_requests={n}"]
+        if self.kind == "sharegpt":
+            # In the file's order, as the bench is run: the same sequence of lengths on both sides
+            # (a run's span, the bench's throughput figure, depends on which requests come last).
+            out += ["workload.source=sharegpt-file", f"workload.path={sharegpt_file(args, self, n)}",
+                    "workload.shuffle=false"]
+        else:
+            out += ["workload.source=synthetic",
+                    f"workload.input={{dist: fixed, mean: {args.input_len}}}",
+                    f"workload.output={{dist: fixed, mean: {args.output_len}}}"]
+        if self.kind == "chat":
+            out.append("workload.api=chat")
+        if self.open:
+            out += ["load.mode=open", f"load.shape.level={self.level:g}",
+                    f"load.arrival={'gamma' if self.kind == 'gamma' else 'poisson'}",
+                    f"load.burstiness={self.burstiness:g}"]
+        else:
+            out.append(f"load.shape.level={self.users}")
+        return out
+
+    def bench_args(self, args, n: int) -> list[str]:
+        """`vllm bench serve`'s arguments for this case's traffic."""
+        out = ["--num-prompts", str(n)]
+        if self.kind == "sharegpt":
+            out += ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt_file(args, self, n)),
+                    "--disable-shuffle"]
+        else:
+            out += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                    "--random-output-len", str(args.output_len)]
+        if self.kind == "chat":
+            out += ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"]
+        else:
+            out += ["--backend", "vllm"]
+        if self.open:
+            out += ["--request-rate", f"{self.level:g}", "--burstiness", f"{self.burstiness:g}"]
+        else:
+            out += ["--max-concurrency", str(self.users)]
+        return out
+
+
+def make_sharegpt(path: Path, model: str, n: int, seed: int = 0) -> Path:
+    """Write a ShareGPT-format file of n conversations with ShareGPT-like variable lengths.
+
+    Lognormal prompt and reply lengths (means ~160 / ~340 tokens, the PagedAttention paper's
+    ShareGPT statistics), inside what `vllm bench serve` keeps of a ShareGPT file (prompts of
+    4-1024 tokens, prompt + reply <= 2048), so both clients send every conversation. The text is
+    drawn from words the model's tokenizer holds as one token each: its lengths are exact.
+    """
+    from vllm_lab.traffic.workloads import PromptBuilder
+
+    builder = PromptBuilder(Path(model))
+    rng = np.random.default_rng([seed, 11])
+    rows = []
+    while len(rows) < n:
+        p = int(np.clip(rng.lognormal(np.log(120), 0.8), 8, 1000))
+        o = int(np.clip(rng.lognormal(np.log(260), 0.75), 8, 2040 - p))
+        rows.append({"id": f"lab-{len(rows)}", "conversations": [
+            {"from": "human", "value": builder.build(p, rng)},
+            {"from": "gpt", "value": builder.build(o, rng)}]})
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def sharegpt_file(args, case: Case, n: int) -> Path:
+    """The ShareGPT-format file a case's runs share: --sharegpt, or one of exactly n
+    conversations (both clients then send the same set, each in its own seeded order)."""
+    if args.sharegpt:
+        return Path(args.sharegpt)
+    path = args.out / f"sharegpt-{n}.json"
+    return path if path.exists() else make_sharegpt(path, args.model, n)
+
+
 # ---- the server ----------------------------------------------------------------------------
-def lab_scenario(model: str, users: int, prompts: int, inp: int, out: int, extra: list[str] = ()):
-    """The default scenario with the bench's workload: fixed lengths, closed loop, N requests."""
+def lab_scenario(model: str, extra: list[str] = ()):
+    """The default scenario as the bench is run: the model's tokenizer, fixed output lengths
+    (ignore_eos), a fresh seed, then the case's overrides."""
     return scenarios.resolve("default", overrides=[
-        f"serve.model={model}", "serve.load-format=dummy",
-        "workload.source=synthetic", f"workload.tokenizer={model}", "workload.ignore_eos=true",
-        f"workload.input={{dist: fixed, mean: {inp}}}", f"workload.output={{dist: fixed, mean: {out}}}",
-        f"load.shape.level={users}", f"load.stop.max_requests={prompts}", "load.stop.duration_s=3600",
+        f"serve.model={model}", "serve.load-format=dummy", f"workload.tokenizer={model}",
+        "workload.ignore_eos=true", "load.stop.duration_s=3600",
         f"run.seed={int(time.time() * 1000) % 1_000_000}", *extra])
 
 
 def start(args) -> str:
     """Start the server with vLLM's defaults and leave it running; return its URL."""
-    s = lab_scenario(args.model, 1, 1, args.input_len, args.output_len, args.set)
+    s = lab_scenario(args.model, ["load.stop.max_requests=1", *args.set])
     inst = serving.start(s.serve, inventory=args.inventory, backend=args.backend,
                          extra_vars={"vllm_dev_mode": True,  # /reset_prefix_cache
                                      "vllm_health_timeout_s": 900})[0]
@@ -157,14 +276,13 @@ def _opts(spec: str) -> tuple[str, dict]:
     return tool, opts
 
 
-def run_bench(args, url: str, users: int, n: int, opts: dict, tag: str) -> dict:
+def run_bench(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
     result = args.out / "bench" / f"{tag}.json"
     result.parent.mkdir(parents=True, exist_ok=True)
-    cmd = ["vllm", "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", args.model,
-           "--tokenizer", args.model, "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--ignore-eos", "--max-concurrency", str(users), "--num-prompts", str(n),
-           "--seed", str(int(time.time())), "--percentile-metrics", "ttft,tpot,itl,e2el",
+    cmd = ["vllm", "bench", "serve", "--base-url", url, "--model", args.model,
+           "--tokenizer", args.model, *case.bench_args(args, n),
+           "--ignore-eos", "--seed", str(int(time.time())),
+           "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--save-detailed",
            "--result-dir", str(result.parent), "--result-filename", result.name]
     if opts.get("temperature", "none") != "none":
@@ -201,20 +319,20 @@ def run_bench(args, url: str, users: int, n: int, opts: dict, tag: str) -> dict:
            "e2e_mean": ref["mean_e2el_ms"] / 1e3, "duration_s": ref["duration"],
            "completed": ref["completed"]}
     # The lab's own summary of the bench's samples: the same definitions on both sides.
-    as_lab = summarize(samples, lab_scenario(args.model, users, n, 8, 8).slo)
+    as_lab = summarize(samples, lab_scenario(args.model).slo)
     fig["lab_def_output_throughput"] = as_lab["output_throughput"]
     fig["lab_def_window_s"] = as_lab["duration_s"]
     return {"figures": fig, "samples": samples}
 
 
-def run_lab(args, url: str, users: int, n: int, opts: dict, tag: str) -> dict:
+def run_lab(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
     """The lab's own path: LiveBackend.measure_on sizes the load generator, audits the run against
     the server and runs it again once if the client could not keep up."""
     from vllm_lab.backends import LiveBackend
 
     extra = [f"workload.temperature={opts['temperature'].replace('none', 'null')}"] \
         if "temperature" in opts else []
-    s = lab_scenario(args.model, users, n, args.input_len, args.output_len, [*args.set, *extra])
+    s = lab_scenario(args.model, [*case.lab_overrides(args, n), *args.set, *extra])
     backend = LiveBackend(args.backend, args.inventory,
                           processes=int(opts["processes"]) if "processes" in opts else None)
     port = int(url.rsplit(":", 1)[1].strip("/"))
@@ -223,10 +341,16 @@ def run_lab(args, url: str, users: int, n: int, opts: dict, tag: str) -> dict:
     summ = m.summary
     fig = {k: summ.get(k) for k in ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50",
                                    "ttft_mean", "tpot_mean", "e2e_mean", "duration_s", "warmup_s",
-                                   "drain_s", "loadgen_processes", "loadgen_rerun_of",
+                                   "drain_s", "window_reason", "window_share", "window_note",
+                                   "turnaround_p50", "turnaround_p90", "schedule_lag_p99_s",
+                                   "loadgen_processes", "loadgen_rerun_of",
                                    "client_cpu_max", "loop_lag_p99_s", "audit_span_diff")}
     ok = m.samples[m.samples.status == "ok"]
     start, end = ok.start_ts.min(), (ok.start_ts + ok.e2e_s).max()
+    if case.open:
+        # The bench's clock starts before its first arrival's gap, at the schedule's zero.
+        first_gap = next(planned_arrivals(s.load, s.run.seed))
+        start = min(start, m.samples.scheduled_ts.min() - first_gap)
     fig["bench_def_output_throughput"] = float(ok.output_tokens.sum()) / (end - start)
     fig.update(completed=len(ok), status=m.status, error=m.error)
     fig["server_output_throughput"] = _server_rate(m.server_metrics, start + (summ.get("warmup_s") or 0),
@@ -243,19 +367,33 @@ def _server_rate(metrics: pd.DataFrame, t0: float, span: float) -> float | None:
     return float((np.interp(t0 + span, ts, v) - np.interp(t0, ts, v)) / span)
 
 
+def server_raw(before: list, after: list) -> dict:
+    """Every vllm: counter and histogram series' difference over a run (name -> labels -> value):
+    vLLM's whole account of the run (queue, prefill, decode, inference time, tokens per step)."""
+    first = {(name, labels): v for _, name, labels, v in before}
+    out: dict[str, dict[str, float]] = {}
+    for _, name, labels, v in after:
+        if not name.startswith("vllm:") or not name.endswith(("_total", "_bucket", "_sum", "_count")):
+            continue
+        d = v - first.get((name, labels), 0.0)
+        if d:
+            out.setdefault(name, {})[labels] = d
+    return out
+
+
 def measure(args, url: str) -> None:
     runs_file = args.out / "runs.jsonl"
-    for users in args.levels:
-        n = max(args.min_requests, users * args.requests_per_user)
+    for case in args.cases:
+        n = case.requests(args)
         for spec in args.runs:
             tool, opts = _opts(spec)
-            tag = f"c{users}-{spec.replace(':', '-').replace('=', '').replace(',', '-')}-{int(time.time())}"
+            tag = f"{case.tag}-{spec.replace(':', '-').replace('=', '').replace(',', '-')}-{int(time.time())}"
             _post(url + "/reset_prefix_cache", None)
             before = scrape(url)
             cpu = CpuSampler().start()
             t0 = time.time()
             try:
-                out = (run_bench if tool == "bench" else run_lab)(args, url, users, n, opts, tag)
+                out = (run_bench if tool == "bench" else run_lab)(args, url, case, n, opts, tag)
             except Exception as e:  # noqa: BLE001 - a failed run is recorded, the next one runs
                 print(f"{tag}: failed: {e}", flush=True)
                 continue
@@ -264,48 +402,64 @@ def measure(args, url: str) -> None:
             after = scrape(url)
             view = audit.server_view(frame(before + after))
             check = audit.audit(out["samples"], view)
-            row = {"users": users, "requests": n, "run": spec, "tool": tool, "tag": tag,
-                   "wall_s": wall, "figures": out["figures"],
-                   "server": view.as_summary() if view else {},
+            row = {"case": case.kind, "level": case.level, "burstiness": case.burstiness,
+                   "users": case.users if not case.open else None, "requests": n, "run": spec,
+                   "tool": tool, "tag": tag, "started": t0, "wall_s": wall,
+                   "figures": out["figures"], "server": view.as_summary() if view else {},
                    "server_output_throughput": out["figures"].get("server_output_throughput"),
                    "audit": check.as_summary() if check else {}, "cpu": cpu_use}
             with open(runs_file, "a") as f:
                 f.write(json.dumps(row, default=float) + "\n")
+            with open(args.out / "server-raw.jsonl", "a") as f:
+                f.write(json.dumps({"tag": tag, "raw": server_raw(before, after)}) + "\n")
             f_ = out["figures"]
             print(f"{tag}: {f_['output_throughput']:.0f} tok/s TTFT p50 {f_['ttft_p50'] * 1e3:.0f} ms "
                   f"TPOT p50 {f_['tpot_p50'] * 1e3:.2f} ms | server TPOT mean "
                   f"{row['server'].get('server_tpot_mean', float('nan')) * 1e3:.2f} ms TTFT mean "
-                  f"{row['server'].get('server_ttft_mean', float('nan')) * 1e3:.0f} ms | cores "
-                  f"{ {k: round(v, 2) for k, v in cpu_use['cores'].items()} }", flush=True)
+                  f"{row['server'].get('server_ttft_mean', float('nan')) * 1e3:.0f} ms | wall "
+                  f"{wall:.0f} s | cores {json.dumps({k: round(v, 2) for k, v in cpu_use['cores'].items()})}",
+                  flush=True)
+
+
+def _case_of(row: dict) -> tuple[str, float, float]:
+    """A run's case; rows written before cases existed are closed loops at their users."""
+    return row.get("case", "closed"), float(row.get("level") or row["users"]), row.get("burstiness", 1.0)
 
 
 def write_csv(args) -> Path:
-    """parity.csv: per level and metric, the first `lab` run, the `bench` run, the server's view.
+    """parity.csv: per case and metric, the first `lab` run, the `bench` run, the server's view.
 
-    output_throughput is each tool's own figure (the lab's steady window, the bench's first send
-    to last reply); output_throughput_span puts the lab's samples on the bench's definition, so
-    the two clients are compared on the same quantity.
+    output_throughput is on the bench's definition for both (output tokens over its clock: first
+    send, or an open loop's schedule zero, to last reply), so the two clients are compared on one
+    quantity; output_throughput_window is the lab's own figure (its steady window) against
+    vLLM's generation counter over the same window, the server column.
     """
     rows = [json.loads(x) for x in (args.out / "runs.jsonl").read_text().splitlines() if x.strip()]
     out = []
     server_key = {"ttft_p50": "server_ttft_p50", "ttft_p99": "server_ttft_p99",
                   "tpot_p50": "server_tpot_p50"}
-    for users in sorted({r["users"] for r in rows}):
-        lab = next((r for r in rows if r["users"] == users and r["run"] == "lab"), None)
-        ref = next((r for r in rows if r["users"] == users and r["run"] == "bench"), None)
+    for case in sorted({_case_of(r) for r in rows}, key=lambda c: (c[0] != "closed", c)):
+        lab = next((r for r in rows if _case_of(r) == case and r["run"] == "lab"), None)
+        ref = next((r for r in rows if _case_of(r) == case and r["run"] == "bench"), None)
         if not lab or not ref:
             continue
-        for m in (*METRICS, "output_throughput_span"):
-            if m == "output_throughput_span":
-                a, b = lab["figures"]["bench_def_output_throughput"], ref["figures"]["output_throughput"]
+        kind, level, burstiness = case
+        name = f"{kind} b={burstiness:g}" if kind == "gamma" else kind
+        for m in (*METRICS, "output_throughput_window"):
+            if m == "output_throughput":
+                a, b = lab["figures"]["bench_def_output_throughput"], ref["figures"][m]
                 srv = None
+            elif m == "output_throughput_window":  # against the server: the bench has no window
+                a, b, srv = lab["figures"]["output_throughput"], None, lab["server_output_throughput"]
             else:
                 a, b = lab["figures"][m], ref["figures"][m]
-                srv = (lab["server_output_throughput"] if m == "output_throughput"
-                       else lab["server"].get(server_key[m]))
-            out.append({"users": users, "metric": m, "lab": a, "vllm_bench": b, "server": srv,
-                        "diff": a / b - 1 if b else math.nan})
-    df = pd.DataFrame(out, columns=["users", "metric", "lab", "vllm_bench", "server", "diff"])
+                srv = lab["server"].get(server_key[m])
+            against = b if b is not None else srv
+            out.append({"case": name, "users_or_rate": level, "metric": m, "lab": a,
+                        "vllm_bench": b, "server": srv,
+                        "diff": a / against - 1 if against else math.nan})
+    cols = ["case", "users_or_rate", "metric", "lab", "vllm_bench", "server", "diff"]
+    df = pd.DataFrame(out, columns=cols)
     path = args.out / "parity.csv"
     df.to_csv(path, index=False, float_format="%.6g")
     print(df.to_string(index=False))
@@ -320,7 +474,14 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--url", default="")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--levels", default="1,16,64,256,512,1024")
+    ap.add_argument("--cases", default="",
+                    help="traffic cases, e.g. closed:64,sharegpt:256,poisson:30,gamma:30:0.5,chat:64")
+    ap.add_argument("--levels", default="1,16,64,256,512,1024",
+                    help="closed-loop users, when --cases is not given")
+    ap.add_argument("--sharegpt", default="", help="a ShareGPT-format file (default: one is written)")
+    ap.add_argument("--sharegpt-per-user", type=int, default=5)
+    ap.add_argument("--open-s", type=float, default=30.0,
+                    help="an open-loop case sends rate x this many seconds' requests")
     ap.add_argument("--runs", default="bench+lab", help="run specs joined by +")
     ap.add_argument("--requests-per-user", type=int, default=4)
     ap.add_argument("--min-requests", type=int, default=32)
@@ -331,7 +492,8 @@ def main() -> int:
                          "e.g. serve.enforce-eager=true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.levels = [int(x) for x in args.levels.split(",")]
+    args.cases = [Case.parse(c) for c in (args.cases or ",".join(
+        f"closed:{x}" for x in args.levels.split(","))).split(",") if c]
     args.runs = [x for x in args.runs.split("+") if x]
     url = args.url
     if args.phase in ("start", "all"):

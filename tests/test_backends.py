@@ -6,12 +6,15 @@ on a small scenario. Runs against real servers are in test_api_key.py and test_s
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from vllm_lab import backends, scenarios, serving
-from vllm_lab.backends import START_STATUS, LiveBackend, PredictBackend
+from vllm_lab.backends import START_STATUS, LiveBackend, PredictBackend, predicted_requests
 from vllm_lab.scenarios import ScenarioError
+from vllm_lab.summary import closed_loop_gaps
+from vllm_lab.traffic.arrivals import planned_arrivals
 from vllm_lab.traffic.runner import LoadResult
 
 URL = "http://127.0.0.1:8000"
@@ -142,6 +145,41 @@ def test_predict_backend_predicts_a_closed_loop_run():
     # The same scenario (and seed) predicts the same run.
     again = PredictBackend().measure(s, None, Path("unused"))
     assert again.summary["ttft_p50"] == m.summary["ttft_p50"]
+
+
+def test_the_predictor_draws_a_closed_loop_from_one_pool():
+    # Variable lengths and a request count: users take the next request whenever they are free,
+    # so N stay in flight until fewer than N requests are left, as in the live client.
+    s = _tiny("load.shape.level=8", "load.stop.max_requests=96", "workload.source=sharegpt-like")
+    m = PredictBackend().measure(s, None, Path("unused"))
+    df = m.samples
+    assert len(df) == 96 and (df.status == "ok").all()
+    gaps = closed_loop_gaps(df.start_ts, df.start_ts + df.e2e_s, 8)
+    assert len(gaps) == 96 - 8 and gaps.min() >= 0 and gaps.mean() < 0.01  # the 1.5 ms turnaround
+    assert m.summary["window_reason"].endswith("to the last send")
+
+
+def test_the_predictor_replays_the_live_runs_arrival_schedule():
+    s = _tiny("load.mode=open", "load.shape.level=4", "load.stop.max_requests=100", "run.seed=4")
+    m = PredictBackend().measure(s, None, Path("unused"))
+    planned = np.fromiter(planned_arrivals(s.load, 4), float)
+    assert np.allclose(np.sort(m.samples.scheduled_ts), planned)
+    assert m.summary["window_reason"].endswith("to the last scheduled arrival")
+    ramp = _tiny("load.mode=open", "load.shape.kind=ramp", "load.shape.level=20",
+                 "load.shape.ramp_s=5", "load.stop.duration_s=10")
+    sends = PredictBackend().measure(ramp, None, Path("unused")).samples.scheduled_ts
+    assert np.allclose(np.sort(sends), np.fromiter(planned_arrivals(ramp.load, 0), float))
+    # The ramp's shape (1 -> 20 req/s over 5 s, then 20): about 52 arrivals, then 100.
+    assert (sends < 5).sum() < 0.75 * (sends >= 5).sum()
+
+
+def test_the_predictors_shared_prefix_is_part_of_the_prompt():
+    # The live workload's prompt is its drawn length in all, the system prompt included.
+    s = _tiny("workload.source=synthetic", "workload.input={dist: fixed, mean: 2048}",
+              "workload.output={dist: fixed, mean: 8}", "workload.shared_prefix_ratio=0.6")
+    reqs = predicted_requests(s, 4)
+    assert {len(r.prompt_tokens) for r in reqs} == {2048}
+    assert reqs[0].prompt_tokens[:1228] == reqs[1].prompt_tokens[:1228]
 
 
 @pytest.mark.parametrize("override, status, says", [

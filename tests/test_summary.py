@@ -1,10 +1,12 @@
 """A run's summary from raw samples: throughput over the steady window, not the fill or the drain."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from vllm_lab.scenarios import Slo
 from vllm_lab.summary import summarize
+from vllm_lab.traffic import Load
 
 
 def closed_loop(last_e2e: list[float], last_tokens: list[int]) -> pd.DataFrame:
@@ -87,3 +89,52 @@ def test_a_closed_loops_turnaround_is_each_users_wait_before_its_next_send():
     assert s["turnaround_mean"] == pytest.approx(0.020)
     assert s["turnaround_p50"] == pytest.approx(0.020)
     assert "turnaround_mean" not in summarize(closed_loop([2] * 4, [100] * 4), Slo())  # no user ids
+
+
+def _quota_loop() -> pd.DataFrame:
+    """4 users with 5 requests each, as a per-user quota dealt them: users 0-2's take 1 s, user
+    3's 4 s; the first three are done at 5 s while user 3 sends until 16 s, alone."""
+    rows = []
+    for user, e2e in enumerate((1.0, 1.0, 1.0, 4.0)):
+        for k in range(5):
+            rows.append((f"{user}-{k}", "w", user, e2e * k, e2e, 100))
+    df = pd.DataFrame(rows, columns=["request_id", "worker", "user", "start_ts", "e2e_s",
+                                     "output_tokens"])
+    return df.assign(ttft_s=0.1, tpot_s=(df["e2e_s"] - 0.1) / 99, prompt_tokens=50, status="ok",
+                     error="", itl_s=[[] for _ in range(len(df))])
+
+
+def test_a_closed_loop_window_ends_when_fewer_than_its_users_are_in_flight():
+    load = Load(shape={"level": 4}, stop={"max_requests": 20})
+    s = summarize(_quota_loop(), Slo(), load=load)
+    # From the first reply (1 s) to the first user's last reply (5 s), not to the last send (16 s).
+    assert s["warmup_s"] == 1.0 and s["duration_s"] == 4.0
+    assert s["window_reason"].endswith("the first user's last reply (fewer in flight than users)")
+    assert s["output_throughput"] == pytest.approx((3 * 400 + 100) / 4, rel=0.02)
+    # Without the load the window runs to the last send, as before.
+    assert summarize(_quota_loop(), Slo())["window_reason"].endswith("to the last send")
+
+
+def test_a_window_too_short_for_its_run_says_so():
+    load = Load(shape={"level": 4}, stop={"max_requests": 20})
+    s = summarize(_quota_loop(), Slo(), load=load)
+    assert s["window_share"] == pytest.approx(4.0 / 20.0)
+    assert "the load held for only 20% of the run" in s["window_note"]
+    assert "only 13 requests finished inside it" in s["window_note"]
+    steady = summarize(closed_loop([2, 2, 2, 2], [100] * 4), Slo())
+    assert steady["window_share"] == pytest.approx(6 / 10)
+    assert "window_note" not in steady or "held for only" not in steady["window_note"]
+
+
+def test_an_open_loop_window_ends_at_its_last_scheduled_arrival():
+    # 50 arrivals at 10 req/s; the client sent the last five 2 s late (it fell behind).
+    n = 50
+    planned = np.arange(n) / 10.0
+    sent = planned + np.where(np.arange(n) >= n - 5, 2.0, 0.0)
+    df = pd.DataFrame({"request_id": [str(i) for i in range(n)], "scheduled_ts": planned,
+                       "start_ts": sent, "e2e_s": 0.5, "ttft_s": 0.05, "output_tokens": 50,
+                       "prompt_tokens": 10, "status": "ok", "error": ""})
+    df = df.assign(tpot_s=0.45 / 49, itl_s=[[] for _ in range(n)])
+    s = summarize(df, Slo(), load=Load(mode="open", shape={"level": 10}))
+    assert s["window_reason"].endswith("to the last scheduled arrival")
+    assert s["duration_s"] == pytest.approx(4.9 - 0.5)

@@ -138,9 +138,9 @@ def test_workers_on_two_hosts_over_ssh_merge_raw_samples(loadgen_fleet, tmp_path
     assert sorted(per_file) == sorted(set(df.worker))
     assert len(df) == sum(len(x) for x in per_file.values()) == 40
     assert all(len(x) > 0 for x in per_file.values())
+    # One pool across hosts: the master deals the first 40 of the seed's sequence, once each, to
+    # whichever user is free, on either host.
     assert sorted(df["index"]) == list(range(40)) and df.request_id.is_unique
-    for s in r.workers:  # the sequence is strided by worker: worker k sends indices k, k+2, ...
-        assert set(df[df.worker == s["worker"]]["index"] % 2) == {s["index"]}
     stats = pd.read_csv(tmp_path / "run" / "locust_stats.csv")
     assert int(stats.loc[stats.Name == "Aggregated", "Request Count"].iloc[0]) == 40
     assert (df.status == "ok").all() and served == 40

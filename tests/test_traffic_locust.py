@@ -10,8 +10,10 @@ import pytest
 from scipy import stats
 
 from tests.support.scripted_server import running
+from vllm_lab.scenarios import Slo
+from vllm_lab.summary import closed_loop_gaps, summarize
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
-from vllm_lab.traffic.arrivals import InFlightMeter, client_overloaded
+from vllm_lab.traffic.arrivals import InFlightMeter, client_overloaded, planned_arrivals
 
 # Every test here but the InFlightMeter unit tests starts Locust and a server.
 integration = pytest.mark.integration
@@ -257,13 +259,72 @@ def test_one_user_with_long_prompts_is_not_overloaded(tmp_path, small_tokenizer)
                                         "wall_s", "loop_lag")}))
 
 
+# Lengths that vary as chat traffic's do: with a quota per user, the users of short requests ran
+# out first and the run drained while it still sent.
+VARIED = Workload(source="synthetic", input=Lengths(mean=20),
+                  output=Lengths(dist="lognormal", mean=40, std=40, min=2, max=200))
+
+
+def _in_flight_after(samples, t: float) -> int:
+    """Requests sent and not yet ended just after time t."""
+    end = samples.start_ts + samples.e2e_s
+    return int(((samples.start_ts <= t) & (end > t)).sum())
+
+
 @integration
-def test_a_request_count_that_divides_by_the_users_is_an_equal_share_per_user(tmp_path):
-    # 5 users over 2 processes (3 and 2 users), 10 requests: split by index (5 and 5) the process
-    # with 2 users would end on a lone third round; each user sends exactly 2, as in vllm bench.
-    load = Load(shape={"level": 5}, stop={"duration_s": 60, "max_requests": 10})
-    with running("--ttft-ms", "20", "--itl-ms", "5") as url:
-        r = run_load(url, "ok", SHORT, load, tmp_path, processes=2)
-    ok = r.samples[r.samples.status == "ok"]
-    assert len(ok) == 10 and ok["index"].is_unique
-    assert sorted(ok.groupby(["worker", "user"]).size()) == [2] * 5
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_closed_loop_draws_from_one_pool_and_keeps_its_users_in_flight(tmp_path, processes):
+    users, n = 8, 96
+    load = Load(shape={"level": users}, stop={"duration_s": 60, "max_requests": n})
+    with running("--ttft-ms", "20", "--itl-ms", "5", "--no-precise") as url:
+        r = run_load(url, "ok", VARIED, load, tmp_path, processes=processes, scrape_metrics=False)
+    df = r.samples
+    assert r.stop_reason == "max_requests" and (df.status == "ok").all()
+    # The k-th request is the seed's k-th, whoever sent it: the first n of the sequence, once each.
+    assert sorted(df["index"]) == list(range(n)) and df.worker.nunique() == processes
+    assert df.target_output_tokens.nunique() > 10  # the lengths did vary
+    # The users started together, as vllm bench serve's tasks do.
+    first = np.sort(df.start_ts.to_numpy())[:users]
+    assert first[-1] - first[0] < 0.05, first - first[0]
+    # Until the last send the k-th reply is followed by the (N+k)-th send at once: N in flight
+    # throughout, however unequal the users' shares of the work came out.
+    last_send = df.start_ts.max()
+    ends = (df.start_ts + df.e2e_s)
+    gaps = closed_loop_gaps(df.start_ts, ends, users)
+    # (A quota per user leaves gaps of seconds at the end: sends stop where requests end.) The
+    # margins are for a loaded 2-core host, whose stalls delay a few sends by tens of ms.
+    assert len(gaps) == n - users and gaps.min() >= 0 and np.median(gaps) < 0.01, np.sort(gaps)[-5:]
+    assert (gaps < 0.05).mean() > 0.9 and gaps.max() < 0.5, np.sort(gaps)[-5:]
+    # At the last send all N but one that found the pool empty in between are in flight.
+    assert _in_flight_after(df, last_send) >= users - 1
+    shares = df.groupby(["worker", "user"]).size()
+    assert len(shares) == users and shares.max() > shares.min()  # one pool, not a quota each
+    # Fewer than N in flight only once fewer than N requests were left: the drain is the
+    # last N requests' and the steady window ends where it starts.
+    assert (df.start_ts >= ends.min()).sum() >= n - users
+    s = summarize(df, Slo(), load=load)
+    assert s["window_reason"].endswith("to the last send")
+    assert s["duration_s"] + s["warmup_s"] == pytest.approx(last_send - df.start_ts.min())
+
+
+@integration
+def test_an_open_loop_is_one_schedule_dealt_to_its_processes(tmp_path):
+    rate, n = 40.0, 200
+    load = Load(mode="open", shape={"level": rate}, stop={"duration_s": 60, "max_requests": n})
+    with running("--ttft-ms", "20", "--itl-ms", "5", "--no-precise") as url:
+        r = run_load(url, "ok", VARIED, load, tmp_path, processes=2, scrape_metrics=False, seed=3)
+    df = r.samples.sort_values("index")
+    assert r.stop_reason == "max_requests" and list(df["index"]) == list(range(n))
+    # Dealt in turn: process k takes every other arrival, so neither runs dry before the other.
+    assert sorted(map(tuple, df.groupby("worker")["index"].agg(lambda s: set(s % 2)))) == [(0,), (1,)]
+    # The union of both processes' sends is the planned process itself, time for time (from
+    # one start: both began at GO), at exactly the planned rate (n arrivals in n / rate s).
+    planned = np.fromiter(planned_arrivals(load, 3), float)
+    got = df.scheduled_ts.to_numpy() - df.scheduled_ts.min() + planned[0]
+    assert np.abs(got - planned).max() < 0.02, np.abs(got - planned).max()
+    assert planned[-1] == pytest.approx(n / rate)
+    assert (df.start_ts - df.scheduled_ts).median() < 0.002
+    s = summarize(r.samples, Slo(), load=load)
+    assert s["window_reason"].endswith("to the last scheduled arrival")
+    # Sent at the rate asked for: the old per-process quotas sent 24 of an asked 30 req/s.
+    assert s["request_throughput"] == pytest.approx(rate, rel=0.1)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pandas as pd
 
 from vllm_lab import audit, progress, serving
@@ -281,7 +282,8 @@ class LiveBackend:
                           processes=processes, workers_hosts=workers,
                           on_progress=progress.figures, web_host=self.live_host)
         result.server_metrics = own_gpus(result.server_metrics, instance.gpus)
-        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
+        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics,
+                            load=scenario.load)
         view = audit.server_view(result.server_metrics)
         check = audit.audit(result.samples, view)
         summary.update(view.as_summary() if view else {})
@@ -324,7 +326,10 @@ class PredictBackend:
     """The twin's offline predictor: the same engine on a virtual clock, no server, no Locust.
 
     A run takes seconds instead of minutes, so it pre-screens a search before GPU hours are spent.
-    A closed loop runs ``users x REQUESTS_PER_USER`` requests; an open loop ``rate x duration``.
+    It runs the load as a live run does: a closed loop's users draw from one pool of the run's
+    requests (``load.stop.max_requests``, else ``users x REQUESTS_PER_USER``); an open loop
+    follows the live run's own arrival schedule (`traffic.arrivals.planned_arrivals`: the same
+    times for the same seed, shapes included); both are read over the same steady window.
     """
 
     name = "predict"
@@ -335,31 +340,44 @@ class PredictBackend:
     def check(cls, scenario: Scenario) -> int:
         """The requests the scenario's run predicts, or ScenarioError when there are too many."""
         load = scenario.load
-        if load.mode == "closed":
+        if load.stop.max_requests is not None:
+            count = load.stop.max_requests
+        elif load.mode == "closed":
             count = int(load.shape.level) * cls.REQUESTS_PER_USER
         else:
-            count = max(int(load.shape.level * load.stop.duration_s), 1)
+            peak = load.shape.level * (load.shape.spike_factor if load.shape.kind == "spike" else 1)
+            count = max(int(peak * load.stop.duration_s), 1)
         if count > cls.MAX_REQUESTS:
             raise ScenarioError(f"load.shape.level={load.shape.level:g}: the predictor would simulate "
                                 f"{count:,} requests, more than its {cls.MAX_REQUESTS:,}; lower the "
                                 f"level (SET=load.shape.level=...) or the duration")
         return count
 
+    @staticmethod
+    def arrivals(scenario: Scenario):
+        """The predictor's arrivals for the scenario's load: its users, or its live schedule."""
+        from vllm_lab.traffic.arrivals import planned_arrivals
+        from vllm_lab.twin.predictor import Closed, Open
+
+        load = scenario.load
+        if load.mode == "closed":
+            return Closed(users=int(load.shape.level), think_time_s=load.think_time_s)
+        times = np.fromiter(planned_arrivals(load, scenario.run.seed), dtype=float)
+        return Open(rate=load.shape.level, burstiness=load.burstiness,
+                    max_in_flight=load.max_in_flight, times=times)
+
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
         """Predict the run the scenario describes."""
         from vllm_lab.models import load_model_shape
         from vllm_lab.twin.engine import EngineStartError
-        from vllm_lab.twin.predictor import Closed, Open, predict
+        from vllm_lab.twin.predictor import predict
         from vllm_lab.twin.profile import load_profile, on_hardware
 
         started = time.time()
-        load = scenario.load
-        level = load.shape.level
+        arrivals = self.arrivals(scenario)
         count = self.check(scenario)
-        if load.mode == "closed":
-            arrivals = Closed(users=int(level), think_time_s=load.think_time_s)
-        else:
-            arrivals = Open(rate=level, burstiness=load.burstiness, max_in_flight=load.max_in_flight)
+        if getattr(arrivals, "times", None) is not None:
+            count = len(arrivals.times)
         requests = predicted_requests(scenario, count)
         try:
             profile = on_hardware(load_profile(scenario.hardware.twin_profile), scenario.hardware)
@@ -370,7 +388,7 @@ class PredictBackend:
             return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
                                ended=time.time(), host="predictor", error=f"{e.cause}: {e}")
         samples = _prediction_samples(prediction.requests)
-        summary = summarize(samples, scenario.slo, duration_s=prediction.duration_s)
+        summary = summarize(samples, scenario.slo, load=scenario.load)
         summary.update(itl_p50=prediction.itl["p50"], itl_p90=prediction.itl["p90"],
                        itl_p99=prediction.itl["p99"], kv_usage_mean=prediction.kv_usage_mean,
                        kv_usage_max=prediction.kv_usage_peak,
@@ -419,12 +437,15 @@ def predicted_requests(scenario: Scenario, count: int):
     chat = scenario.workload.api == "chat"
     if not shared:
         return [PredictRequest(int(p), int(o), chat) for p, o in zip(prompts, outputs)]
-    # Token ids only matter for prefix caching: a common system prompt, then unique tokens.
+    # Token ids only matter for prefix caching: a common system prompt, then unique tokens. The
+    # drawn length is the whole prompt, prefix included, as the live workload builds it
+    # (`WorkloadGenerator._turn`: the user's text is the rest, at least one token).
     groups = scenario.workload.prefix_groups
     prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
     out = []
     for i, (p, o) in enumerate(zip(prompts, outputs)):
-        unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + int(p)))
+        rest = max(1, int(p) - shared)
+        unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest))
         out.append(PredictRequest(prefix[i % groups] + unique, int(o), chat))
     return out
 
@@ -434,7 +455,8 @@ def _prediction_samples(df: pd.DataFrame) -> pd.DataFrame:
     done = df["finish_s"].notna()
     return pd.DataFrame({
         "request_id": [f"p-{i}" for i in range(len(df))],
-        "start_ts": df["send_s"], "ttft_s": df["ttft_s"], "tpot_s": df["tpot_s"],
+        "start_ts": df["send_s"], "scheduled_ts": df["scheduled_s"],
+        "ttft_s": df["ttft_s"], "tpot_s": df["tpot_s"],
         "e2e_s": df["e2e_s"], "itl_s": [[] for _ in range(len(df))],
         "prompt_tokens": df["prompt_tokens"], "output_tokens": df["output_tokens"],
         "status": ["ok" if d else "error" for d in done],

@@ -2,10 +2,13 @@
 
 Percentiles come from the pooled raw samples of every worker, never from averaged percentiles.
 Throughput and goodput count what happened in the run's steady window: from the first reply's end
-to the last send. Before it the server is filling (no request has been through a whole cycle yet:
-in a closed loop of 256 users the first wave's prefills alone take seconds with no output); after
-it the requests still in flight finish at ever lower concurrency. Both transients are recorded
-(``warmup_s``, ``drain_s``), not averaged in. The predictor passes its own virtual duration.
+to the end of the load asked for (an open loop's last scheduled arrival; a closed loop's last
+send, or the moment fewer requests than its users were left in flight). Before it the server is
+filling (no request has been through a whole cycle yet: in a closed loop of 256 users the first
+wave's prefills alone take seconds with no output); after it the requests still in flight finish
+at ever lower concurrency. Both transients are recorded (``warmup_s``, ``drain_s``), not averaged
+in, and a window too small to stand for its run says so (``window_note``). The predictor's runs
+are read the same way.
 Goodput counts the requests per second that meet every per-request SLO threshold (the way
 ``vllm bench serve --goodput`` counts them); ``meets_slo`` says whether the run's percentiles are
 under every SLO at the percentile the scenario names. ``request_failures`` says whether the run
@@ -32,6 +35,7 @@ from vllm_lab import stats
 
 if TYPE_CHECKING:  # the store reads the catalog: no scenario (and traffic) import at run time
     from vllm_lab.scenarios import Slo
+    from vllm_lab.traffic.spec import Load
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
@@ -210,47 +214,57 @@ def _kv_cache_tokens(metrics: pd.DataFrame) -> float | None:
 
 
 class Window(NamedTuple):
-    """A run's steady window, and whether a warm-up was cut from its start past the first reply."""
+    """A run's steady window, whether a warm-up was cut from its start past the first reply, and
+    why it ends where it does."""
 
     start: float
     end: float
     warmup_cut: bool = False
+    end_reason: str = "the last send"
 
 
-def steady_window(samples: pd.DataFrame, min_sends: int = 10) -> Window | None:
-    """First reply's end to last send, less a warm-up the output rate shows: the span the load
-    was on and the server past its fill.
+def steady_window(samples: pd.DataFrame, min_sends: int = 10,
+                  load: Load | None = None) -> Window | None:
+    """First reply's end to the end of the load, less a warm-up the output rate shows: the span
+    the load was on and the server past its fill.
 
     The first reply's end is when the load is fully on; a server that was just started (CUDA graphs
     captured lazily, caches cold) can still run slow for a while after it, so the output rate over
-    the span is cut where MSER-5 says the warm-up ends (``stats.mser_truncation``).
+    the span is cut where MSER-5 says the warm-up ends (``stats.mser_truncation``). The load ends
+    (`_load_end`) at an open loop's last scheduled arrival, and at a closed loop's last send or
+    the moment fewer requests than its users were left in flight, whichever comes first.
     None for a tiny run, or one whose sends all went out before any reply ended (a closed loop
     with as many users as requests): it has no steady part, and the whole span is used.
     """
-    found = _load_window(samples, min_sends)
+    found = _load_window(samples, min_sends, load)
     if found is None:
         return None
-    t0, t1 = found
+    t0, t1, why = found
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
     edges, rates = output_rate_series(ok, t0, t1)
     cut = stats.warmup_cut(rates) if len(rates) >= WARMUP_MIN_BINS else 0
-    return Window(float(edges[cut]), t1, True) if cut else Window(t0, t1)
+    return Window(float(edges[cut]), t1, True, why) if cut else Window(t0, t1, False, why)
 
 
-def _window_reason(warmup_s: float, cut: bool) -> str:
-    """Why the window starts where it does, for the run's record."""
-    if cut:
+def _window_reason(warmup_s: float, window: Window) -> str:
+    """Why the window starts and ends where it does, for the run's record."""
+    if window.warmup_cut:
         return (f"from {warmup_s:.1f} s, where the output rate settled (MSER-5 warm-up cut past the "
-                f"first reply), to the last send")
-    return f"from the first reply ({warmup_s:.1f} s after the first send) to the last send"
+                f"first reply), to {window.end_reason}")
+    return f"from the first reply ({warmup_s:.1f} s after the first send) to {window.end_reason}"
 
 
 # Bins of the output-rate series a window is judged on: enough for MSER-5 to see a trend.
 RATE_BINS = 40
 WARMUP_MIN_BINS = 20
+# A window shorter than this share of its run's span, or with fewer finished requests, measured
+# too little of the run to stand for it: the summary says so (``window_note``).
+WINDOW_MIN_SHARE = 0.5
+WINDOW_MIN_REQUESTS = 20
 
 
-def _load_window(samples: pd.DataFrame, min_sends: int) -> tuple[float, float] | None:
+def _load_window(samples: pd.DataFrame, min_sends: int,
+                 load: Load | None = None) -> tuple[float, float, str] | None:
     starts = samples["start_ts"].dropna()
     if len(starts) < min_sends:
         return None
@@ -258,8 +272,31 @@ def _load_window(samples: pd.DataFrame, min_sends: int) -> tuple[float, float] |
     ends = (ok["start_ts"] + ok["e2e_s"]).dropna()
     if ends.empty:
         return None
-    t0, t1 = float(ends.min()), float(starts.max())
-    return (t0, t1) if t1 > t0 else None
+    t0 = float(ends.min())
+    t1, why = _load_end(samples, load)
+    return (t0, t1, why) if t1 > t0 else None
+
+
+def _load_end(samples: pd.DataFrame, load: Load | None) -> tuple[float, str]:
+    """When the run's load stopped being the load asked for, and why.
+
+    Open loop: its last scheduled arrival (a client running late does not stretch the run).
+    Closed loop of constant users: its last send, or earlier, the first moment a user left the
+    loop for good (its last reply), from which fewer requests than users were in flight: a run
+    whose users ran out of work at different times drains while it still sends.
+    """
+    last_send = float(samples["start_ts"].max())
+    if load is not None and load.mode == "open" and "scheduled_ts" in samples:
+        planned = samples["scheduled_ts"].dropna()
+        if len(planned):
+            return min(last_send, float(planned.max())), "the last scheduled arrival"
+    closed = load is not None and load.mode == "closed" and load.shape.kind == "constant"
+    if closed and {"worker", "user"} <= set(samples.columns):
+        end = samples["start_ts"] + samples["e2e_s"].fillna(0)
+        by_user = end.groupby([samples["worker"], samples["user"]]).max()
+        if len(by_user) >= load.shape.level and float(by_user.min()) < last_send:
+            return float(by_user.min()), "the first user's last reply (fewer in flight than users)"
+    return last_send, "the last send"
 
 
 def output_rate_series(ok: pd.DataFrame, t0: float, t1: float,
@@ -280,6 +317,16 @@ def tokens_by(ok: pd.DataFrame, t: float) -> float:
     share = np.clip((t - first) / np.maximum(end - first, 1e-9), 0.0, 1.0)
     emitted = np.where(first <= t, 1 + (n - 1) * share, 0.0)
     return float(np.nansum(np.clip(emitted, 0.0, n)))
+
+
+def _window_note(share: float, finished: float) -> str:
+    """What a reader must know about a window too small to stand for its run ("" when none)."""
+    why = []
+    if share < WINDOW_MIN_SHARE:
+        why.append(f"the load held for only {share:.0%} of the run (fill and drain took the rest)")
+    if finished < WINDOW_MIN_REQUESTS:
+        why.append(f"only {finished:.0f} requests finished inside it")
+    return "; ".join(why)
 
 
 def client_turnaround(samples: pd.DataFrame) -> dict[str, float]:
@@ -308,15 +355,19 @@ def closed_loop_gaps(starts, ends, users: int) -> np.ndarray:
 
 
 def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
-              server_metrics: pd.DataFrame | None = None) -> dict[str, Any]:
-    """The run's summary: throughput, goodput, latency percentiles, SLO verdict, server view."""
+              server_metrics: pd.DataFrame | None = None,
+              load: Load | None = None) -> dict[str, Any]:
+    """The run's summary: throughput, goodput, latency percentiles, SLO verdict, server view.
+
+    ``load`` (the run's) tells where the load ended (`_load_end`); without it, at the last send.
+    """
     out: dict[str, Any] = {"requests": float(len(samples))}
     if samples.empty:
         return {**out, "errors": 0.0, **_server_view(server_metrics)}
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
     out["errors"] = float(len(samples) - len(ok))
     meets = request_meets_slo(ok, slo)
-    window = None if duration_s is not None else steady_window(samples)
+    window = None if duration_s is not None else steady_window(samples, load=load)
     if window is None:
         # Given (the predictor's virtual time), or no steady part: everything over the whole span,
         # as vllm bench serve counts it (first send to last reply).
@@ -328,7 +379,7 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         in_tokens = float(ok["prompt_tokens"].fillna(0).sum())
         done, good = float(len(ok)), float(meets.sum())
     else:
-        t0, t1, cut = window
+        t0, t1 = window.start, window.end
         duration_s = t1 - t0
         out_tokens = tokens_by(ok, t1) - tokens_by(ok, t0)
         first = ok["start_ts"] + ok["ttft_s"]
@@ -337,11 +388,17 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         finished = (end > t0) & (end <= t1)
         done, good = float(finished.sum()), float((meets & finished).sum())
         out["warmup_s"] = t0 - float(samples["start_ts"].min())
-        out["window_reason"] = _window_reason(out["warmup_s"], cut)
-        out["drain_s"] = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max() - t1)
+        out["window_reason"] = _window_reason(out["warmup_s"], window)
+        last_end = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max())
+        out["drain_s"] = last_end - t1
+        out["window_share"] = duration_s / max(last_end - float(samples["start_ts"].min()), 1e-9)
+        out["window_requests"] = done
         # Within-run precision: batch means of the window's output rate (10 batches).
         _, rates = output_rate_series(ok, t0, t1)
         out["output_throughput_rel_ci"] = stats.batch_means_ci(rates).relative
+        note = _window_note(out["window_share"], done)
+        if note:
+            out["window_note"] = note
     out["duration_s"] = duration_s
     out["request_throughput"] = done / duration_s
     out["output_throughput"] = out_tokens / duration_s

@@ -88,7 +88,8 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
         result = run_load(url, model, scenario.workload, scenario.load, workdir / exp / str(index),
                           seed=index, api_key=api_key)
         ended = time.time()
-        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
+        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics,
+                            load=scenario.load)
         ok = len(result.samples) and summary.get("errors", 0) < len(result.samples)
         record = RunRecord(
             experiment_id=exp, run_key=run_identity({**scenario.to_record(), "url": url}, index),

@@ -3,15 +3,26 @@
 An open loop decides send times in advance from the arrival process alone, never from response
 times; the gap between a scheduled time and the moment the client managed to act on it is the
 client's schedule lag, the signal that the load generator (not the server) fell behind.
+
+A run has one schedule (`planned_arrivals`), drawn from its seed: every Locust process, on every
+load-generator host, draws the same one and sends its share (`dealt`: the k-th arrival goes to
+process k mod P), so the union of their sends is exactly the planned process. Split into P
+independent streams at 1/P of the rate, each with its own quota, the sends thinned out as the
+quotas ran out (on an H200 host, 14 streams asked for 30 req/s sent 24). The predictor replays
+the same schedule.
 """
 
 from __future__ import annotations
 
+import itertools
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
+
+from vllm_lab.traffic.shapes import level_at
+from vllm_lab.traffic.spec import Load
 
 
 def interarrival_gaps(
@@ -46,6 +57,48 @@ def schedule(
         t += float(interarrival_gaps(rng, rate, 1, arrival, burstiness)[0])
         if t < until:
             yield t
+
+
+# Gaps drawn per call when a constant rate's schedule is generated lazily (a duration, no count).
+_CHUNK = 4096
+
+
+def planned_arrivals(load: Load, seed: int) -> Iterator[float]:
+    """The run's one arrival schedule: send times in seconds from its start, in order.
+
+    The k-th time is request k's. A constant rate with a request count draws exactly that many
+    gaps and scales them so the last arrival falls at count / rate, as `vllm bench serve` does
+    (the realised rate is then the planned one, not 1-2% off by chance); a duration ends the
+    schedule there. A shape that moves (ramp, step, spike) draws each gap at the rate of its
+    moment. Deterministic: the same (load, seed) gives the same times in every process.
+    """
+    rng = np.random.default_rng([int(seed), 2])
+    count, until = load.stop.max_requests, load.stop.duration_s
+    if load.shape.kind in ("constant", "soak"):
+        rate = load.shape.level
+        if count is not None:
+            times = np.cumsum(interarrival_gaps(rng, rate, count, load.arrival, load.burstiness))
+            times *= (count / rate) / times[-1]
+            yield from (float(t) for t in times if t < until)
+            return
+        last = 0.0
+        while True:
+            times = last + np.cumsum(interarrival_gaps(rng, rate, _CHUNK, load.arrival,
+                                                       load.burstiness))
+            yield from (float(t) for t in times[times < until])
+            if times[-1] >= until:
+                return
+            last = float(times[-1])
+    moving = schedule(rng, lambda x: level_at(load.shape, x), load.arrival, load.burstiness, until)
+    yield from itertools.islice(moving, count)
+
+
+def dealt(times: Iterable[float], index: int, count: int) -> Iterator[tuple[int, float]]:
+    """Process ``index`` of ``count``'s share of a schedule: (k, t) for every k-th arrival with
+    k mod count == index (k is the request's index in the run)."""
+    for k, t in enumerate(times):
+        if k % count == index:
+            yield k, t
 
 
 def lag_summary(lags: list[float] | np.ndarray) -> dict[str, float]:

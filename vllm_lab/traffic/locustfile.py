@@ -5,12 +5,25 @@ response time stops at the headers when streaming, so each request is timed by h
 time.perf_counter(): TTFT to the first non-empty content, every gap after it, E2E to the end of
 the stream. Locust's request event gets E2E (for its UI and CSV); the raw, unrounded samples go
 to one JSONL file per worker process.
+
+The load is one load, however many processes and hosts carry it, as `vllm bench serve` carries
+it from one list in one process:
+- a closed loop draws from one request pool (`Pool`): whichever user is free takes the next
+  request index, until none is left, so N users keep N requests in flight until fewer than N
+  remain (with a quota per user, users with short requests finished first and the run drained
+  for half its length on variable lengths);
+- an open loop follows one arrival schedule (`arrivals.planned_arrivals`), dealt out to processes;
+- every user and the schedule start together, once all users are spawned (`GO`).
+Across processes the pool is the Locust master's: a worker asks it for each index over Locust's
+own master-worker messages (`lab_take` / `lab_ticket`), and reports each finished request
+(`lab_end`) so the master ends a counted run the moment its last request ends.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import socket
 import sys
@@ -21,13 +34,20 @@ from pathlib import Path
 
 import gevent
 import numpy as np
+from gevent.event import AsyncResult, Event
 from gevent.queue import Empty, Queue
 from locust import FastHttpUser, LoadTestShape, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 from locust.user.users import LOCUST_STATE_STOPPING
 
-from vllm_lab.traffic.arrivals import InFlightMeter, lag_summary, process_cpu_s, schedule
+from vllm_lab.traffic.arrivals import (
+    InFlightMeter,
+    dealt,
+    lag_summary,
+    planned_arrivals,
+    process_cpu_s,
+)
 from vllm_lab.traffic.shapes import level_at, saturated, stop_reason, waiting_requests
 from vllm_lab.traffic.spec import Load, Workload
 from vllm_lab.traffic.workloads import WorkloadGenerator
@@ -40,12 +60,141 @@ OUT = Path(_CFG["out_dir"])
 # config copy of a remote worker.
 _API_KEY = os.environ.get("VLLM_LAB_API_KEY") or _CFG.get("api_key")
 
-# Requests built before the run, per process: two rounds of its users, at most this many.
+# Requests built before the run, per process: a closed loop's first wave, the first four seconds
+# of an open loop's share of the arrivals; at most this many.
 PREBUILT_MAX = 2048
 
 # (perf_counter time, ttft_s) of recent successful requests, fed by the user (local runner) or by
 # worker reports (master); the shape reads it for the saturation stop.
 TTFT_FEED: deque = deque(maxlen=200_000)
+
+# Set once every user of the run is spawned (Locust's spawning_complete, which a master sends its
+# workers when all of them have spawned): users and the arrival schedule start together, as the
+# tasks of vllm bench serve do, instead of trickling in at the spawn rate.
+GO = Event()
+
+
+class Pool:
+    """The run's one request pool: request indices in order, for whichever closed-loop user is
+    free first, up to the run's request count (``limit``; None: unbounded), and the count of
+    requests (conversations) that have ended.
+
+    Its two counters live in shared memory made before Locust forks its ``--processes``, so the
+    processes of one host take from it with no round trip (a lock held for a microsecond).
+    Workers Locust did not fork (other hosts, or ``locust --worker`` processes) reach their
+    master's over Locust's messages instead (`MasterPool`, `WorkerPool`).
+    """
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._n = multiprocessing.RawArray("q", 2)  # taken, ended
+        self._lock = multiprocessing.Lock()
+
+    @property
+    def ended(self) -> int:
+        """Requests of the run that have ended so far."""
+        return int(self._n[1])
+
+    def draw(self, n: int = 1) -> list[int]:
+        """Up to ``n`` next indices (fewer, or none, once the pool is empty)."""
+        with self._lock:
+            first = int(self._n[0])
+            k = n if self.limit is None else max(0, min(n, self.limit - first))
+            self._n[0] = first + k
+        return list(range(first, first + k))
+
+    def take(self) -> int | None:
+        """The next request index for a free user, or None when none is left."""
+        got = self.draw()
+        return got[0] if got else None
+
+    def end(self, n: int = 1) -> None:
+        """``n`` requests (all turns of a conversation each) have ended, however they ended."""
+        with self._lock:
+            self._n[1] += n
+
+
+class MasterPool(Pool):
+    """The pool on a master: its workers' users take from it and report each end to it."""
+
+    def __init__(self, runner: MasterRunner, limit: int | None):
+        super().__init__(limit)
+        self.runner = runner
+        runner.register_message("lab_take", self._on_take)
+        runner.register_message("lab_end", self._on_end)
+
+    def _on_take(self, environment, msg, **_kw) -> None:
+        got = self.draw(int(msg.data["n"]))
+        self.runner.send_message("lab_ticket", {"id": msg.data["id"], "i": got}, client_id=msg.node_id)
+
+    def _on_end(self, environment, msg, **_kw) -> None:
+        Pool.end(self, int(msg.data["n"]))
+
+
+class WorkerPool(Pool):
+    """A worker's window on its master's pool.
+
+    The users that ask in the same turn of the event loop (the whole first wave at GO) go in one
+    message, so a thousand users do not wait for a thousand round trips before their first send.
+    """
+
+    def __init__(self, runner: WorkerRunner, timeout_s: float):
+        super().__init__(None)
+        self.runner, self.timeout_s = runner, timeout_s
+        self._asking: list[AsyncResult] = []
+        self._pending: dict[int, list[AsyncResult]] = {}
+        self._seq = 0
+        runner.register_message("lab_ticket", self._on_ticket)
+
+    def take(self) -> int | None:
+        r = AsyncResult()
+        self._asking.append(r)
+        if len(self._asking) == 1:
+            gevent.spawn(self._ask)  # runs once this turn's other users have asked too
+        try:
+            return r.get(timeout=self.timeout_s)
+        except gevent.Timeout:
+            return None  # the master is gone: the run is over
+
+    def _ask(self) -> None:
+        batch, self._asking = self._asking, []
+        self._seq += 1
+        self._pending[self._seq] = batch
+        self.runner.send_message("lab_take", {"id": self._seq, "n": len(batch)})
+
+    def _on_ticket(self, environment, msg, **_kw) -> None:
+        got = msg.data["i"]
+        for k, r in enumerate(self._pending.pop(msg.data["id"], [])):
+            r.set(got[k] if k < len(got) else None)
+
+    def end(self, n: int = 1) -> None:
+        self.runner.send_message("lab_end", {"n": n})
+
+
+# Made at import, which Locust does before it forks: its forked processes share this one.
+POOL: Pool = Pool(LOAD.stop.max_requests)
+
+
+@events.init.add_listener
+def _on_init(environment, **_kw):
+    global POOL
+    runner = environment.runner
+    if not _CFG.get("shared_pool", True):  # workers of their own: the master keeps the pool
+        if isinstance(runner, MasterRunner):
+            POOL = MasterPool(runner, LOAD.stop.max_requests)
+        elif isinstance(runner, WorkerRunner):
+            POOL = WorkerPool(runner, LOAD.request_timeout_s)
+
+
+@events.spawning_complete.add_listener
+def _on_spawned(**_kw):
+    if not GO.is_set() and STATE is not None:
+        STATE.go_pc = time.perf_counter()
+        GO.set()
+
+
+# Users per second Locust spawns: all of a run's at once (they wait for GO before their first send).
+SPAWN_RATE = 10_000
 
 
 class LabShape(LoadTestShape):
@@ -93,17 +242,20 @@ class LabShape(LoadTestShape):
         load = self.load
         t = self.get_run_time()
         stop = load.stop
-        reason = stop_reason(stop, t, *self._e2e_stats())
+        # A counted run ends when its last request has ended, which the pool hears at once (the
+        # workers' statistics reach a master only every few seconds).
+        reason = stop_reason(stop, t, *self._e2e_stats(), finished=POOL.ended)
         if reason is None and stop.saturation and self._check_saturation():
             reason = "saturation"
         if reason:
             self._stop(reason)
         if self.stop_reason:
             return None
+        # Spawned at once: the users wait for GO, so they start together however many there are.
         if load.mode == "open":
             # Users are in-flight slots; the arrival schedule carries the shape.
-            return load.max_in_flight, 10_000
-        return max(1, math.ceil(level_at(load.shape, t))), 1_000
+            return load.max_in_flight, SPAWN_RATE
+        return max(1, math.ceil(level_at(load.shape, t))), SPAWN_RATE
 
 
 class ClassifiedError(Exception):
@@ -120,17 +272,17 @@ class _Process:
         self.host = _CFG.get("worker_host") or socket.gethostname()
         self.name = f"{self.host}-{os.getpid()}"
         self.gen = WorkloadGenerator(WORKLOAD, _CFG["seed"])
-        # Shared prefixes and file records are built here, before the anchors below: the first
-        # request must not pay for them (in an open loop it would hold up the dispatcher).
-        self.gen.prepare()
-        # The first requests are built now, before the run: each costs milliseconds of tokenizer
-        # work, and built in the loop they would trickle out one by one instead of together (vllm
-        # bench serve builds every prompt first), and stall the loop while streams are being read.
+        # Shared prefixes, file records and their token counts are built here, before the anchors
+        # below: the first request must not pay for them (in an open loop it would hold up the
+        # dispatcher).
+        self.gen.prepare(upto=LOAD.stop.max_requests)
+        # The first requests are built now, before the run: built in the loop they would trickle
+        # out one by one instead of together (vllm bench serve builds every prompt first), and
+        # stall the loop while streams are being read.
         self.prepared = {i: self.gen.request(i) for i in self._first_indices()}
         (OUT / "samples").mkdir(parents=True, exist_ok=True)
         # Open for the whole run, closed in close().
         self.file = open(OUT / "samples" / f"{self.name}.jsonl", "a", buffering=1 << 16)  # noqa: SIM115
-        self.next_k = 0
         self.loop_lags: list[float] = []
         self.sched_lags: list[float] = []
         self.ttft_outbox: list[float] = []
@@ -138,6 +290,7 @@ class _Process:
         # Wall-clock anchor: timestamps comparable across workers, differences as exact as
         # perf_counter.
         self.wall0, self.pc0 = time.time(), time.perf_counter()
+        self.go_pc: float | None = None  # when GO was set: the schedule's zero
         self.cpu0 = process_cpu_s()
         # Loop lag and CPU fraction count only while a request is in flight (see InFlightMeter).
         self.meter = InFlightMeter()
@@ -145,24 +298,25 @@ class _Process:
         if LOAD.mode == "open":
             self.greenlets.append(gevent.spawn(self._dispatch))
 
-    def _first_indices(self) -> range:
-        """This worker's first requests: two per user of a closed loop, the first four seconds of
-        an open one's arrivals (and never more than its share of max_requests)."""
-        first = LOAD.shape.level * (4 if LOAD.mode == "open" else 2)
-        k = min(math.ceil(first / self.count) + 8, PREBUILT_MAX)
-        if LOAD.stop.max_requests is not None and USER_QUOTA is None:
-            k = min(k, math.ceil(LOAD.stop.max_requests / self.count))
-        return range(self.index, self.index + self.count * k, self.count)
+    def _first_indices(self) -> list[int]:
+        """The requests this process may send first: a closed loop's whole first wave (any user
+        of any process may take any of it from the pool), an open loop's share of the first four
+        seconds of arrivals; at most PREBUILT_MAX, never past the run's request count."""
+        if LOAD.mode == "open":
+            first = []
+            for k, t in dealt(planned_arrivals(LOAD, _CFG["seed"]), self.index, self.count):
+                if t > 4.0 or len(first) >= PREBUILT_MAX:
+                    break
+                first.append(k)
+            return first
+        n = math.ceil(LOAD.shape.level)
+        if LOAD.stop.max_requests is not None:
+            n = min(n, LOAD.stop.max_requests)
+        return list(range(min(n, PREBUILT_MAX)))
 
     def wall(self, pc: float) -> float:
         """Convert a perf_counter reading to Unix time."""
         return self.wall0 + (pc - self.pc0)
-
-    def next_index(self) -> int:
-        """Return the next global request index of this worker (strided across workers)."""
-        i = self.index + self.count * self.next_k
-        self.next_k += 1
-        return i
 
     def _heartbeat(self) -> None:
         # The oversleep of a short sleep is the event loop's lag: what every chunk timing suffers.
@@ -180,21 +334,17 @@ class _Process:
                 last_flush = now
 
     def _dispatch(self) -> None:
-        # Send times come from the arrival process alone, never from responses (open loop).
-        rng = np.random.default_rng([int(_CFG["seed"]), 2, self.index])
-        t0 = time.perf_counter()
-        for ts in schedule(
-            rng, lambda t: level_at(LOAD.shape, t) / self.count, LOAD.arrival, LOAD.burstiness
-        ):
+        # Send times come from the run's one schedule alone, never from responses (open loop):
+        # this process sends every count-th of its arrivals, from the moment every user is up.
+        GO.wait()
+        t0 = self.go_pc
+        for index, ts in dealt(planned_arrivals(LOAD, _CFG["seed"]), self.index, self.count):
             deadline = t0 + ts
             delay = deadline - time.perf_counter()
             if delay > 0:
                 gevent.sleep(delay)
             lag = max(0.0, time.perf_counter() - deadline)
             self.sched_lags.append(lag)
-            index = self.next_index()
-            if _past_limit(index):
-                return
             self.queue.put((index, deadline, lag))
 
     def write(self, row: dict) -> None:
@@ -260,29 +410,6 @@ def _collect(client_id, data, **_kw):
     TTFT_FEED.extend((now, v) for v in data.get("lab_ttft", ()))
 
 
-def _user_quota() -> int | None:
-    """Requests per user when a constant closed loop's max_requests divides evenly by its users.
-
-    Then every user sends exactly that many, as vllm bench serve's users do, and the last round
-    is full. Split by index over the processes instead (86/85/85 requests for 22/21/21 users),
-    one process is left with a lone request in a last round of its own, and the run ends one
-    request later at a concurrency of one.
-    """
-    n, users = LOAD.stop.max_requests, LOAD.shape.level
-    if LOAD.mode != "closed" or LOAD.shape.kind != "constant" or n is None or users != int(users):
-        return None
-    return n // int(users) if n % int(users) == 0 else None
-
-
-USER_QUOTA = _user_quota()
-
-
-def _past_limit(index: int) -> bool:
-    # Indices are strided across workers, so index < max_requests is exactly the first
-    # max_requests requests of the sequence, whichever worker sends them.
-    return LOAD.stop.max_requests is not None and index >= LOAD.stop.max_requests
-
-
 def _error_class(exc: BaseException) -> str:
     name = type(exc).__name__.lower()
     if isinstance(exc, (TimeoutError, socket.timeout, gevent.Timeout)) or "timeout" in name:
@@ -298,42 +425,39 @@ class LLMUser(FastHttpUser):
     network_timeout = LOAD.request_timeout_s
     connection_timeout = LOAD.request_timeout_s
     default_headers = {"Authorization": f"Bearer {_API_KEY}"} if _API_KEY else None
-    sent = 0  # closed loop with a per-user quota: requests this user has sent
 
     @task
     def one(self) -> None:
         """Run one request (or conversation) when its time comes."""
         st = STATE
-        if st is None:
-            gevent.sleep(0.01)
-            return
+        if st is None or not GO.wait(timeout=0.2):
+            return  # not every user is up yet: the run has not started
         if LOAD.mode == "open":
             index, scheduled, sched_lag = self._next_arrival(st)
         else:
             scheduled = time.perf_counter() + LOAD.think_time_s
             if LOAD.think_time_s:
                 gevent.sleep(LOAD.think_time_s)
-            if USER_QUOTA is not None:
-                if self.sent >= USER_QUOTA:
-                    gevent.sleep(0.5)  # this user's share is sent; the shape ends the run
-                    return
-                self.sent += 1
-            index, sched_lag = st.next_index(), max(0.0, time.perf_counter() - scheduled)
-            if USER_QUOTA is None and _past_limit(index):
-                gevent.sleep(0.5)  # this worker's share is sent; the shape ends the run
+            index = POOL.take()
+            if index is None:
+                gevent.sleep(0.5)  # the pool is empty; the shape ends the run once all have ended
                 return
+            sched_lag = max(0.0, time.perf_counter() - scheduled)
         spec = st.prepared.pop(index, None) or st.gen.request(index)
         history: list = []
-        for turn in range(len(spec.turns)):
-            row, reply = self._request(st, spec, turn, history, scheduled, sched_lag)
-            if row["status"] != "ok":
-                break
-            history += [{"role": "user", "content": spec.turns[turn].text},
-                        {"role": "assistant", "content": reply}]
-            if turn + 1 < len(spec.turns):
-                if LOAD.think_time_s:
-                    gevent.sleep(LOAD.think_time_s)
-                scheduled, sched_lag = time.perf_counter(), 0.0
+        try:
+            for turn in range(len(spec.turns)):
+                row, reply = self._request(st, spec, turn, history, scheduled, sched_lag)
+                if row["status"] != "ok":
+                    break
+                history += [{"role": "user", "content": spec.turns[turn].text},
+                            {"role": "assistant", "content": reply}]
+                if turn + 1 < len(spec.turns):
+                    if LOAD.think_time_s:
+                        gevent.sleep(LOAD.think_time_s)
+                    scheduled, sched_lag = time.perf_counter(), 0.0
+        finally:
+            POOL.end()
 
     def _next_arrival(self, st):
         """Wait for the dispatcher's next arrival, but leave at once when the run stops.

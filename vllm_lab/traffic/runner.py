@@ -404,6 +404,9 @@ def run_load(
     config = {
         "base_url": base_url, "model": model, "seed": seed,
         "out_dir": str(out_dir), "num_workers": num_workers,
+        # One process, or the processes Locust forks here, share the request pool's memory;
+        # workers started on their own (hosts) ask the master for each request.
+        "shared_pool": not hosts,
         "workload": workload.model_dump(mode="json"), "load": load.model_dump(mode="json"),
     }
     # The config stays beside the samples, so it holds no key: local Locust processes get the key

@@ -55,11 +55,18 @@ def waiting_requests(metrics_text: str) -> float:
     return total
 
 
-def stop_reason(stop: Stop, t: float, requests: int, failures: int) -> str | None:
-    """Return which of duration, request count and error rate ends the run now, or None."""
+def stop_reason(stop: Stop, t: float, requests: int, failures: int,
+                finished: int | None = None) -> str | None:
+    """Return which of duration, request count and error rate ends the run now, or None.
+
+    ``requests`` and ``failures`` are the HTTP requests so far (each turn of a conversation
+    counts); ``finished``, when known, the requests (conversations) of the run that have ended,
+    which the request count is judged on.
+    """
     if t >= stop.duration_s:
         return "duration"
-    if stop.max_requests is not None and requests >= stop.max_requests:
+    done = requests if finished is None else finished
+    if stop.max_requests is not None and done >= stop.max_requests:
         return "max_requests"
     if (
         stop.max_error_rate is not None

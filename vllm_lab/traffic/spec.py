@@ -77,6 +77,17 @@ class Workload(_Strict):
     # the frontend fell 0.9 s behind the engine, TPOT read +30% and throughput -15% (any client).
     temperature: float | None = Field(
         None, ge=0.0, description="sampling temperature to send; null: none (the server's default)")
+    shuffle: bool = Field(
+        True, description="file sources: send the records in an order the seed draws; false: "
+                          "in the file's order (as vllm bench serve --disable-shuffle)")
+
+    @model_serializer(mode="wrap")
+    def _without_default_shuffle(self, handler):
+        data = handler(self)
+        # Left out at its default, so a scenario written before it keeps its run identity (hash).
+        if self.shuffle:
+            data.pop("shuffle", None)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Workload:

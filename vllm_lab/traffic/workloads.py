@@ -38,6 +38,9 @@ _WORDS = [
 ]
 
 APPROXIMATION = "1 token per common English word; file texts: 1 token per 4 characters"
+# File records whose tokens a load generator counts before the run when it does not know how many
+# requests it will send (a run with a duration): more are counted as they are needed.
+PRECOUNTED = 4096
 
 
 @dataclass
@@ -183,6 +186,7 @@ class WorkloadGenerator:
         self.builder = PromptBuilder(workload.tokenizer)
         self.in_lengths, self.out_lengths = workload.lengths()
         self.ignore_eos = workload.fixes_output()
+        self._counts: dict[int, list] = {}  # file record -> [text tokens, output tokens]
 
     @cached_property
     def _records(self) -> list:
@@ -193,6 +197,8 @@ class WorkloadGenerator:
             recs = _load_jsonl(w.path)
         else:
             return []
+        if not w.shuffle:
+            return recs
         # A seeded permutation: file order does not leak into the sequence, the seed decides.
         perm = np.random.default_rng([self.seed, 7]).permutation(len(recs))
         return [recs[k] for k in perm]
@@ -214,14 +220,38 @@ class WorkloadGenerator:
             for g in range(self.workload.prefix_groups)
         ]
 
-    def prepare(self) -> WorkloadGenerator:
-        """Build what every request shares (file records, shared prefixes) now, not on first use.
+    def prepare(self, upto: int | None = None) -> WorkloadGenerator:
+        """Build what every request shares (file records, shared prefixes) now, not on first use,
+        and count the tokens of the file records the first ``upto`` requests use (default: the
+        first PRECOUNTED).
 
         A load generator calls it before its measured window opens, so the first request's send is
-        not held up by work that belongs to the whole run.
+        not held up by work that belongs to the whole run, and a request from a file costs no
+        tokenizer call between a reply and the next send (a few ms each, in the loop that times
+        every other stream).
         """
         _ = self._records, self._prefixes, self._prefix_tokens, self.builder.words
+        if self._records and self.builder.tokenizer is not None:
+            n = min(len(self._records), (upto or PRECOUNTED) * self.workload.turns)
+            todo = [k for k in range(n) if k not in self._counts]
+            texts = [self._records[k][0] for k in todo]
+            outs = [k for k in todo if isinstance(self._records[k][1], str)]
+            enc = self.builder.tokenizer.encode_batch
+            for k, e in zip(todo, enc(texts, add_special_tokens=False)):
+                self._counts[k] = [len(e.ids), self._records[k][1]]
+            for k, e in zip(outs, enc([self._records[k][1] for k in outs], add_special_tokens=False)):
+                self._counts[k][1] = len(e.ids)
         return self
+
+    def _record(self, k: int) -> tuple[str, int, int | None]:
+        """File record ``k``: its text, the text's tokens and its output tokens (a reply's count,
+        the file's number, or None), counted once."""
+        text, out = self._records[k]
+        if k not in self._counts:
+            self._counts[k] = [self.builder.count(text),
+                               self.builder.count(out) if isinstance(out, str) else out]
+        n_in, n_out = self._counts[k]
+        return text, n_in, n_out
 
     @cached_property
     def _prefix_tokens(self) -> int:
@@ -232,12 +262,10 @@ class WorkloadGenerator:
         rng = np.random.default_rng([self.seed, 0, i, t])
         prefix_tokens = self._prefix_tokens
         if self._records:
-            text, out = self._records[(i * self.workload.turns + t) % len(self._records)]
-            if isinstance(out, str):
-                out = self.builder.count(out)
+            text, n_in, out = self._record((i * self.workload.turns + t) % len(self._records))
             if out is None or self.out_lengths is not None:
                 out = int(sample_lengths(self.out_lengths, rng)[0]) if self.out_lengths else 256
-            return Turn(text, self.builder.count(text), max(1, int(out)))
+            return Turn(text, n_in, max(1, int(out)))
         n_in, n_out = (int(sample_lengths(d, rng)[0]) for d in (self.in_lengths, self.out_lengths))
         user_tokens = max(1, n_in - prefix_tokens)
         return Turn(self.builder.build(user_tokens, rng), user_tokens, n_out)

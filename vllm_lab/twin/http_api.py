@@ -517,14 +517,17 @@ class TwinServer:
         resp.enable_chunked_encoding()
         try:
             await resp.prepare(request)
+            # vLLM writes the chat role chunks in the first pass of its output loop, when the
+            # engine's first output arrives (with the first token), not on receipt: a client that
+            # stamps TTFT at the first chunk (vllm bench serve) reads the prefill as vLLM has it.
+            role: list[bytes] = []
             if chat:
-                first = "".join(
+                role.append("".join(
                     f'{prefix}{c.index},"delta":{{"role":"assistant","content":""}},'
                     f'"logprobs":null,"finish_reason":null}}]'
                     + (f',"usage":{_usage(len(c.req.prompt_ids), 0)}' if continuous else "")
-                    + "}\n\n" for c in choices)
-                await resp.write(first.encode())
-            args = (resp, prefix, chat, continuous, logprobs)
+                    + "}\n\n" for c in choices).encode())
+            args = (resp, prefix, chat, continuous, logprobs, role)
             if len(choices) == 1:
                 sent = [await self._stream_choice(choices[0], *args)]
             else:
@@ -558,8 +561,10 @@ class TwinServer:
         return resp
 
     async def _stream_choice(self, c: _Choice, resp: web.StreamResponse, prefix: str, chat: bool,
-                             continuous: bool, logprobs: int) -> int:
-        """Stream one choice's tokens as they are handed out; returns how many were sent."""
+                             continuous: bool, logprobs: int, role: list[bytes]) -> int:
+        """Stream one choice's tokens as they are handed out; returns how many were sent.
+
+        ``role``: the chat role chunks not written yet; the first choice to write goes first."""
         req = c.req
         head = f"{prefix}{c.index},"
         n_prompt = len(req.prompt_ids)
@@ -602,7 +607,10 @@ class TwinServer:
                          f'"token_ids":null}}]')
             if continuous:
                 chunk += f',"usage":{_usage(n_prompt, sent)}'
-            await resp.write((chunk + "}\n\n").encode())
+            data = (chunk + "}\n\n").encode()
+            if role:
+                data = role.pop() + data
+            await resp.write(data)
             now = perf()
             if toks:
                 if req.first_sent is None:

@@ -56,11 +56,14 @@ class Closed:
 
 @dataclass
 class Open:
-    """An open loop: arrivals at ``rate`` per second, gamma gaps (burstiness 1 = Poisson)."""
+    """An open loop: arrivals at ``rate`` per second, gamma gaps (burstiness 1 = Poisson), or at
+    the given ``times`` (seconds from the start, one per request: a live run's own schedule, a
+    trace), with at most ``max_in_flight`` requests sent and not yet answered."""
 
     rate: float
     burstiness: float = 1.0
     max_in_flight: int | None = None
+    times: Sequence[float] | None = None
 
 
 @dataclass
@@ -124,6 +127,8 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
 
     SLOs are not judged here: the lab judges the per-request samples (``Prediction.requests``)
     with ``vllm_lab.summary``, the same code that judges a measured run."""
+    if isinstance(arrivals, Open) and arrivals.times is not None:
+        requests = list(requests)[:len(arrivals.times)]  # one request per arrival
     eng = Engine.from_flags(flags, profile, model)
     # The API server admits each request (its process busy meanwhile), then the rest of the way
     # to the engine core takes ``lat``; it streams each step's tokens after the GPU made them and
@@ -160,6 +165,8 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
             send[nxt] = 0.0
             heapq.heappush(pending, (frontend.admit(0.0, requests[nxt].chat) + lat, nxt))
             nxt += 1
+    elif arrivals.times is not None:
+        arrival_times = np.asarray(arrivals.times, dtype=float)[:n]
     else:
         shape = max(arrivals.burstiness, 1e-6)
         gaps = rng.gamma(shape, 1.0 / (arrivals.rate * shape), size=n)
@@ -276,7 +283,9 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(outs > 1, (e2e - ttft) / (outs - 1), np.nan)
     df = pd.DataFrame({"prompt_tokens": prompt_n, "output_tokens": outs, "cached_tokens": cached,
-                       "send_s": send, "first_token_s": first, "finish_s": finish, "ttft_s": ttft,
+                       "send_s": send,
+                       "scheduled_s": arrival_times if arrival_times is not None else send,
+                       "first_token_s": first, "finish_s": finish, "ttft_s": ttft,
                        "tpot_s": tpot, "e2e_s": e2e, "preemptions": preempt,
                        "queue_s": queued, "prefill_s": prefill})
     if step_t:
