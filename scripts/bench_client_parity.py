@@ -52,59 +52,95 @@ METRICS = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50")
 
 
 # ---- the traffic cases ----------------------------------------------------------------------
+# Shorthands: closed:64 is random/closed:64, sharegpt:64 sharegpt/closed:64, poisson:30
+# random/poisson:30, gamma:30:0.5 random/gamma:30:0.5, chat:64 chat/closed:64.
+_SHORT = {"closed": ("random", "closed"), "sharegpt": ("sharegpt", "closed"),
+          "chat": ("chat", "closed"), "poisson": ("random", "poisson"), "gamma": ("random", "gamma")}
+
+
 @dataclass(frozen=True)
 class Case:
-    """One traffic both clients send: a kind, users or a rate, and a gamma shape."""
+    """One traffic: what the requests are (``workload``), how they arrive, users or a rate.
 
-    kind: str          # closed | sharegpt | chat | poisson | gamma
+    workload: random (fixed --input-len / --output-len), sharegpt (a ShareGPT-format file), chat
+    (random on /v1/chat/completions), or a scenario's name, whose workload: the lab sends alone
+    (the bench has no such dataset). arrival: closed (users), poisson or gamma (req/s).
+    """
+
+    workload: str
+    arrival: str
     level: float       # users (closed loops) or requests per second (open loops)
     burstiness: float = 1.0
 
     @classmethod
     def parse(cls, text: str) -> Case:
-        kind, level, *rest = text.split(":")
-        if kind not in ("closed", "sharegpt", "chat", "poisson", "gamma"):
-            raise SystemExit(f"--cases: {text!r}: the kind is one of closed, sharegpt, chat, "
-                             f"poisson, gamma")
-        return cls(kind, float(level), float(rest[0]) if rest else (0.5 if kind == "gamma" else 1.0))
+        head, level, *rest = text.split(":")
+        workload, _, arrival = head.partition("/")
+        if not arrival:
+            if workload not in _SHORT:
+                raise SystemExit(f"--cases: {text!r}: give workload/arrival:level, or one of "
+                                 f"{', '.join(_SHORT)}")
+            workload, arrival = _SHORT[workload]
+        if arrival not in ("closed", "poisson", "gamma"):
+            raise SystemExit(f"--cases: {text!r}: the arrival is closed, poisson or gamma")
+        default_b = 0.5 if arrival == "gamma" else 1.0
+        return cls(workload, arrival, float(level), float(rest[0]) if rest else default_b)
 
     @property
     def open(self) -> bool:
-        return self.kind in ("poisson", "gamma")
+        return self.arrival != "closed"
+
+    @property
+    def benchable(self) -> bool:
+        """Whether vllm bench serve can send it (a scenario's workload it cannot)."""
+        return self.workload in ("random", "sharegpt", "chat")
 
     @property
     def users(self) -> int:
         return int(self.level)
 
     @property
+    def kind(self) -> str:
+        """The case's name in parity.csv: its shorthand where it has one."""
+        for short, pair in _SHORT.items():
+            if pair == (self.workload, self.arrival):
+                return f"gamma b={self.burstiness:g}" if short == "gamma" else short
+        b = f" b={self.burstiness:g}" if self.arrival == "gamma" else ""
+        return f"{self.workload}/{self.arrival}{b}"
+
+    @property
     def tag(self) -> str:
-        b = f"-b{self.burstiness:g}" if self.kind == "gamma" else ""
-        return f"{self.kind}{self.level:g}{b}"
+        b = f"-b{self.burstiness:g}" if self.arrival == "gamma" else ""
+        return f"{self.workload}-{self.arrival}{self.level:g}{b}"
 
     def requests(self, args) -> int:
         """How many requests a run of this case sends (the same for both clients)."""
         if self.open:
             return max(args.min_requests, round(self.level * args.open_s))
-        per_user = args.sharegpt_per_user if self.kind == "sharegpt" else args.requests_per_user
+        per_user = args.requests_per_user if self.workload in ("random", "chat") else args.sharegpt_per_user
         return max(args.min_requests, self.users * per_user)
 
     def lab_overrides(self, args, n: int) -> list[str]:
         """The scenario overrides that make the lab send this case's traffic."""
         out = [f"load.stop.max_requests={n}"]
-        if self.kind == "sharegpt":
+        if self.workload == "sharegpt":
             # In the file's order, as the bench is run: the same sequence of lengths on both sides
             # (a run's span, the bench's throughput figure, depends on which requests come last).
             out += ["workload.source=sharegpt-file", f"workload.path={sharegpt_file(args, self, n)}",
                     "workload.shuffle=false"]
-        else:
+        elif self.workload in ("random", "chat"):
             out += ["workload.source=synthetic",
                     f"workload.input={{dist: fixed, mean: {args.input_len}}}",
                     f"workload.output={{dist: fixed, mean: {args.output_len}}}"]
-        if self.kind == "chat":
+        else:
+            wl = scenarios.resolve(self.workload).workload.model_dump(mode="json", exclude_none=True)
+            out += [f"workload.{k}={json.dumps(v)}" for k, v in wl.items()
+                    if k not in ("tokenizer", "ignore_eos", "path")]
+        if self.workload == "chat":
             out.append("workload.api=chat")
         if self.open:
             out += ["load.mode=open", f"load.shape.level={self.level:g}",
-                    f"load.arrival={'gamma' if self.kind == 'gamma' else 'poisson'}",
+                    f"load.arrival={'gamma' if self.arrival == 'gamma' else 'poisson'}",
                     f"load.burstiness={self.burstiness:g}"]
         else:
             out.append(f"load.shape.level={self.users}")
@@ -113,13 +149,13 @@ class Case:
     def bench_args(self, args, n: int) -> list[str]:
         """`vllm bench serve`'s arguments for this case's traffic."""
         out = ["--num-prompts", str(n)]
-        if self.kind == "sharegpt":
+        if self.workload == "sharegpt":
             out += ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt_file(args, self, n)),
                     "--disable-shuffle"]
         else:
             out += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                     "--random-output-len", str(args.output_len)]
-        if self.kind == "chat":
+        if self.workload == "chat":
             out += ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"]
         else:
             out += ["--backend", "vllm"]
@@ -338,6 +374,8 @@ def run_lab(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
     port = int(url.rsplit(":", 1)[1].strip("/"))
     m = backend.measure_on(s, serving.Instance(host="localhost", url=url, port=port, log_path=""),
                            args.out / "lab" / tag)
+    if m.server_metrics is not None:  # the run's /metrics and GPU series, every scrape
+        m.server_metrics.to_csv(args.out / "lab" / tag / "metrics.csv.gz", index=False)
     summ = m.summary
     fig = {k: summ.get(k) for k in ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50",
                                    "ttft_mean", "tpot_mean", "e2e_mean", "duration_s", "warmup_s",
@@ -387,6 +425,8 @@ def measure(args, url: str) -> None:
         n = case.requests(args)
         for spec in args.runs:
             tool, opts = _opts(spec)
+            if tool == "bench" and not case.benchable:
+                continue
             tag = f"{case.tag}-{spec.replace(':', '-').replace('=', '').replace(',', '-')}-{int(time.time())}"
             _post(url + "/reset_prefix_cache", None)
             before = scrape(url)
@@ -402,7 +442,8 @@ def measure(args, url: str) -> None:
             after = scrape(url)
             view = audit.server_view(frame(before + after))
             check = audit.audit(out["samples"], view)
-            row = {"case": case.kind, "level": case.level, "burstiness": case.burstiness,
+            row = {"case": case.kind, "workload": case.workload, "arrival": case.arrival,
+                   "level": case.level, "burstiness": case.burstiness,
                    "users": case.users if not case.open else None, "requests": n, "run": spec,
                    "tool": tool, "tag": tag, "started": t0, "wall_s": wall,
                    "figures": out["figures"], "server": view.as_summary() if view else {},
@@ -421,9 +462,9 @@ def measure(args, url: str) -> None:
                   flush=True)
 
 
-def _case_of(row: dict) -> tuple[str, float, float]:
-    """A run's case; rows written before cases existed are closed loops at their users."""
-    return row.get("case", "closed"), float(row.get("level") or row["users"]), row.get("burstiness", 1.0)
+def _case_of(row: dict) -> tuple[str, float]:
+    """A run's case and level; rows written before cases existed are closed loops at their users."""
+    return row.get("case", "closed"), float(row.get("level") or row["users"])
 
 
 def write_csv(args) -> Path:
@@ -443,8 +484,7 @@ def write_csv(args) -> Path:
         ref = next((r for r in rows if _case_of(r) == case and r["run"] == "bench"), None)
         if not lab or not ref:
             continue
-        kind, level, burstiness = case
-        name = f"{kind} b={burstiness:g}" if kind == "gamma" else kind
+        name, level = case
         for m in (*METRICS, "output_throughput_window"):
             if m == "output_throughput":
                 a, b = lab["figures"]["bench_def_output_throughput"], ref["figures"][m]

@@ -309,15 +309,15 @@ def _client_limited(result, summary: dict) -> str:
 
 
 def own_gpus(metrics: pd.DataFrame | None, gpus: str) -> pd.DataFrame | None:
-    """The series without nvidia-smi's rows for GPUs the instance does not use (several servers
-    share a host, one GPU each: a run must not count its neighbour's utilization)."""
+    """The series without nvidia-smi's and NVML's rows for GPUs the instance does not use (several
+    servers share a host, one GPU each: a run must not count its neighbour's utilization)."""
     if metrics is None or metrics.empty or not gpus.strip():
         return metrics
     mine = {g.strip() for g in gpus.split(",") if g.strip()}
 
     def keep(labels: str) -> bool:
         parsed = json.loads(labels) if labels else {}
-        return parsed.get("source") != "nvidia-smi" or str(parsed.get("gpu")) in mine
+        return parsed.get("source") not in ("nvidia-smi", "nvml") or str(parsed.get("gpu")) in mine
 
     return metrics[metrics["labels"].map(keep)].reset_index(drop=True)
 

@@ -38,8 +38,30 @@ def parse_metrics(text: str, ts: float) -> list[tuple[float, str, str, float]]:
     return rows
 
 
+# The GPU's own energy counter since the driver loaded, in mJ as DCGM reports it: what a run's
+# energy is the difference of (power samples every few seconds would miss its bursts).
+ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
+
+
+def _nvml_energy(ts: float) -> list[tuple[float, str, str, float]]:
+    """Each GPU's total energy counter through NVML (nvidia-ml-py), when the host has it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        rows = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mj = float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+            rows.append((ts, ENERGY, json.dumps({"gpu": str(i), "source": "nvml"}), mj))
+        return rows
+    except Exception:  # noqa: BLE001 - no NVML, no GPU, or a GPU without the counter: no rows
+        return []
+
+
 def gpu_rows(ts: float, smi: str | None = None) -> list[tuple[float, str, str, float]]:
-    """Query nvidia-smi (if on PATH) for each GPU's telemetry as DCGM-named rows; else none."""
+    """Query nvidia-smi (if on PATH) for each GPU's telemetry as DCGM-named rows, and NVML for
+    its energy counter; else none."""
     smi = smi or shutil.which("nvidia-smi")
     if not smi:
         return []
@@ -61,7 +83,7 @@ def gpu_rows(ts: float, smi: str | None = None) -> list[tuple[float, str, str, f
                 rows.append((ts, name, labels, float(raw) * factor))
             except ValueError:
                 continue  # "[N/A]" on GPUs that do not report the field
-    return rows
+    return rows + _nvml_energy(ts)
 
 
 class Scraper:

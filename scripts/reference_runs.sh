@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The reference runs of a GPU host with vLLM installed (inventory/container.yml): the lab's client
+# beside `vllm bench serve` on every traffic kind (closed loops of fixed and variable lengths,
+# Poisson and gamma arrivals, chat), the twin's reference set (open loops up to saturation, a
+# scenario's own traffic, small token budgets, a long-prefill threshold) and real vLLM's engine
+# step times by batch composition; the GPU's power and energy counter logged all along. Phases
+# share one server start where their flags agree, and keep what they took in STORE between calls.
+#
+#   MODEL=/models/llama-3-8b VLLM_VENV=/opt/vllm bash scripts/reference_runs.sh PHASE [PHASE ...]
+#
+# PHASE: start (vLLM with its defaults), parity-a (closed loops of 1-512 users), parity-b (1024
+#        users, a ShareGPT-format file at 64 and 256 users, Poisson at two rates, gamma with
+#        burstiness 0.5, chat at 64 users), open (Poisson up to saturation, the realtime-chat
+#        traffic at four rates), budget (restarts with max-num-batched-tokens=2048: Poisson and
+#        the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
+#        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
+# MODEL (required) is the model folder (config and tokenizer; weights are dummy). VLLM_VENV and
+# LAB_ROOT go to the inventory; STORE (default /tmp/reference) keeps everything; OUT (default
+# /tmp/out) gets the packed results; RATES overrides the parity Poisson rates (default 25,40);
+# INVENTORY and BACKEND (default inventory/container.yml, vllm) another host or the twin.
+set -uo pipefail
+: "${MODEL:?MODEL is required: the model folder on this host}"
+store=${STORE:-/tmp/reference}
+out=${OUT:-/tmp/out}
+py=${LAB_PYTHON:-python3}
+mkdir -p "$store" "$out"
+export LC_ALL=C.UTF-8 LAB_MAKE_VLLM_VENV=${VLLM_VENV:-} LAB_MAKE_LAB_ROOT=${LAB_ROOT:-}
+inv=${INVENTORY:-inventory/container.yml}
+parity() { "$py" scripts/bench_client_parity.py "$1" --inventory "$inv" --backend "${BACKEND:-vllm}" \
+             --model "$MODEL" --out "$store/$2" "${@:3}"; }
+rates=${RATES:-25,40}
+r1=${rates%,*}; r2=${rates#*,}
+
+# The power log runs in a session of its own, so it outlives each call and covers every phase.
+if ! { [ -f "$store/power.pid" ] && kill -0 "$(cat "$store/power.pid")" 2>/dev/null; }; then
+  setsid nohup "$py" scripts/gpu_power_log.py "$store/power.csv" --every-ms 250 >/dev/null 2>&1 &
+  echo $! > "$store/power.pid"
+fi
+
+for phase in "$@"; do
+  echo "== $phase $(date -u +%FT%TZ)"
+  case $phase in
+    start) parity start parity ;;
+    parity-a) parity measure parity --cases closed:1,closed:16,closed:64,closed:256,closed:512 \
+                --requests-per-user 3 --min-requests 24 ;;
+    parity-b) parity measure parity --cases closed:1024,sharegpt:64,sharegpt:256,poisson:$r1,poisson:$r2,gamma:30:0.5,chat:64 \
+                --requests-per-user 2 --sharegpt-per-user 4 --open-s 20 --min-requests 24
+              parity csv parity ;;
+    open) parity measure twin-open --runs bench --cases poisson:10,poisson:50,poisson:60 --open-s 20
+          parity measure twin-open --runs lab --open-s 25 \
+            --cases realtime-chat/poisson:20,realtime-chat/poisson:30,realtime-chat/poisson:36,realtime-chat/poisson:42 ;;
+    budget|threshold)
+      flag=$([ "$phase" = budget ] && echo max-num-batched-tokens=2048 || echo long-prefill-token-threshold=256)
+      parity stop parity
+      parity start "twin-$phase" --set "serve.$flag"
+      parity measure "twin-$phase" --runs bench --set "serve.$flag" --open-s 20 --sharegpt-per-user 4 \
+        --cases poisson:$r1,poisson:$r2,sharegpt:64 ;;
+    steps) parity stop parity
+           "$py" scripts/bench_step_times.py --model "$MODEL" --out "$store/steps.jsonl" --time-limit-s 200 ;;
+    idle) sleep 30 ;;
+    stop) parity stop parity ;;
+    # In parts of at most 15 MiB: what a job's output folder takes back may be limited per file.
+    pack) tar -C "$store" -cf - --exclude '*.pid' . | xz -T0 -6 | split -b 15M -d -a 1 - "$out/reference.tar.xz."
+          ls -la "$out" ;;
+    *) echo "reference_runs.sh: unknown phase $phase" >&2; exit 2 ;;
+  esac
+done
