@@ -74,7 +74,7 @@ class Bench:
         self.n += 1
         rid = f"r{self.n}"
         ids = self.rng.integers(100, self.vocab, prompt_len).tolist()
-        sp = self.params(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+        sp = self.params(max_tokens=max_tokens, ignore_eos=True,
                          detokenize=False, temperature=1.0)
         self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
         return rid

@@ -141,6 +141,25 @@ def staircases(db: Path = STAIRCASES) -> None:
             print(f"SLO verdict agrees on {sum(same)} of {len(same)} {kind} levels")
 
 
+def by_kind(profile, model) -> None:
+    """The traffic session's runs, held out and fitted, re-predicted request for request: the
+    errors by traffic kind against the goals (vllm_lab/twin/reference.py says which were fitted)."""
+    import pandas as pd
+
+    from vllm_lab.twin import reference
+
+    pd.set_option("display.width", 200)
+    for label, points in (("held out", reference.held_out_set()),
+                          ("fitted", [p for p, fit in reference.session_points() if fit])):
+        errs = reference.errors(points, profile, model)
+        print(f"\n## Fidelity by traffic kind, {label}: {profile.name} vs {reference.TRAFFIC}")
+        print(errs.pivot_table(index="point", columns="metric", values="error", sort=False)
+              .map(lambda v: f"{v:+.1%}").to_string())
+        table = reference.by_kind(errs)
+        print(table.assign(median=table["median"].map("{:.1%}".format),
+                           worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
+
+
 def _run(flags, profile, model, reqs, users=256):
     p = predict(flags, profile, model, reqs, Closed(users))
     return p
@@ -202,6 +221,8 @@ def main(argv=None) -> int:
             print(f"error: --reference {args.reference}: no such folder", file=sys.stderr)
             return 2
         fidelity(profile, model, args.reference)
+        if args.profile == "h200-llama-3-8b":
+            by_kind(profile, model)
         if args.profile == "h200-llama-3-8b" and HELD_OUT.is_dir():
             held_out(profile, model)
         if args.profile == "h200-llama-3-8b" and STAIRCASES.exists():

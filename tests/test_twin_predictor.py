@@ -245,3 +245,26 @@ def test_held_out_h200_runs_are_predicted_within_the_goals(capsys):
     for metric in ("output_throughput", "ttft_p50", "tpot_p50"):
         assert len(errs[metric]) == 12
         assert np.median(errs[metric]) <= 0.10 and max(errs[metric]) <= 0.25, (metric, errs[metric])
+
+
+def test_the_traffic_session_is_predicted_by_kind():
+    """The 2026-12-01 H200 session re-predicted request for request, runs the fit never saw
+    (vllm_lab/twin/reference.py chose them before fitting). Open loops and chat, where prefill
+    chunks and decodes share steps all the time, were the twin's weakest part (TTFT -36 to -42%,
+    TPOT -27 to -29% on Poisson; reference.py's session reproduces it with the older step model);
+    the launch floor of a step past the largest CUDA graph and the API server's chunked output
+    loop bring them within these bounds. Closed loops of variable lengths are not there yet
+    (TTFT p50 -47% median: at 256 users vLLM's API server held new requests 1.3-1.8 s, the
+    twin 0.6 s), and are checked only for throughput and TPOT."""
+    from vllm_lab.twin import reference
+
+    table = reference.by_kind(reference.errors(reference.held_out_set(), H200, MODEL))
+    got = {(r.kind, r.metric): (r.median, r.worst) for r in table.itertuples()}
+    for kind in ("closed fixed", "closed variable", "open", "chat"):
+        assert got[(kind, "output_throughput")][0] <= 0.10 and got[(kind, "p50_tpot_ms")][0] <= 0.10
+        assert got[(kind, "output_throughput")][1] <= 0.25 and got[(kind, "p50_tpot_ms")][1] <= 0.25
+    median, worst = got[("open", "p50_ttft_ms")]
+    assert median <= 0.15 and worst <= 0.25 and got[("open", "p99_ttft_ms")][0] <= 0.25
+    median, worst = got[("chat", "p50_ttft_ms")]
+    assert median <= 0.20 and worst <= 0.25
+    assert got[("closed fixed", "p50_ttft_ms")][0] <= 0.15

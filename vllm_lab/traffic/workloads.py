@@ -288,9 +288,11 @@ class WorkloadGenerator:
         if w.temperature is not None:
             common["temperature"] = w.temperature
         if spec.ignore_eos:
+            # vLLM's own extension, as vllm bench serve sends it. No min_tokens beside it: a server
+            # that honours one honours both, and vLLM runs a logits processor for every running
+            # request that has min_tokens, a Python pass over them each step (one more
+            # difference from the reference client's requests, for nothing).
             common["ignore_eos"] = True
-            # min_tokens makes the length exact even where ignore_eos alone is not honoured.
-            common["min_tokens"] = t.max_tokens
         if w.api == "completions":
             prompt = t.text if spec.system is None else spec.system + "\n" + t.text
             return "/v1/completions", {**common, "prompt": prompt}

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
-from vllm_lab.twin.predictor import Prediction, bench_serve
+from vllm_lab.twin.predictor import Closed, Open, Prediction, PredictRequest, bench_serve, predict
 from vllm_lab.twin.profile import Profile, load_profile
 
 # name, lower bound, upper bound (the search runs in log space)
@@ -34,6 +34,10 @@ FIT_PARAMS = [
     ("seq_overhead_s", 1e-7, 2e-4),
     ("frontend_latency_s", 1e-4, 0.1),
     ("frontend_token_s", 1e-7, 2e-4),
+    # A step larger than the largest CUDA graph launches its kernels from Python: a floor per
+    # layer that open loops meet all the time (a prefill beside a few decodes), closed loops of
+    # identical requests rarely (their prefills come in waves of thousands of tokens).
+    ("compiled_layer_launch_s", 1e-4, 2e-3),
 ]
 METRICS = (("output_throughput", "output_throughput"), ("p50_ttft_ms", "ttft"),
            ("p50_tpot_ms", "tpot"))
@@ -41,7 +45,14 @@ METRICS = (("output_throughput", "output_throughput"), ("p50_ttft_ms", "ttft"),
 
 @dataclass
 class BenchPoint:
-    """One measured ``vllm bench serve`` run and what it was run with."""
+    """One measured run (a ``vllm bench serve`` result file, or a run of the lab's client) and what
+    it was run with.
+
+    A run with per-request records is replayed request for request: each request's prompt and
+    output length in the order sent (``prompt_lens``, ``output_lens``) and, for an open loop, its
+    send time (``arrival_times``, seconds from the first), so the predictor meets the very
+    realization of the arrival process that was measured, not another draw of it.
+    """
 
     name: str
     num_prompts: int
@@ -53,6 +64,11 @@ class BenchPoint:
     measured: dict[str, float]
     flags: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
+    prompt_lens: list[int] | None = None
+    output_lens: list[int] | None = None
+    arrival_times: list[float] | None = None
+    chat: bool = False
+    kind: str = "closed fixed"  # closed fixed | closed variable | open | chat: how fidelity is read
 
 
 def load_point(path: Path, flags: dict[str, Any] | None = None) -> BenchPoint:
@@ -75,28 +91,45 @@ def load_point(path: Path, flags: dict[str, Any] | None = None) -> BenchPoint:
         flags=dict(flags if flags is not None else d.get("flags") or {}))
 
 
-def replay(point: BenchPoint, profile: Profile, model) -> Prediction:
-    """The predictor's run of one bench point."""
-    return bench_serve(point.flags, profile, model, point.num_prompts, point.input_len,
-                       point.output_len, point.max_concurrency, point.request_rate,
-                       point.burstiness)
+def replay(point: BenchPoint, profile: Profile, model, seed: int = 0) -> Prediction:
+    """The predictor's run of one point: its own requests and arrivals where it recorded them."""
+    if point.prompt_lens is None:
+        return bench_serve(point.flags, profile, model, point.num_prompts, point.input_len,
+                           point.output_len, point.max_concurrency, point.request_rate,
+                           point.burstiness, seed=seed)
+    reqs = [PredictRequest(int(p), int(o), point.chat)
+            for p, o in zip(point.prompt_lens, point.output_lens)]
+    if point.arrival_times is not None:
+        arrivals: Closed | Open = Open(rate=point.request_rate, times=point.arrival_times)
+    else:
+        arrivals = Closed(users=point.max_concurrency or len(reqs))
+    return predict(point.flags, profile, model, reqs, arrivals, seed=seed)
 
 
 def predicted_metrics(pred: Prediction) -> dict[str, float]:
-    """The three fitted metrics as vllm bench names them."""
+    """The fitted metrics as vllm bench names them (TTFT p99 is read, not fitted), and
+    ``api_ms``: the mean of each request's TTFT outside the engine's queue and prefill, the time
+    vLLM's API server holds it (what vLLM's TTFT histogram has beyond its queue and prefill
+    histograms)."""
+    d = pred.requests
+    api = float((d["ttft_s"] - d["queue_s"] - d["prefill_s"]).mean()) * 1e3
     return {"output_throughput": pred.output_throughput, "p50_ttft_ms": pred.ttft["p50"] * 1e3,
-            "p50_tpot_ms": pred.tpot["p50"] * 1e3}
+            "p50_tpot_ms": pred.tpot["p50"] * 1e3, "p99_ttft_ms": pred.ttft["p99"] * 1e3,
+            "api_ms": api, "lag_ms": float(d["stream_lag_s"].mean()) * 1e3}
 
 
-def compare(points: list[BenchPoint], profile: Profile, model) -> list[dict[str, Any]]:
-    """Per point and metric: measured, predicted, relative error."""
+def compare(points: list[BenchPoint], profile: Profile, model,
+            metrics: tuple[str, ...] = tuple(k for k, _ in METRICS)) -> list[dict[str, Any]]:
+    """Per point and metric (those it measured): measured, predicted, relative error."""
     rows = []
     for pt in points:
         got = predicted_metrics(replay(pt, profile, model))
-        for key, _ in METRICS:
+        for key in metrics:
+            if key not in pt.measured:
+                continue
             m, p = pt.measured[key], got[key]
-            rows.append({"point": pt.name, "metric": key, "measured": m, "predicted": p,
-                         "error": (p - m) / m if m else math.nan})
+            rows.append({"point": pt.name, "kind": pt.kind, "metric": key, "measured": m,
+                         "predicted": p, "error": (p - m) / m if m else math.nan})
     return rows
 
 
@@ -128,7 +161,8 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
     sol = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
                         diff_step=0.02, max_nfev=max_evals)
     fitted = _with(base_profile, sol.x)
-    errs = np.abs(np.expm1(residuals(sol.x))).reshape(len(points), len(METRICS))
+    errs = np.abs(np.array([[predicted_metrics(replay(pt, fitted, model))[k] / pt.measured[k] - 1
+                             for k, _ in METRICS] for pt in points]))
     prov = fitted.provenance.model_copy(update={
         "fitted_on": [p.name for p in points],
         "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -1,6 +1,7 @@
 """vLLM's API server as the twin models it: processes that admit requests and stream their tokens.
 
-Each API-server process is a single-server FIFO queue. A request costs ``request_cost_s`` of its
+Each API-server process is a single-server FIFO queue: a request waits behind the tokens its
+process has still to stream. A request costs ``request_cost_s`` of its
 process's time when it arrives (HTTP, tokenizing, the hand-off to the engine core), a chat request
 ``chat_cost_s`` more (its chat template, its larger chunks), and each streamed token ``token_cost_s`` (detokenize, build the SSE chunk, write it). The engine
 core does not wait for them, but it sees a request only once its process has admitted it, and
@@ -17,6 +18,9 @@ from __future__ import annotations
 class Frontend:
     """``servers`` FIFO queues with a cost per admitted request and per streamed token."""
 
+    # Outputs vLLM's output loop processes before it yields to other tasks.
+    OUTPUT_CHUNK = 128
+
     def __init__(self, token_cost_s: float, request_cost_s: float = 0.0, servers: int = 1,
                  chat_cost_s: float = 0.0):
         self.token_cost_s, self.request_cost_s = token_cost_s, request_cost_s
@@ -31,13 +35,22 @@ class Frontend:
 
     def admit(self, arrival: float, chat: bool = False) -> float:
         """When a request that reached the server at ``arrival`` is handed to the engine core; a
-        chat request also renders its chat template and streams larger chunks (``chat_cost_s``)."""
+        chat request also renders its chat template and streams larger chunks (``chat_cost_s``).
+
+        It waits behind the streaming its process is in the middle of, even when it costs nothing
+        itself: one event loop serves both, and vLLM's output loop yields to other work only
+        between chunks of ``OUTPUT_CHUNK`` outputs (VLLM_V1_OUTPUT_PROC_CHUNK_SIZE), so a new
+        request's handler runs after at most one chunk's streaming.
+        """
         cost = self.request_cost_s + (self.chat_cost_s if chat else 0.0)
-        if not cost:
+        if not (cost or self.token_cost_s):
             return arrival
         k, self._turn = self._turn, (self._turn + 1) % len(self.free)
-        self.free[k] = max(self.free[k], arrival) + cost
-        return self.free[k]
+        start = min(max(self.free[k], arrival), arrival + self.OUTPUT_CHUNK * self.token_cost_s)
+        if not cost:
+            return start
+        self.free[k] = max(self.free[k], start) + cost
+        return start + cost
 
     def release(self, ready_at: float, tokens: int) -> float:
         """When a step's ``tokens``, ready on the GPU at ``ready_at``, reach the clients."""

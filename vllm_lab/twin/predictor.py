@@ -144,6 +144,10 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
     prefill = np.full(n, np.nan)                # engine core: first scheduled to first token
     engine_in = np.full(n, np.nan)
     finish = np.full(n, np.nan)
+    # How late the API server handed out each request's first and last token after the GPU made
+    # them: their difference is vLLM's e2e - TTFT - decode time, the stream's own lag.
+    first_lag = np.full(n, np.nan)
+    finish_lag = np.full(n, np.nan)
     outs = np.zeros(n, dtype=np.int64)
     cached = np.zeros(n, dtype=np.int64)
     preempt = np.zeros(n, dtype=np.int64)
@@ -186,10 +190,11 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         eng.add_request(EngineRequest(i, ids, int(r.output_tokens), ignore_eos=True,
                                       arrival_time=t, num_prompt_tokens=int(prompt_n[i])))
 
-    def done(r: FinishedRequest, t: float) -> None:
+    def done(r: FinishedRequest, t: float, made: float) -> None:
         nonlocal nxt, in_flight
         i = r.request_id
         finish[i] = t
+        finish_lag[i] = t - made
         outs[i] = r.num_output_tokens
         cached[i] = r.num_cached_tokens
         preempt[i] = r.num_preemptions
@@ -250,7 +255,7 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
             usage_area += usage * dur
             usage_peak = max(usage_peak, usage)
             for r in run.finished:
-                done(r, seen)
+                done(r, seen, now)
             continue
         step = eng.step_summary(now)
         dur = step.duration_s
@@ -270,10 +275,11 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         usage_peak = max(usage_peak, usage)
         for i, (q, sched) in zip(firsts, step.first_scheduled):
             first[i] = seen
+            first_lag[i] = seen - now
             queued[i] = sched - q
             prefill[i] = now - sched
         for r in step.finished:
-            done(r, seen)
+            done(r, seen, now)
 
     ok = ~np.isnan(finish)
     t0 = np.nanmin(send) if n else 0.0
@@ -287,7 +293,8 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
                        "scheduled_s": arrival_times if arrival_times is not None else send,
                        "first_token_s": first, "finish_s": finish, "ttft_s": ttft,
                        "tpot_s": tpot, "e2e_s": e2e, "preemptions": preempt,
-                       "queue_s": queued, "prefill_s": prefill})
+                       "queue_s": queued, "prefill_s": prefill,
+                       "stream_lag_s": finish_lag - first_lag})
     if step_t:
         itl_t.append(np.array(step_t))
         itl_w.append(np.array(step_w))

@@ -1,0 +1,117 @@
+"""The twin's reference measurements as fit points, by traffic kind, with the held-out split.
+
+``reference/h200-vllm0.26/`` holds `vllm bench serve` result files (closed loops of fixed lengths,
+single requests of long prompts) and ``traffic-2026-12-01/``: one H200 session of every traffic
+kind, `vllm bench serve` and the lab's client taking turns on one server (closed loops of 1 to
+1024 users, a ShareGPT-format file of variable lengths at 64 and 256 users, Poisson at 25 and 40
+req/s, gamma arrivals of burstiness 0.5, chat), then the same server restarted with
+``--max-num-batched-tokens 2048``. Each of its runs is replayed request for request.
+
+Which runs the fit may see was chosen before fitting, by workload and by configuration
+(`FITTED`): the older bench files, and of the session's bench runs one of each traffic kind at
+vLLM's defaults (closed 16 and 256 users, the ShareGPT file at 64, Poisson at 25 req/s). Held
+out: every other load of those kinds (closed 1, 64, 512 and 1024 users, the ShareGPT file at
+256, Poisson at 40, gamma), the chat kind whole, the whole ``max-num-batched-tokens=2048``
+configuration, and every run of the lab's client (another client, another draw of each load).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from vllm_lab.twin.fit import BenchPoint, load_point
+
+ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
+TRAFFIC = ROOT / "traffic-2026-12-01"
+
+# The session's runs whose configuration the fit sees: (tool, case, level).
+FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
+          ("bench", "poisson", 25)}
+# How each case of the session is read: a fidelity table per kind.
+KINDS = {"closed": "closed fixed", "sharegpt": "closed variable", "poisson": "open",
+         "gamma b=0.5": "open", "chat": "chat"}
+CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048}}
+
+
+def bench_files(root: Path = ROOT) -> list[BenchPoint]:
+    """The `vllm bench serve` result files of the older reference set (all fitted)."""
+    return [load_point(f) for f in sorted(root.glob("*.json"))]
+
+
+def session_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
+    """Every run of the traffic session as (point, fitted), replayed request for request."""
+    requests = pd.read_csv(folder / "requests.csv.gz")
+    by_tag = {tag: g for tag, g in requests.groupby("tag", sort=False)}
+    out = []
+    for line in (folder / "runs.jsonl").read_text().splitlines():
+        run = json.loads(line)
+        rq = by_tag[run["tag"]].sort_values("start_s")
+        fig = run["figures"]
+        span = "output_throughput" if run["tool"] == "bench" else "bench_def_output_throughput"
+        measured = {"output_throughput": fig[span], "p50_ttft_ms": fig["ttft_p50"] * 1e3,
+                    "p50_tpot_ms": fig["tpot_p50"] * 1e3, "p99_ttft_ms": fig["ttft_p99"] * 1e3}
+        srv = run.get("server") or {}
+        if {"server_ttft_mean", "server_queue_mean", "server_prefill_mean"} <= set(srv):
+            measured["api_ms"] = 1e3 * (srv["server_ttft_mean"] - srv["server_queue_mean"]
+                                        - srv["server_prefill_mean"])
+        if "server_frontend_lag_mean" in srv:
+            measured["lag_ms"] = 1e3 * srv["server_frontend_lag_mean"]
+        open_loop = run["arrival"] != "closed"
+        # Requests in the order they were sent: the closed loop's pool hands them out so.
+        pt = BenchPoint(
+            name=f"{run['tool']} {run['case']} {run['level']:g}"
+                 + ("" if run["config"] == "defaults" else f" [{run['config']}]"),
+            num_prompts=len(rq), input_len=round(rq.prompt_tokens.mean()),
+            output_len=round(rq.output_tokens.mean()),
+            max_concurrency=None if open_loop else int(run["level"]),
+            request_rate=float(run["level"]) if open_loop else float("inf"),
+            burstiness=float(run.get("burstiness") or 1.0), measured=measured,
+            flags=dict(CONFIGS[run["config"]]),
+            prompt_lens=rq.prompt_tokens.astype(int).tolist(),
+            output_lens=rq.output_tokens.astype(int).tolist(),
+            arrival_times=(rq.start_s - rq.start_s.min()).tolist() if open_loop else None,
+            chat=run["case"] == "chat", kind=KINDS[run["case"]])
+        fitted = run["config"] == "defaults" and (run["tool"], run["case"], run["level"]) in FITTED
+        out.append((pt, fitted))
+    return out
+
+
+def fit_set() -> list[BenchPoint]:
+    """The points the H200 profile is fitted to."""
+    return bench_files() + [p for p, fitted in session_points() if fitted]
+
+
+def held_out_set() -> list[BenchPoint]:
+    """The session's points the fit never saw."""
+    return [p for p, fitted in session_points() if not fitted]
+
+
+# The fidelity goals per traffic kind: median |error| of each metric, and the worst for the first three.
+GOALS = {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.10, 0.25),
+         "p50_tpot_ms": (0.10, 0.25), "p99_ttft_ms": (0.15, None)}
+# Read beside them, with no goal: the API server's share of TTFT (vLLM's own histograms).
+DIAGNOSTICS = ("api_ms", "lag_ms")
+
+
+def errors(points: list[BenchPoint], profile, model) -> pd.DataFrame:
+    """Per point and metric: its kind, measured, predicted and the relative error."""
+    from vllm_lab.twin.fit import compare
+
+    return pd.DataFrame(compare(points, profile, model, metrics=(*GOALS, *DIAGNOSTICS)))
+
+
+def by_kind(errs: pd.DataFrame) -> pd.DataFrame:
+    """Median and worst |error| per kind and metric, with whether the goals hold."""
+    rows = []
+    for (kind, metric), g in errs[errs["metric"].isin(GOALS)].groupby(["kind", "metric"], sort=False):
+        a = g["error"].abs()
+        median_goal, worst_goal = GOALS[metric]
+        ok = a.median() <= median_goal and (worst_goal is None or a.max() <= worst_goal)
+        rows.append({"kind": kind, "metric": metric, "runs": len(g), "median": a.median(),
+                     "worst": a.max(), "goal": f"{median_goal:.0%}" + (
+                         f" / {worst_goal:.0%}" if worst_goal else ""), "met": ok})
+    return pd.DataFrame(rows)
+
