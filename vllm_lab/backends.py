@@ -340,7 +340,9 @@ class PredictBackend:
     def check(cls, scenario: Scenario) -> int:
         """The requests the scenario's run predicts, or ScenarioError when there are too many."""
         load = scenario.load
-        if load.stop.max_requests is not None:
+        if load.mode == "replay":
+            count = len(PredictBackend.arrivals(scenario).times)
+        elif load.stop.max_requests is not None:
             count = load.stop.max_requests
         elif load.mode == "closed":
             count = int(load.shape.level) * cls.REQUESTS_PER_USER
@@ -362,7 +364,7 @@ class PredictBackend:
         load = scenario.load
         if load.mode == "closed":
             return Closed(users=int(load.shape.level), think_time_s=load.think_time_s)
-        times = np.fromiter(planned_arrivals(load, scenario.run.seed), dtype=float)
+        times = np.fromiter(planned_arrivals(load, scenario.run.seed, scenario.workload), dtype=float)
         return Open(rate=load.shape.level, burstiness=load.burstiness,
                     max_in_flight=load.max_in_flight, times=times)
 
@@ -395,11 +397,25 @@ class PredictBackend:
                        preemptions=float(prediction.num_preemptions),
                        gpu_util_mean=prediction.gpu_utilization * 100,
                        kv_cache_tokens=prediction.kv_cache_tokens)
+        summary.update(_modelled_energy(prediction))
         return Measurement(status="ok", started=started, ended=time.time(), host="predictor",
                            summary=summary, samples=samples)
 
     def close(self, host: str | None) -> None:
         """Nothing runs between predictions."""
+
+
+def _modelled_energy(p) -> dict[str, Any]:
+    """The predicted run's energy figures, from the twin's power model (named as a model)."""
+    if not p.duration_s or p.energy_j <= 0:
+        return {}
+    out_tokens = float(p.requests["output_tokens"].sum())
+    out: dict[str, Any] = {"energy_j": p.energy_j, "power_mean_w": p.energy_j / p.duration_s,
+                           "energy_source": "the twin's power model"}
+    if out_tokens:
+        out.update(joules_per_output_token=p.energy_j / out_tokens,
+                   output_tokens_per_joule=out_tokens / p.energy_j)
+    return out
 
 
 def twin_prediction(scenario: Scenario) -> dict[str, Any]:
@@ -427,6 +443,8 @@ def predicted_requests(scenario: Scenario, count: int):
     from vllm_lab.traffic.workloads import sample_lengths
     from vllm_lab.twin.predictor import PredictRequest
 
+    if scenario.workload.source == "trace":
+        return _trace_requests(scenario, count)
     rng = np.random.default_rng(scenario.run.seed)
     lin, lout = scenario.workload.lengths()
     if lin is None or lout is None:
@@ -447,6 +465,38 @@ def predicted_requests(scenario: Scenario, count: int):
         rest = max(1, int(p) - shared)
         unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest))
         out.append(PredictRequest(prefix[i % groups] + unique, int(o), chat))
+    return out
+
+
+def _trace_requests(scenario: Scenario, count: int):
+    """A trace's requests as the predictor's, in order (cycled for a longer run): their lengths,
+    and token ids that share what the trace says they share (Mooncake blocks, a prefix id), so the
+    prefix cache meets what production did."""
+    from vllm_lab.traffic.traces import MOONCAKE_BLOCK_TOKENS as B
+    from vllm_lab.traffic.traces import trace_requests
+    from vllm_lab.twin.predictor import PredictRequest
+
+    rows = trace_requests(scenario.workload, scenario.load)
+    chat = scenario.workload.api == "chat"
+    ids: dict = {}
+
+    def shared(key, n: int) -> list[int]:
+        base = ids.setdefault(key, 2_000_000_000 + len(ids) * 1_000_000)
+        return list(range(base, base + n))
+
+    out = []
+    for i in range(count):
+        r = rows[i % len(rows)]
+        if r.blocks:
+            tokens = [t for h in r.blocks for t in shared(("block", h), B)][:r.prompt_tokens]
+        elif r.prefix is not None and r.prefix_tokens:
+            first = 10_000_000 + i * 100_000
+            unique = range(first, first + r.prompt_tokens - r.prefix_tokens)
+            tokens = shared(("prefix", r.prefix), r.prefix_tokens) + list(unique)
+        else:
+            out.append(PredictRequest(r.prompt_tokens, r.output_tokens, chat))
+            continue
+        out.append(PredictRequest(tokens, r.output_tokens, chat))
     return out
 
 

@@ -34,6 +34,9 @@ class Hardware(BaseModel):
     interconnect_gbs: float = Field(0, ge=0, description="GPU-to-GPU bandwidth per direction, GB/s; 0: unknown.")
     interconnect_latency_us: float | None = Field(None, ge=0, description="Latency of one all-reduce.")
     twin_profile: str | None = Field(None, description="Twin profile (vllm_lab/twin/profiles/) for this GPU.")
+    tdp_w: float | None = Field(None, gt=0, description="Board power limit, W: the twin's power model scales with it.")
+    power_idle_w: float | None = Field(None, ge=0, description="Measured power serving with nothing to run, W.")
+    power_memory_w: float | None = Field(None, ge=0, description="Measured power busy with memory-bound steps, W.")
 
     @model_validator(mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vllm_lab import hardware
 from vllm_lab.flags import DEFAULT_VLLM_VERSION, is_secret
@@ -93,6 +93,14 @@ class Scenario(Strict):
         if not serve.get("model"):
             raise ValueError("serve.model is required (a model name or folder)")
         return serve
+
+    @model_validator(mode="after")
+    def _replay_has_a_trace(self) -> Scenario:
+        if self.load.mode == "replay" and self.workload.source != "trace":
+            raise ValueError(f"load.mode replay sends a trace's requests at their times: it needs "
+                             f"workload.source trace (with path and trace_format), not "
+                             f"{self.workload.source!r}")
+        return self
 
     def with_serve(self, **flags: Any) -> Scenario:
         """A copy with some serve flags replaced (kebab-case names)."""

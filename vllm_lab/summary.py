@@ -101,6 +101,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("server_tpot_mean", "s", "TPOT mean by vLLM's /metrics", LOWER),
     Metric("server_frontend_lag_mean", "s", "client minus server E2E (mean)", LOWER),
     Metric("audit_span_diff", "share", "client against server span", NEITHER),
+    # The GPUs' energy over the steady window: their energy counter (NVML, DCGM) where the host
+    # has one, else their power samples; the twin's power model on the twin (energy_source says).
+    Metric("energy_j", "J", "GPU energy over the window", NEITHER),
+    Metric("power_mean_w", "W", "GPU power (mean)", NEITHER, short="GPU W"),
+    Metric("joules_per_output_token", "J/token", "energy per output token", LOWER, short="J/token"),
+    Metric("output_tokens_per_joule", "tok/J", "output tokens per joule", HIGHER, short="tok/J"),
 )
 CATALOG: dict[str, Metric] = {m.name: m for m in METRICS}
 # The summary figures the store keeps as REAL columns of the runs table, in their column order.
@@ -286,7 +292,7 @@ def _load_end(samples: pd.DataFrame, load: Load | None) -> tuple[float, str]:
     whose users ran out of work at different times drains while it still sends.
     """
     last_send = float(samples["start_ts"].max())
-    if load is not None and load.mode == "open" and "scheduled_ts" in samples:
+    if load is not None and load.open_loop and "scheduled_ts" in samples:
         planned = samples["scheduled_ts"].dropna()
         if len(planned):
             return min(last_send, float(planned.max())), "the last scheduled arrival"
@@ -317,6 +323,60 @@ def tokens_by(ok: pd.DataFrame, t: float) -> float:
     share = np.clip((t - first) / np.maximum(end - first, 1e-9), 0.0, 1.0)
     emitted = np.where(first <= t, 1 + (n - 1) * share, 0.0)
     return float(np.nansum(np.clip(emitted, 0.0, n)))
+
+
+ENERGY_COUNTER = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"   # mJ since the driver (or twin) started
+POWER = "DCGM_FI_DEV_POWER_USAGE"                          # W
+
+
+def energy_view(metrics: pd.DataFrame | None, t0: float, t1: float,
+                output_tokens: float) -> dict[str, Any]:
+    """The GPUs' energy over [t0, t1] and per output token, from the run's GPU series: each
+    GPU's energy counter read at both ends (interpolated between scrapes), else its power samples
+    integrated; {} when the run has neither."""
+    if metrics is None or metrics.empty or t1 <= t0:
+        return {}
+    joules, source = _counter_energy(metrics, t0, t1), "energy counter"
+    if joules is None:
+        joules, source = _power_energy(metrics, t0, t1), "power samples"
+    if joules is None:
+        return {}
+    out: dict[str, Any] = {"energy_j": joules, "power_mean_w": joules / (t1 - t0),
+                           "energy_source": source}
+    if output_tokens > 0 and joules > 0:
+        out["joules_per_output_token"] = joules / output_tokens
+        out["output_tokens_per_joule"] = output_tokens / joules
+    return out
+
+
+def _per_gpu(metrics: pd.DataFrame, name: str):
+    rows = metrics[metrics["name"] == name]
+    for _labels, g in rows.groupby("labels"):
+        g = g.sort_values("ts")
+        yield g["ts"].to_numpy(dtype=float), g["value"].to_numpy(dtype=float)
+
+
+def _counter_energy(metrics: pd.DataFrame, t0: float, t1: float) -> float | None:
+    total, seen = 0.0, False
+    for ts, v in _per_gpu(metrics, ENERGY_COUNTER):
+        if len(ts) < 2 or ts[0] > t0 or ts[-1] < t1:
+            continue  # a counter that does not cover the window says nothing about it
+        total += float(np.interp(t1, ts, v) - np.interp(t0, ts, v)) / 1000.0
+        seen = True
+    return total if seen else None
+
+
+def _power_energy(metrics: pd.DataFrame, t0: float, t1: float) -> float | None:
+    total, seen = 0.0, False
+    for ts, v in _per_gpu(metrics, POWER):
+        inside = (ts > t0) & (ts < t1)
+        if len(ts) < 2 or inside.sum() < 1:
+            continue
+        grid = np.concatenate([[t0], ts[inside], [t1]])
+        watts = np.interp(grid, ts, v)
+        total += float(np.sum((watts[1:] + watts[:-1]) / 2 * np.diff(grid)))
+        seen = True
+    return total if seen else None
 
 
 def _window_note(share: float, finished: float) -> str:
@@ -399,6 +459,7 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         note = _window_note(out["window_share"], done)
         if note:
             out["window_note"] = note
+        out.update(energy_view(server_metrics, t0, t1, out_tokens))
     out["duration_s"] = duration_s
     out["request_throughput"] = done / duration_s
     out["output_throughput"] = out_tokens / duration_s

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from vllm_lab.traffic import traces
 from vllm_lab.traffic.shapes import level_at
-from vllm_lab.traffic.spec import Load
+from vllm_lab.traffic.spec import Load, Workload
 
 
 def interarrival_gaps(
@@ -63,17 +64,25 @@ def schedule(
 _CHUNK = 4096
 
 
-def planned_arrivals(load: Load, seed: int) -> Iterator[float]:
+def planned_arrivals(load: Load, seed: int, workload: Workload | None = None) -> Iterator[float]:
     """The run's one arrival schedule: send times in seconds from its start, in order.
 
     The k-th time is request k's. A constant rate with a request count draws exactly that many
     gaps and scales them so the last arrival falls at count / rate, as `vllm bench serve` does
     (the realised rate is then the planned one, not 1-2% off by chance); a duration ends the
     schedule there. A shape that moves (ramp, step, spike) draws each gap at the rate of its
-    moment. Deterministic: the same (load, seed) gives the same times in every process.
+    moment. A replay sends each of the trace's requests at its own time (``workload``, source
+    trace: `traces.replay_times`). Deterministic: the same (load, seed) gives the same times in
+    every process.
     """
-    rng = np.random.default_rng([int(seed), 2])
     count, until = load.stop.max_requests, load.stop.duration_s
+    if load.mode == "replay":
+        if workload is None or workload.source != "trace":
+            raise ValueError("load.mode replay needs workload.source trace")
+        times = traces.replay_times(traces.trace_requests(workload, load), load.replay)
+        yield from itertools.islice((t for t in times if t < until), count)
+        return
+    rng = np.random.default_rng([int(seed), 2])
     if load.shape.kind in ("constant", "soak"):
         rate = load.shape.level
         if count is not None:

@@ -252,7 +252,7 @@ class LabShape(LoadTestShape):
         if self.stop_reason:
             return None
         # Spawned at once: the users wait for GO, so they start together however many there are.
-        if load.mode == "open":
+        if load.open_loop:
             # Users are in-flight slots; the arrival schedule carries the shape.
             return load.max_in_flight, SPAWN_RATE
         return max(1, math.ceil(level_at(load.shape, t))), SPAWN_RATE
@@ -271,7 +271,7 @@ class _Process:
         # A remote worker is named after its inventory host, so its samples say where they came from.
         self.host = _CFG.get("worker_host") or socket.gethostname()
         self.name = f"{self.host}-{os.getpid()}"
-        self.gen = WorkloadGenerator(WORKLOAD, _CFG["seed"])
+        self.gen = WorkloadGenerator(WORKLOAD, _CFG["seed"], LOAD)
         # Shared prefixes, file records and their token counts are built here, before the anchors
         # below: the first request must not pay for them (in an open loop it would hold up the
         # dispatcher).
@@ -295,16 +295,16 @@ class _Process:
         # Loop lag and CPU fraction count only while a request is in flight (see InFlightMeter).
         self.meter = InFlightMeter()
         self.greenlets = [gevent.spawn(self._heartbeat)]
-        if LOAD.mode == "open":
+        if LOAD.open_loop:
             self.greenlets.append(gevent.spawn(self._dispatch))
 
     def _first_indices(self) -> list[int]:
         """The requests this process may send first: a closed loop's whole first wave (any user
         of any process may take any of it from the pool), an open loop's share of the first four
         seconds of arrivals; at most PREBUILT_MAX, never past the run's request count."""
-        if LOAD.mode == "open":
+        if LOAD.open_loop:
             first = []
-            for k, t in dealt(planned_arrivals(LOAD, _CFG["seed"]), self.index, self.count):
+            for k, t in dealt(planned_arrivals(LOAD, _CFG["seed"], WORKLOAD), self.index, self.count):
                 if t > 4.0 or len(first) >= PREBUILT_MAX:
                     break
                 first.append(k)
@@ -338,7 +338,7 @@ class _Process:
         # this process sends every count-th of its arrivals, from the moment every user is up.
         GO.wait()
         t0 = self.go_pc
-        for index, ts in dealt(planned_arrivals(LOAD, _CFG["seed"]), self.index, self.count):
+        for index, ts in dealt(planned_arrivals(LOAD, _CFG["seed"], WORKLOAD), self.index, self.count):
             deadline = t0 + ts
             delay = deadline - time.perf_counter()
             if delay > 0:
@@ -432,7 +432,7 @@ class LLMUser(FastHttpUser):
         st = STATE
         if st is None or not GO.wait(timeout=0.2):
             return  # not every user is up yet: the run has not started
-        if LOAD.mode == "open":
+        if LOAD.open_loop:
             index, scheduled, sched_lag = self._next_arrival(st)
         else:
             scheduled = time.perf_counter() + LOAD.think_time_s

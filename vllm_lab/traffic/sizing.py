@@ -33,9 +33,24 @@ def peak(load: Load, workload: Workload) -> tuple[float, float]:
     level = load.shape.level * (load.shape.spike_factor if load.shape.kind == "spike" else 1)
     if load.mode == "closed":
         return level, level * STREAM_TOKENS_S
+    if load.mode == "replay":
+        return float(load.max_in_flight), _replay_tokens_s(load, workload)
     out = workload.lengths()[1]
     mean_out = out.mean if out is not None else 256.0
     return float(load.max_in_flight), level * mean_out
+
+
+def _replay_tokens_s(load: Load, workload: Workload) -> float:
+    """A replay's peak of streamed tokens per second: the busiest 10 s of its window, as sent."""
+    from vllm_lab.traffic.traces import replay_times, trace_requests
+
+    rows = trace_requests(workload, load)
+    times = replay_times(rows, load.replay)
+    span = 10.0
+    busiest: dict[int, float] = {}
+    for t, r in zip(times, rows):
+        busiest[int(t // span)] = busiest.get(int(t // span), 0.0) + r.output_tokens
+    return max(busiest.values()) / span
 
 
 def plan_processes(load: Load, workload: Workload, hosts: int = 1,

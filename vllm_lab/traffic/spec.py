@@ -52,12 +52,13 @@ PRESETS: dict[str, tuple[Lengths, Lengths]] = {
 class Workload(_Strict):
     """What the requests look like: the prompt source, lengths, API, turns and prefix sharing."""
 
-    source: Literal["sharegpt-like", "alpaca-like", "synthetic", "sharegpt-file", "jsonl-file"] = (
-        "sharegpt-like"
-    )
+    source: Literal["sharegpt-like", "alpaca-like", "synthetic", "sharegpt-file", "jsonl-file",
+                    "trace"] = "sharegpt-like"
     input: Lengths | None = Field(None, description="prompt tokens (synthetic; overrides a preset)")
     output: Lengths | None = Field(None, description="output tokens (synthetic; overrides a preset)")
-    path: Path | None = Field(None, description="ShareGPT JSON or JSONL prompt file (file sources)")
+    path: Path | None = Field(None, description="ShareGPT JSON, JSONL prompt file or trace (file sources)")
+    trace_format: Literal["mooncake", "azure", "burstgpt", "jsonl"] | None = Field(
+        None, description="source trace: the trace file's format (vllm_lab/traffic/traces.py)")
     api: Literal["completions", "chat"] = "completions"
     tokenizer: Path | None = Field(
         None, description="model folder with tokenizer.json; else ~1 token per common English word"
@@ -82,17 +83,23 @@ class Workload(_Strict):
                           "in the file's order (as vllm bench serve --disable-shuffle)")
 
     @model_serializer(mode="wrap")
-    def _without_default_shuffle(self, handler):
+    def _without_new_defaults(self, handler):
         data = handler(self)
-        # Left out at its default, so a scenario written before it keeps its run identity (hash).
+        # Left out at their defaults, so a scenario written before them keeps its run identity.
         if self.shuffle:
             data.pop("shuffle", None)
+        if self.trace_format is None:
+            data.pop("trace_format", None)
         return data
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
-        if self.source in ("sharegpt-file", "jsonl-file") and self.path is None:
+        if self.source in ("sharegpt-file", "jsonl-file", "trace") and self.path is None:
             raise ValueError(f"source {self.source!r} needs path: <file>")
+        if (self.source == "trace") != (self.trace_format is not None):
+            raise ValueError("source 'trace' needs trace_format: mooncake, azure, burstgpt or jsonl"
+                             if self.source == "trace" else
+                             f"trace_format is for source 'trace', not {self.source!r}")
         if self.source == "synthetic" and (self.input is None or self.output is None):
             raise ValueError("source 'synthetic' needs both input: and output: lengths")
         if self.turns > 1 and self.api != "chat":
@@ -140,10 +147,22 @@ class Stop(_Strict):
 FAILED_REQUESTS_THRESHOLD = 0.05
 
 
-class Load(_Strict):
-    """When requests go: closed loop (users with think time) or open loop (Poisson/gamma arrivals)."""
+class Replay(_Strict):
+    """How a trace's requests are sent (load.mode replay): each at its own time, from a window."""
 
-    mode: Literal["closed", "open"] = "closed"
+    speed: float = Field(1.0, gt=0, description="time scale: 2 sends the trace twice as fast")
+    start_s: float = Field(0.0, ge=0, description="the window's start, seconds into the trace")
+    duration_s: float | None = Field(None, gt=0, description="the window's length in trace seconds "
+                                                              "(null: to the trace's end)")
+    rate: float | None = Field(None, gt=0, description="rescale time so the window's mean rate is "
+                                                        "this many req/s (overrides speed)")
+
+
+class Load(_Strict):
+    """When requests go: closed loop (users with think time), open loop (Poisson/gamma arrivals)
+    or a trace's own times (replay)."""
+
+    mode: Literal["closed", "open", "replay"] = "closed"
     arrival: Literal["poisson", "gamma"] = "poisson"
     burstiness: float = Field(
         1.0, gt=0, description="gamma shape as in `vllm bench serve` (1 = Poisson, <1 burstier)"
@@ -162,10 +181,25 @@ class Load(_Strict):
                     "nothing: status failed-requests",
     )
 
+    replay: Replay | None = Field(None, description="load.mode replay: speed, window, rate")
+
+    @model_validator(mode="after")
+    def _replay_set(self) -> Load:
+        if self.mode == "replay" and self.replay is None:
+            self.replay = Replay()
+        return self
+
+    @property
+    def open_loop(self) -> bool:
+        """Whether sends follow a schedule (open or replay), not replies (closed)."""
+        return self.mode != "closed"
+
     @model_serializer(mode="wrap")
     def _without_default_threshold(self, handler):
         data = handler(self)
-        # Left out at its default, so a scenario written before it keeps its run identity (hash).
+        # Left out at their defaults, so a scenario written before them keeps its run identity.
         if self.failed_requests_threshold == FAILED_REQUESTS_THRESHOLD:
             data.pop("failed_requests_threshold", None)
+        if self.replay is None:
+            data.pop("replay", None)
         return data

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -178,15 +179,22 @@ def _load_jsonl(path: Path) -> list[tuple[str, int | None]]:
 
 
 class WorkloadGenerator:
-    """Turns (workload, seed) into `RequestSpec`s; `request(i)` depends only on seed and i."""
+    """Turns (workload, seed) into `RequestSpec`s; `request(i)` depends only on seed and i.
 
-    def __init__(self, workload: Workload, seed: int = 0):
+    A trace's request i is its i-th (within ``load``'s replay window): its lengths, and its prompt
+    built so that requests sharing Mooncake hash ids share those blocks' text, and requests of one
+    prefix_id their prefix, word for word (so the prefix cache meets what production did).
+    """
+
+    def __init__(self, workload: Workload, seed: int = 0, load=None):
         self.workload = workload
+        self.load = load
         self.seed = int(seed)
         self.builder = PromptBuilder(workload.tokenizer)
         self.in_lengths, self.out_lengths = workload.lengths()
         self.ignore_eos = workload.fixes_output()
         self._counts: dict[int, list] = {}  # file record -> [text tokens, output tokens]
+        self._shared: dict[tuple, tuple[int, list]] = {}  # trace block or prefix -> (n, words)
 
     @cached_property
     def _records(self) -> list:
@@ -220,6 +228,47 @@ class WorkloadGenerator:
             for g in range(self.workload.prefix_groups)
         ]
 
+    @cached_property
+    def _trace(self) -> tuple:
+        if self.workload.source != "trace":
+            return ()
+        from vllm_lab.traffic.traces import trace_requests
+
+        return trace_requests(self.workload, self.load)
+
+    def _shared_text(self, key: tuple, n: int) -> str:
+        """The first n tokens of a text that is the same wherever ``key`` (a block's hash id, a
+        prefix id) recurs, in every process (seeded by a stable hash of the key, not Python's)."""
+        got = self._shared.get(key)
+        if got is None or got[0] < n:
+            seed = [self.seed, 3, zlib.crc32(repr(key).encode())]
+            words = self.builder.build(n, np.random.default_rng(seed)).split(" ")
+            got = self._shared[key] = (n, words)
+        return " ".join(got[1][:n])
+
+    def _trace_turn(self, i: int) -> Turn:
+        r = self._trace[i % len(self._trace)]
+        if r.blocks:
+            from vllm_lab.traffic.traces import MOONCAKE_BLOCK_TOKENS as B
+
+            # Each block is its hash id's 512 tokens; the last one is cut to the prompt's length.
+            parts, left = [], r.prompt_tokens
+            for h in r.blocks:
+                if left <= 0:
+                    break
+                self._shared_text(("block", h), B)  # built whole, so a cut one is its beginning
+                parts.append(self._shared_text(("block", h), min(B, left)))
+                left -= B
+            text = " ".join(parts)
+        elif r.prefix is not None and r.prefix_tokens:
+            rest = r.prompt_tokens - r.prefix_tokens
+            rng = np.random.default_rng([self.seed, 4, i])
+            text = self._shared_text(("prefix", r.prefix), r.prefix_tokens)
+            text = text + " " + self.builder.build(rest, rng) if rest else text
+        else:
+            text = self.builder.build(r.prompt_tokens, np.random.default_rng([self.seed, 4, i]))
+        return Turn(text, r.prompt_tokens, r.output_tokens)
+
     def prepare(self, upto: int | None = None) -> WorkloadGenerator:
         """Build what every request shares (file records, shared prefixes) now, not on first use,
         and count the tokens of the file records the first ``upto`` requests use (default: the
@@ -230,7 +279,7 @@ class WorkloadGenerator:
         tokenizer call between a reply and the next send (a few ms each, in the loop that times
         every other stream).
         """
-        _ = self._records, self._prefixes, self._prefix_tokens, self.builder.words
+        _ = self._records, self._prefixes, self._prefix_tokens, self.builder.words, self._trace
         if self._records and self.builder.tokenizer is not None:
             n = min(len(self._records), (upto or PRECOUNTED) * self.workload.turns)
             todo = [k for k in range(n) if k not in self._counts]
@@ -272,6 +321,8 @@ class WorkloadGenerator:
 
     def request(self, i: int) -> RequestSpec:
         """Return request (conversation) number i; the same (seed, i) always gives the same one."""
+        if self._trace:
+            return RequestSpec(index=i, turns=[self._trace_turn(i)], ignore_eos=self.ignore_eos)
         turns = [self._turn(i, t) for t in range(self.workload.turns)]
         system = self._prefixes[i % len(self._prefixes)] if self._prefixes else None
         return RequestSpec(index=i, turns=turns, system=system, ignore_eos=self.ignore_eos)

@@ -24,6 +24,7 @@ import numpy as np
 
 from vllm_lab.flags import engine_defaults
 from vllm_lab.twin.kvcache import KVCache, block_hashes
+from vllm_lab.twin.power import PowerModel
 from vllm_lab.twin.profile import Profile
 from vllm_lab.twin.steptime import StepTimeModel
 
@@ -146,6 +147,8 @@ class EngineStats:
     gpu_utilization: float
     gpu_memory_used_bytes: int
     gpu_memory_total_bytes: int
+    gpu_power_w: float = 0.0        # the power model's draw over the last second (all GPUs)
+    gpu_energy_j: float = 0.0       # the power model's energy since the engine started (all GPUs)
 
 
 @dataclass
@@ -378,10 +381,15 @@ class Engine:
         self.prefix_queries = self.prefix_hits = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.busy_s = 0.0
+        # The simulated GPUs' energy (twin/power.py): each step's at its compute share, the time
+        # between steps at the idle power, counted from ``origin`` (the live server sets its start).
+        self.power = PowerModel.of(profile.hardware)
+        self.busy_energy_j = 0.0
+        self.origin = 0.0
         self.clock = 0.0
         self.steps = 0                           # steps run so far: the next step's index
         self._last_step = (-math.inf, -math.inf)  # (start, end) of the last step run
-        self._recent: deque[tuple[float, float]] = deque()
+        self._recent: deque[tuple[float, float, float]] = deque()
         self._vocab = max(2, min(model.vocab_size, 32000))
 
     # -- construction ------------------------------------------------------------------------
@@ -705,19 +713,26 @@ class Engine:
         for r in paused:
             if r.state == RUNNING:
                 self._join(r)
-        self._account(now, dur)
+        self._account(now, dur, self.stm.compute_share(tokens, dur))
         self.steps += 1
         self._last_step = (now, now + dur)
         return dur, tokens, first, finished, decoders, preempted, chunks
 
-    def _account(self, now: float, dur: float) -> None:
+    def _account(self, now: float, dur: float, compute_share: float) -> None:
         self.busy_s += dur
+        watts = self.power.busy_w(compute_share) * self.cfg.tensor_parallel_size
+        self.busy_energy_j += dur * watts
         end = now + dur
         self.clock = max(self.clock, end)
         rec = self._recent
-        rec.append((now, end))
+        rec.append((now, end, watts))
         while rec and rec[0][1] < end - 1.0:
             rec.popleft()
+
+    def energy_j(self, now: float) -> float:
+        """The simulated GPUs' energy from ``origin`` to ``now``: busy steps plus idle time."""
+        idle = max(0.0, now - self.origin - self.busy_s)
+        return self.busy_energy_j + idle * self.power.idle_w * self.cfg.tensor_parallel_size
 
     def step(self, now: float) -> StepResult:
         """Schedule and run one step starting at ``now``; outputs become visible at now + duration."""
@@ -799,7 +814,7 @@ class Engine:
         finished: list[_Req] = []
         self._pop_finished(finished)
         total = float(times.sum())
-        self._account(now, total)
+        self._account(now, total, self.stm.compute_share(B, total / k))
         self.steps += k
         self._last_step = (now + total - float(times[-1]), now + total)
         return DecodeRun(times, B, [_finished(r) for r in finished])
@@ -810,11 +825,24 @@ class Engine:
         end = self.clock if now is None else now
         start = end - window_s
         busy = 0.0
-        for a, b in self._recent:
+        for a, b, _w in self._recent:
             lo, hi = max(a, start), min(b, end)
             if hi > lo:
                 busy += hi - lo
         return min(1.0, busy / window_s)
+
+    def gpu_power_w(self, now: float | None = None, window_s: float = 1.0) -> float:
+        """The power model's mean draw over the last ``window_s`` seconds, every GPU's together."""
+        end = self.clock if now is None else now
+        start = end - window_s
+        busy = energy = 0.0
+        for a, b, w in self._recent:
+            lo, hi = max(a, start), min(b, end)
+            if hi > lo:
+                busy += hi - lo
+                energy += (hi - lo) * w
+        idle = max(0.0, window_s - busy) * self.power.idle_w * self.cfg.tensor_parallel_size
+        return (energy + idle) / window_s
 
     @property
     def stats(self) -> EngineStats:
@@ -834,4 +862,5 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             gpu_utilization=self.gpu_utilization(now), gpu_memory_used_bytes=int(used),
-            gpu_memory_total_bytes=m.total_bytes)
+            gpu_memory_total_bytes=m.total_bytes, gpu_power_w=self.gpu_power_w(now),
+            gpu_energy_j=self.energy_j(self.clock if now is None else now))

@@ -10,6 +10,7 @@ GPU series use the DCGM exporter's names and labels (``gpu``, ``UUID``, ``device
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -52,7 +53,8 @@ class _StateCollector:
 
     def collect(self):
         m = self.m
-        s = m.engine.stats
+        # At the scrape's moment on the engine's clock (perf_counter): an idle GPU reads idle.
+        s = m.engine.stats_at(max(m.engine.clock, time.perf_counter()))
         labels = ["model_name", "engine"]
         values = [m.model_name, "0"]
 
@@ -229,15 +231,14 @@ class TwinMetrics:
         host = socket.gethostname()
         count = max(1, int(self.gpu.get("count", 1)))
         util = max(0.0, min(1.0, float(s.gpu_utilization)))
-        idle_w = float(self.gpu.get("power_idle_w", 75.0))
-        max_w = float(self.gpu.get("power_max_w", 700.0))
         used_mib = s.gpu_memory_used_bytes / 2**20 / count
         free_mib = max(0.0, (s.gpu_memory_total_bytes - s.gpu_memory_used_bytes) / 2**20 / count)
         fams = {
             "DCGM_FI_DEV_GPU_UTIL": ("GPU utilization (in %).", util * 100.0),
             "DCGM_FI_DEV_FB_USED": ("Framebuffer memory used (in MiB).", used_mib),
             "DCGM_FI_DEV_FB_FREE": ("Framebuffer memory free (in MiB).", free_mib),
-            "DCGM_FI_DEV_POWER_USAGE": ("Power draw (in W).", idle_w + (max_w - idle_w) * util),
+            # The twin's power model (twin/power.py), not a measurement.
+            "DCGM_FI_DEV_POWER_USAGE": ("Power draw (in W), modelled.", s.gpu_power_w / count),
         }
         out = []
         for name, (doc, value) in fams.items():
@@ -247,6 +248,15 @@ class TwinMetrics:
                 g.add_metric([str(i), uuid, f"nvidia{i}", self.gpu.get("name", "NVIDIA H200"),
                               host], value)
             out.append(g)
+        # DCGM's name as it has it, no "_total" (prometheus_client adds one to a counter family).
+        energy = GaugeMetricFamily("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+                                   "Total energy consumption since the server started (in mJ), "
+                                   "modelled.", labels=labels)
+        for i in range(count):
+            uuid = f"GPU-7717a1b0-0000-4000-8000-{i:012d}"
+            energy.add_metric([str(i), uuid, f"nvidia{i}", self.gpu.get("name", "NVIDIA H200"), host],
+                              s.gpu_energy_j * 1000.0 / count)
+        out.append(energy)
         return out
 
     def lag_families(self) -> list[GaugeMetricFamily]:

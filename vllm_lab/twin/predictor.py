@@ -85,6 +85,7 @@ class Prediction:
     gpu_utilization: float
     kv_cache_tokens: int
     requests: pd.DataFrame | None = None
+    energy_j: float = 0.0       # the GPUs' modelled energy over the run (twin/power.py)
 
     def summary(self) -> dict[str, Any]:
         """The flat numbers, milliseconds for latencies, as vllm bench names them."""
@@ -310,7 +311,8 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
         itl=_stats(itl_v, itl_wt), e2e=_stats(e2e[ok]), num_preemptions=eng.num_preemptions,
         kv_usage_peak=usage_peak, kv_usage_mean=usage_area / eng.busy_s if eng.busy_s else 0.0,
         gpu_utilization=eng.busy_s / duration if duration else 0.0,
-        kv_cache_tokens=eng.kv_cache_tokens, requests=df)
+        kv_cache_tokens=eng.kv_cache_tokens, requests=df,
+        energy_j=eng.energy_j(t0 + duration))  # the clock starts at the first send, t0 = 0
 
 
 def bench_serve(flags: dict[str, Any], profile: Profile, model, num_prompts: int,

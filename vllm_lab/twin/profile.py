@@ -99,8 +99,16 @@ def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
     fp8 = hardware.tflops_fp8
     if fp8 is None and own.tflops_fp8 is not None:
         fp8 = own.tflops_fp8 / own.tflops_bf16 * hardware.tflops_bf16
+    # Powers measured on the profile's own GPU hold only for that GPU: a preset of another keeps
+    # the model's shares of its board power (twin/power.py).
+    same = (hardware.gpu or "").split("-")[0] in own.name.lower().replace(" ", "")
     hw = hardware.model_copy(update={
         "tflops_fp8": fp8,
+        "tdp_w": hardware.tdp_w or (own.tdp_w if same else None),
+        "power_idle_w": hardware.power_idle_w if hardware.power_idle_w is not None else (
+            own.power_idle_w if same else None),
+        "power_memory_w": hardware.power_memory_w if hardware.power_memory_w is not None else (
+            own.power_memory_w if same else None),
         "interconnect_gbs": hardware.interconnect_gbs or own.interconnect_gbs,
         "interconnect_latency_us": (own.interconnect_latency_us if hardware.interconnect_latency_us is None
                                     else hardware.interconnect_latency_us)})

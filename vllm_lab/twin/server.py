@@ -16,6 +16,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -144,6 +145,7 @@ async def _serve(args: ServeArgs) -> None:
     except EngineStartError as e:
         await asyncio.sleep(min(args.startup_s, 1.0))
         _engine_start_failure(e)
+    engine.origin = time.perf_counter()  # its modelled energy counts from the server's start
     stats = engine.stats
     max_len = _max_model_len(engine, flags, shape)
     tokens = stats.num_gpu_blocks * stats.block_size
