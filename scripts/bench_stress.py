@@ -60,9 +60,8 @@ def ramp(scenario, db: Path, exp: str, backend, levels: list[float], rounds: int
         return 0
 
     def read_levels():
-        store = Store(db)
-        table = stress.levels_table(store, exp, store.runs(exp))
-        store.close()
+        with Store(db) as store:
+            table = stress.levels_table(store, exp, store.runs(exp))
         if echo:
             for r in table.itertuples():
                 echo(f"    level {r.level:7.3f} offered {getattr(r, 'offered', float('nan')):7.3f} "

@@ -383,20 +383,14 @@ def measure_section(space: search.SearchSpace, backend: str) -> dict[str, list[A
 
 
 def _levels(store_path: Path, exp_id: str) -> pd.DataFrame:
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         runs = store.runs(exp_id)
         return stress.levels_table(store, exp_id, runs) if len(runs) else pd.DataFrame()
-    finally:
-        store.close()
 
 
 def _todo(store_path: Path, exp_id: str, points: list[plans.Point]) -> int:
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         done = store.finished_keys(exp_id)
-    finally:
-        store.close()
     return sum(p.key not in done for p in points)
 
 

@@ -176,15 +176,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     newest = None
     if store_path.exists():
         from vllm_lab.store import Store
-        store = Store(store_path)
-        try:
+        with Store(store_path) as store:
             exp = store.newest_experiment()
             if exp:
                 runs = store.runs(exp)
                 newest = {"id": exp, "step": store.experiment(exp)["step"],
                           "statuses": runs["status"].value_counts().to_dict()}
-        finally:
-            store.close()
     print(progress.describe_status(args.out, newest))
     return 0
 
@@ -321,12 +318,9 @@ def cmd_findings(args: argparse.Namespace) -> int:
     from vllm_lab.store import Store
     store_path = experiment.store_path(args.out, args.store)
     name = args.experiment or experiment.newest_experiment(store_path)
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         store.experiment(name)  # names the known ones when it does not exist
         runs = store.runs(name)
-    finally:
-        store.close()
     total = 0
     for row in runs.to_dict("records"):
         for f in findings.findings(row):

@@ -124,12 +124,9 @@ class Timing:
     def from_store(cls, path: Path, experiment_id: str, backend: str) -> Timing:
         """The start and run times this experiment has recorded on each host (earlier runs included)."""
         timing = cls(live=backend != "predict")
-        store = Store(path)
-        try:
+        with Store(path) as store:
             # Its own runs and those of the experiments it is made of (autotune's candidates).
             runs = store.runs(experiment_id, family=True)
-        finally:
-            store.close()
         runs = runs[runs["backend"] == backend] if not runs.empty else runs
         for host, rows in (runs.groupby("host") if not runs.empty else []):
             last_serve, last_end = None, None
@@ -334,8 +331,7 @@ def experiment_id(settings: Settings, step: str, scenario: Scenario, param: str 
             raise StoreError(f"{settings.store_path}: nothing to resume for {name[:-_STAMP]}; "
                              f"run without RESUME=1")
         return check_experiment_name(name)
-    store = Store(settings.store_path)
-    try:
+    with Store(settings.store_path) as store:
         if settings.resume:
             newest = store.newest_experiment(name[:-_STAMP] + "-")
             if newest is None:
@@ -343,8 +339,6 @@ def experiment_id(settings: Settings, step: str, scenario: Scenario, param: str 
                                  f"run without RESUME=1")
             return newest
         taken = set(store.experiments()["id"])
-    finally:
-        store.close()
     unique, n = name, 2
     while unique in taken:
         unique, n = f"{name}-{n}", n + 1
@@ -464,11 +458,8 @@ class Precision:
 
 
 def _runs_of(path: Path, exp_id: str):
-    st = Store(path)
-    try:
+    with Store(path) as st:
         return st.runs(exp_id)
-    finally:
-        st.close()
 
 
 def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print) -> None:
@@ -504,11 +495,8 @@ class Experiment:
     def todo(self) -> list[plans.Point]:
         """The points a run would take: those not in the store yet, and those a resume retries
         (store.RETRIED_ON_RESUME)."""
-        store = Store(self.settings.store_path)
-        try:
+        with Store(self.settings.store_path) as store:
             done = store.finished_keys(self.id)
-        finally:
-            store.close()
         return [p for p in self.points if p.key not in done]
 
     def run(self, say: Callable[[str], Any] = print) -> int:
@@ -582,15 +570,12 @@ class Experiment:
             say(f"precision {how}: {progress.point_label(base[i].values)}: {widths} "
                 f"after {verdict['runs']} runs")
         noise = target.noise(reached)
-        store = Store(self.settings.store_path)
-        try:
+        with Store(self.settings.store_path) as store:
             store.update_meta(self.id, precision={"targets": target.targets,
                                                   "max_repeats": target.max_repeats,
                                                   "points": {progress.point_label(base[i].values): v
                                                              for i, v in reached.items()}},
                               host_noise_cv=noise)
-        finally:
-            store.close()
         if noise:
             say("host noise (run-to-run CV, median over points): "
                 + ", ".join(f"{m} {v:.1%}" for m, v in noise.items()))
@@ -676,11 +661,8 @@ def calibrate(settings: Settings, source: Source, fit_only: bool = False,
 
 
 def _first_run_scenario(path: Path, exp_id: str) -> str:
-    store = Store(path)
-    try:
+    with Store(path) as store:
         runs = store.runs(exp_id)
-    finally:
-        store.close()
     if runs.empty:
         raise StoreError(f"{path}: experiment {exp_id} has no runs to fit")
     return str(runs.iloc[0]["scenario_json"])
@@ -792,11 +774,8 @@ def stress(settings: Settings, source: Source, shape: str, levels_text: str | No
     fixed = dataclasses.replace(settings, experiment=experiment_id(settings, "stress", scenario, shape))
 
     def read_levels():
-        store = Store(fixed.store_path)
-        try:
+        with Store(fixed.store_path) as store:
             return stress_mod.levels_table(store, fixed.experiment, store.runs(fixed.experiment))
-        finally:
-            store.close()
 
     stopped: list[int] = []
 
@@ -831,11 +810,8 @@ def claims(settings: Settings, source: Source, selection: str | None) -> int:
 
 def newest_experiment(path: Path) -> str:
     """The newest experiment in the store, or StoreError saying there is none yet."""
-    store = Store(path)
-    try:
+    with Store(path) as store:
         newest = store.newest_experiment()
-    finally:
-        store.close()
     if newest is None:
         raise StoreError(f"{path}: no experiments yet; run make baseline or make sweep first")
     return newest

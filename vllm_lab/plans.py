@@ -250,10 +250,9 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     own thread; every run is committed as it ends, so Ctrl-C loses only the runs in flight.
     """
     base = plan.points[0].scenario
-    store = Store(store_path)
-    store.create_experiment(plan.experiment_id, plan.step, base.name, plan.meta)
-    done = store.finished_keys(plan.experiment_id)
-    store.close()
+    with Store(store_path) as store:
+        store.create_experiment(plan.experiment_id, plan.step, base.name, plan.meta)
+        done = store.finished_keys(plan.experiment_id)
     todo = [p for p in plan.points if p.key not in done]
     if len(todo) < len(plan.points):
         log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,

@@ -371,11 +371,8 @@ def _point(scenario: Scenario, values: dict[str, Any]) -> plans.Point:
 
 def _run(store_path: Path, experiment_id: str, key: str) -> dict[str, Any]:
     """The stored run of one trial: status, error, host and the summary (columns + json)."""
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         runs = store.runs(experiment_id)
-    finally:
-        store.close()
     row = runs[runs["run_key"] == key].iloc[-1]
     summary = {**row["summary"], **{c: row[c] for c in runs.columns if c.endswith(
         ("_p50", "_p90", "_p99", "throughput")) or c in ("goodput", "slo_attainment", "errors")}}

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pandas as pd
 
@@ -179,7 +179,8 @@ class RunRecord:
 
 
 class Store:
-    """The lab's results store at ``path`` (created on first use)."""
+    """The lab's results store at ``path`` (created on first use); ``with Store(path) as store:``
+    closes it on the way out."""
 
     def __init__(self, path: Path | str = DEFAULT_PATH):
         self.path = Path(path)
@@ -296,6 +297,12 @@ class Store:
     def close(self) -> None:
         """Close the connection."""
         self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # on every way out: a command that fails mid-read leaves no open connection
 
     # -- writing ---------------------------------------------------------------------------
     def create_experiment(self, experiment_id: str, step: str, scenario_name: str,

@@ -80,8 +80,7 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
     model = served_model(url, api_key)
     scenario = probe_scenario(model, hardware, overrides)
     exp = experiment_id(url)
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         store.create_experiment(exp, "watch", scenario.name, {"url": url, "probe": PROBE})
         index = len(store.finished_keys(exp))
         started = time.time()
@@ -104,8 +103,6 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
             record.summary = summary
         store.record_run(record, result.samples, result.server_metrics)
         return {**summary, "run_key": record.run_key, "status": record.status}
-    finally:
-        store.close()
 
 
 def bound(values: list[float], direction: int) -> float:
@@ -165,10 +162,9 @@ def run_schedule(store_path: Path, url: str | None = None, inventory: Path | Non
 
 
 def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir, echo) -> bool:
-    store = Store(store_path)
     exp = experiment_id(url)
-    runs = store.runs(exp)
-    store.close()
+    with Store(store_path) as store:
+        runs = store.runs(exp)
     have = int((runs["point"].map(lambda p: p.get("role")) == "baseline").sum()) if len(runs) else 0
     if new_baseline or have < 2:
         if new_baseline and len(runs):
@@ -179,9 +175,8 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
             echo(f"  baseline {i + 1}/{repeats}: {s.get('output_throughput', 0):.0f} tok/s, "
                  f"TTFT p50 {(s.get('ttft_p50') or 0) * 1000:.0f} ms")
     s = probe(url, store_path, "probe", workdir, hardware, overrides)
-    store = Store(store_path)
-    verdict = judge(store.runs(exp), s)
-    store.close()
+    with Store(store_path) as store:
+        verdict = judge(store.runs(exp), s)
     echo(f"{url}: probe {'REGRESSION in ' + ', '.join(verdict.regressed) if verdict.regressed else 'ok'}"
          f" (against {verdict.baseline_runs} baseline probes)")
     for line in verdict.lines:
@@ -191,8 +186,5 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
 
 def _retire_baseline(store_path: Path, exp: str) -> None:
     """A new baseline replaces the old one: old baseline rows become role 'old-baseline'."""
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         store.relabel_points(exp, {"role": "baseline"}, {"role": "old-baseline"})
-    finally:
-        store.close()

@@ -40,8 +40,7 @@ __all__ = ["BUILDERS", "best_point", "build", "build_quarterly", "point_table"]
 
 def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
     """Write the experiment's report folder under ``out_root`` and return the path of its index.html."""
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         exp = store.experiment(experiment_id)
         runs = store.runs(experiment_id)
         folder = experiment_dir(out_root, experiment_id)
@@ -49,8 +48,6 @@ def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
         if runs.empty:
             raise ValueError(f"experiment {experiment_id} has no runs yet")
         return BUILDERS.get(exp["step"], sweep.build)(store, exp, runs, folder)
-    finally:
-        store.close()
 
 
 def build_quarterly(store_path: Path, period: str, out_root: Path, pdf: bool = True) -> Path:
