@@ -34,6 +34,7 @@ from typing import Any
 import pandas as pd
 
 from vllm_lab import lint, plans, search, stress
+from vllm_lab.analysis.stress import level_verdict, levels_table
 from vllm_lab.backends import Backend, Measurement, PredictBackend
 from vllm_lab.flags import redact
 from vllm_lab.progress import Progress
@@ -152,7 +153,7 @@ def level_holds(level: float, m: Measurement) -> bool:
     """A level holds when its run is ok, meets every SLO and its queue does not grow without bound."""
     if m.status != "ok" or not m.summary.get("meets_slo"):
         return False
-    return not stress.level_verdict(level, m.summary, m.samples, m.server_metrics)["unbounded"]
+    return not level_verdict(level, m.summary, m.samples, m.server_metrics)["unbounded"]
 
 
 def predicted_slo_capacity(scenario: Scenario, start: float, duration_s: float,
@@ -385,7 +386,7 @@ def measure_section(space: search.SearchSpace, backend: str) -> dict[str, list[A
 def _levels(store_path: Path, exp_id: str) -> pd.DataFrame:
     with Store(store_path) as store:
         runs = store.runs(exp_id)
-        return stress.levels_table(store, exp_id, runs) if len(runs) else pd.DataFrame()
+        return levels_table(store, exp_id, runs) if len(runs) else pd.DataFrame()
 
 
 def _todo(store_path: Path, exp_id: str, points: list[plans.Point]) -> int:
@@ -591,7 +592,7 @@ def _level_line(point: plans.Point, m: Measurement) -> str:
         return f"    {level} req/s: {m.status}: {(m.error or '').splitlines()[0][:120] if m.error else ''}"
     s = m.summary
     held = "meets" if s.get("meets_slo") else "breaks"
-    grows = stress.level_verdict(level, s, m.samples, m.server_metrics)["unbounded"]
+    grows = level_verdict(level, s, m.samples, m.server_metrics)["unbounded"]
     return (f"    {level} req/s: TTFT p99 {(s.get('ttft_p99') or 0) * 1000:.0f} ms, TPOT p99 "
             f"{(s.get('tpot_p99') or 0) * 1000:.1f} ms: {held} the SLO"
             + (", queue grows without bound" if grows else ""))

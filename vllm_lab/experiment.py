@@ -573,6 +573,7 @@ def _quiet_deadline_in_threads():
 def stress(settings: Settings, source: Source, shape: str, levels_text: str | None, refine: int) -> int:
     """Ramp/step: a staircase of open-loop levels and its knee; spike/soak: one run as a time series."""
     from vllm_lab import stress as stress_mod
+    from vllm_lab.analysis.stress import levels_table
     scenario = stress_mod.stress_scenario(source.resolve_checked(), shape)
     if shape in ("spike", "soak"):
         if shape == "spike" and settings.backend == "predict":
@@ -588,7 +589,7 @@ def stress(settings: Settings, source: Source, shape: str, levels_text: str | No
 
     def read_levels():
         with Store(fixed.store_path) as store:
-            return stress_mod.levels_table(store, fixed.experiment, store.runs(fixed.experiment))
+            return levels_table(store, fixed.experiment, store.runs(fixed.experiment))
 
     stopped: list[int] = []
 

@@ -460,7 +460,7 @@ def figures(**values: Any) -> None:
 
 def _best_label(runs) -> str | None:
     """The report's best point (the cheapest within noise of the top under the SLO), labelled."""
-    from vllm_lab.reports.points import best_point, point_table
+    from vllm_lab.analysis.points import best_point, point_table
     first = runs["point"].iloc[0] or {}
     params = list(first)
     if not params:

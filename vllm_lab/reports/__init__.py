@@ -9,9 +9,9 @@ Each step of the method gets its picture; ``BUILDERS`` says which module draws w
 - claims: ``reports.claims``, the guide's claims and their verdicts;
 - a period (PERIOD=2026Q4): ``reports.quarterly``.
 
-They share ``reports.page`` (the page writer, the formatter, the context every figure states),
-``reports.figures`` (saving a figure) and ``reports.points`` (per-point tables). A report reads
-only the store: what it compares against (the twin's prediction) was recorded with the runs.
+They share ``reports.page`` (the page writer, the formatter, the context every figure states) and
+``reports.figures`` (saving a figure); what a page shows is read by ``vllm_lab.analysis``. A report
+reads only the store: what it compares against (the twin's prediction) was recorded with the runs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ matplotlib.use("Agg")  # no display on lab machines; before any report module im
 import pandas as pd
 
 from vllm_lab.reports import claims, combo, stress, sweep
-from vllm_lab.reports.points import best_point, point_table
 from vllm_lab.store import Store, experiment_dir
 
 Builder = Callable[[Store, dict, pd.DataFrame, Path], Path]
@@ -34,8 +33,6 @@ BUILDERS: dict[str, Builder] = {
     "baseline": sweep.build, "sweep": sweep.build, "combo": combo.build_combo,
     "tune": combo.build_tune, "stress": stress.build_stress, "claims": claims.build_claims,
 }
-
-__all__ = ["BUILDERS", "best_point", "build", "build_quarterly", "point_table"]
 
 
 def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:

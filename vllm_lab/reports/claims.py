@@ -18,10 +18,10 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from vllm_lab import claims
+from vllm_lab.analysis.points import NO_PREDICTION, TWIN_METRICS, recorded_prediction
 from vllm_lab.reports import page
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block
-from vllm_lab.reports.points import NO_PREDICTION, TWIN_METRICS, recorded_prediction
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
 from vllm_lab.summary import metric, select

@@ -18,10 +18,10 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import search
+from vllm_lab.analysis.points import best_point, pareto_front, point_table
 from vllm_lab.reports import page, sweep
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
-from vllm_lab.reports.points import best_point, pareto_front, point_table
 from vllm_lab.reports.scenario_files import write_scenario_file
 from vllm_lab.store import Store
 

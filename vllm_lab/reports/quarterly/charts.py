@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from vllm_lab.analysis.points import pareto_front
 from vllm_lab.reports.figures import save_captioned
-from vllm_lab.reports.points import pareto_front
 from vllm_lab.reports.quarterly.analyses import SIGNIFICANCE, ok_runs
 from vllm_lab.reports.quarterly.period import Period
 

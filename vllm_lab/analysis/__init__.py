@@ -1,0 +1,8 @@
+"""What the recorded runs say, read from the store: the figures reports draw and commands decide on.
+
+- ``points``: a point's figures over its repeats, the best point within noise, the Pareto front and
+  the twin's recorded predictions;
+- ``stress``: a staircase level's growth and the knee, a spike's recovery and a soak's drift.
+
+Nothing here draws or writes a file: ``reports`` does, from what these return.
+"""
