@@ -499,6 +499,7 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
     """Optuna over a declared space; each trial is a run in the store; CONFIRM re-measures the best live."""
     from vllm_lab import reports as report
     from vllm_lab import search
+    from vllm_lab.analysis.search import best_configs
     scenario = source.resolve_checked()
     space = search.load_space(options.space, scenario)
     exp_id = experiment_id(settings, "tune", scenario)
@@ -544,7 +545,7 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
     print(f"report: {report.build(settings.store_path, exp_id, settings.out)}")
     if options.confirm:
         study = search.load_study(exp_id, tune_settings.storage)
-        configs = search.best_configs(study, options.confirm, options.objective)
+        configs = best_configs(study, options.confirm, options.objective)
         if not configs:
             print("confirm: no trial met the SLO; nothing to confirm")
             return 0

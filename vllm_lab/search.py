@@ -382,27 +382,6 @@ def _run(store_path: Path, experiment_id: str, key: str) -> dict[str, Any]:
 
 # -- the best configurations ----------------------------------------------------------------------
 
-def best_configs(study, k: int = 1, objective: str = "goodput") -> list[dict[str, Any]]:
-    """The ``k`` best distinct configurations meeting the SLO (pareto: the feasible front)."""
-    from optuna.trial import TrialState
-
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.user_attrs.get("slo_violation", math.inf) <= 0 or objective == "goodput"]
-    if objective == "pareto":
-        front = [t for t in study.best_trials if t.user_attrs.get("slo_violation", math.inf) <= 0]
-        done = sorted(front, key=lambda t: -t.values[0])
-    else:
-        done = sorted(done, key=lambda t: -t.values[0])
-    out, seen = [], set()
-    for t in done:
-        key = tuple(sorted(t.params.items()))
-        if key not in seen:
-            seen.add(key)
-            out.append(dict(t.params))
-        if len(out) == k:
-            break
-    return out
-
 
 def scenario_file(scenario: dict[str, Any], params: dict[str, Any], note: str) -> str:
     """A ready scenario file (YAML) for the given resolved scenario with ``params`` applied."""
