@@ -314,7 +314,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_findings(args: argparse.Namespace) -> int:
     """Print the troubleshooting findings of an experiment's runs (default: the newest)."""
-    from vllm_lab import findings
+    from vllm_lab.analysis import findings
     from vllm_lab.store import Store
     store_path = experiment.store_path(args.out, args.store)
     name = args.experiment or experiment.newest_experiment(store_path)

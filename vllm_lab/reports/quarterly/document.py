@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from vllm_lab.analysis.quarterly import sweep_rollup
 from vllm_lab.reports import page
 from vllm_lab.reports.page import Block, fmt
-from vllm_lab.reports.quarterly.analyses import sweep_rollup
 from vllm_lab.reports.quarterly.period import Period
 
 CSS = """
