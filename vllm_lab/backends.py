@@ -2,7 +2,9 @@
 Locust), or the twin's offline predictor. Plans see one interface, ``Backend``.
 
 A live backend keeps one server per host and restarts it only when the serve flags change, so a
-sweep over a load parameter (``load.shape.level``) reuses the running server.
+sweep over a load parameter (``load.shape.level``) reuses the running server. It tells the
+``RunHooks`` it was given (the command's progress) which phase the run in flight is in and its
+live figures; nobody listens by default.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from vllm_lab import audit, progress, serving
+from vllm_lab import audit, serving
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import PREDICTION_KEY
 from vllm_lab.summary import request_failures, summarize
@@ -43,6 +45,29 @@ class Measurement:
     summary: dict[str, Any] = field(default_factory=dict)
     samples: pd.DataFrame | None = None
     server_metrics: pd.DataFrame | None = None
+
+
+class RunHooks(Protocol):
+    """Who hears of the run in flight on this thread: its phases and its live figures."""
+
+    def phase(self, name: str, **info: Any) -> None:
+        """The run enters a phase: ``starting`` a server, ``measuring`` the window, ..."""
+
+    def figures(self, **figures: Any) -> None:
+        """Live figures of the run (requests, tok_s, errors), or its Locust web UI's ``web_url``."""
+
+
+class QuietHooks:
+    """Hooks nobody listens to: a backend built without a command's progress."""
+
+    def phase(self, name: str, **info: Any) -> None:
+        """Nothing to tell."""
+
+    def figures(self, **figures: Any) -> None:
+        """Nothing to show."""
+
+
+QUIET = QuietHooks()
 
 
 class Backend(Protocol):
@@ -101,8 +126,10 @@ class LiveBackend:
     REMOTE_CORES = 16
 
     def __init__(self, name: str, inventory: Path, api_key: str | None = None,
-                 processes: int | None = None, experiment: str = "", live_host: str | None = None):
+                 processes: int | None = None, experiment: str = "", live_host: str | None = None,
+                 hooks: RunHooks = QUIET):
         self.name = name  # "twin" | "vllm"
+        self.hooks = hooks  # the command's progress: the phase and figures of the run in flight
         self.inventory = inventory
         self.experiment = experiment  # named in the lock on each instance this process holds
         self.api_key = api_key
@@ -120,11 +147,11 @@ class LiveBackend:
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]
         if current:
-            progress.phase("stopping the last server")
+            self.hooks.phase("stopping the last server")
         self._stop(host, release=False)  # a restart keeps the instance's lock: no one takes it between
         # Marked before the start returns: an interrupt during a start must still stop the server.
         self._starting.add(host)
-        progress.phase("starting")
+        self.hooks.phase("starting")
         instances = serving.start(
             scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
             experiment=self.experiment,
@@ -275,11 +302,11 @@ class LiveBackend:
                 log.warning("%s: /reset_prefix_cache did not answer 200 (a server without "
                             "VLLM_SERVER_DEV_MODE): this run starts with the last run's cache",
                             instance.url)
-        progress.phase("measuring", window_s=scenario.load.stop.duration_s)
+        self.hooks.phase("measuring", window_s=scenario.load.stop.duration_s)
         result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
                           workdir, seed=scenario.run.seed, api_key=api_key,
                           processes=processes, workers_hosts=workers,
-                          on_progress=progress.figures, web_host=self.live_host)
+                          on_progress=self.hooks.figures, web_host=self.live_host)
         result.server_metrics = own_gpus(result.server_metrics, instance.gpus)
         summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
         view = audit.server_view(result.server_metrics)

@@ -4,8 +4,9 @@ in flight (server starting against its expected time; measuring: window, request
 On a terminal it is drawn with ``rich``; on a pipe, a file, CI, ``TERM=dumb`` or ``NO_COLOR`` it
 is plain timestamped lines without escape codes, so logs stay greppable. Every change is also
 written to a heartbeat file (``OUT/.work/status.json``, with the pid) that ``make status`` reads
-from another shell. Backends and the traffic runner report phases and live figures through the
-module functions ``phase`` and ``figures``, which reach the progress of the command in flight.
+from another shell. A command hands its ``Progress`` down: ``plans.execute`` tells it of each run
+(``plans.PlanHooks``), a live backend of the run's phases and the traffic runner's live figures
+(``backends.RunHooks``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from vllm_lab.analysis.points import best_point, point_table
 
 STATUS_FILE = "status.json"    # under OUT/.work: what the lab is doing now
 TIMINGS_FILE = "timings.json"  # under OUT/.work: start and run times measured on this host
@@ -425,42 +428,22 @@ def _write_atomic(path: Path, body: dict) -> None:
     tmp.replace(path)  # a reader never sees half a file
 
 
-# -- the command in flight: backends and the traffic runner report here -------------------------
-
-_CURRENT: Progress | None = None
-
-
 @contextlib.contextmanager
 def tracking(progress: Progress) -> Iterator[Progress]:
-    """Make ``progress`` the one ``phase`` and ``figures`` report to; finish it on the way out."""
-    global _CURRENT
-    previous, _CURRENT = _CURRENT, progress
+    """The block a command reports its runs in: ``progress`` is finished on the way out, as
+    ``finished`` or ``interrupted`` (a heartbeat that says how the command ended)."""
     state = "interrupted"
     try:
         yield progress
         state = "finished"
     finally:
-        _CURRENT = previous
         progress.finish(state)
-
-
-def phase(name: str, **info: Any) -> None:
-    """Report a phase of this thread's run in flight (nothing when no command tracks progress)."""
-    if _CURRENT is not None:
-        _CURRENT.phase(name, **info)
-
-
-def figures(**values: Any) -> None:
-    """Report live figures of this thread's run in flight."""
-    if _CURRENT is not None:
-        _CURRENT.figures(**values)
 
 
 # -- the closing table ---------------------------------------------------------------------------
 
 def _best_label(runs) -> str | None:
     """The report's best point (the cheapest within noise of the top under the SLO), labelled."""
-    from vllm_lab.analysis.points import best_point, point_table
     first = runs["point"].iloc[0] or {}
     params = list(first)
     if not params:
