@@ -44,7 +44,8 @@ from vllm_lab.summary import COLUMNS, as_float
 
 SCHEMA_VERSION = 3
 DEFAULT_PATH = Path("reports/lab.db")
-STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
+STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate",
+         "autotune")
 STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited", "failed-requests",
             "unreachable")
 # Runs that ended but measured the client or nothing: recorded with their figures and reason, and,

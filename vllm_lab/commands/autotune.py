@@ -1,17 +1,24 @@
 """make autotune: the serving flags that carry the most traffic within the SLO, searched on the
-predictor and measured on the backend within GPU_MINUTES (``vllm_lab.autotune``), then reported."""
+predictor and measured on the backend within GPU_MINUTES (``vllm_lab.autotune``), then reported
+(``reports.autotune``): the report, ``best.yaml`` and ``summary.json`` under OUT/<experiment>/."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from vllm_lab import scenarios
+from vllm_lab import autotune as tuning
+from vllm_lab import scenarios, search
+from vllm_lab.autotune.ranking import say_now
+from vllm_lab.backends import Backend
 from vllm_lab.commands import stopping
 from vllm_lab.commands.arguments import add_run_arguments, count, minutes
 from vllm_lab.commands.naming import experiment_name
 from vllm_lab.commands.settings import Settings, Source
 from vllm_lab.progress import Progress
+from vllm_lab.scenarios import Scenario
 from vllm_lab.store import StoreError, experiment_dir
 
 
@@ -47,8 +54,6 @@ class AutotuneOptions:
 def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> int:
     """Search on the predictor by SLO capacity, measure the defaults and the best few within
     GPU_MINUTES and before DEADLINE, and report; a stop reports what was measured."""
-    from vllm_lab import autotune as tuning
-    from vllm_lab import search
     if settings.spread:
         raise scenarios.ScenarioError("SPREAD=1 is not supported by autotune: its candidates are "
                                       "measured one after another on one host")
@@ -66,21 +71,30 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
                      window_s=step_s or tuning.measuring(settings.backend).step_s)
 
     def account() -> stopping.Account:
-        spent = tuning.build_report(settings.store_path, exp_id, settings.out, storage)["gpu_minutes"]
+        from vllm_lab.reports.autotune import build_report
+        spent = build_report(settings.store_path, exp_id, settings.out, storage)["gpu_minutes"]
         return stopping.Account(f"{spent:.1f} of GPU_MINUTES={options.gpu_minutes:g} spent",
                                 kept="what was measured is kept and reported")
 
     summary = stopping.take(settings, exp_id, shown,
-                            lambda backend: tuning.run(scenario, space, backend, tuned, progress=shown),
+                            lambda backend: run(scenario, space, backend, tuned, progress=shown),
                             account)
     print(f"autotune: {summary['verdict']}")
     print(f"report: {experiment_dir(settings.out, exp_id) / 'report.md'}")
     return 0
 
 
-def _experiment(settings: Settings, scenario, storage: str) -> str:
+def run(scenario: Scenario, space: search.SearchSpace, backend: Backend, settings: tuning.Settings,
+        say: Callable[[str], Any] = say_now, progress: Progress | None = None) -> dict[str, Any]:
+    """Search on the predictor, measure the defaults and the top-k within the budget, and report;
+    the summary (also OUT/<experiment>/summary.json)."""
+    from vllm_lab.reports.autotune import build_report
+    tuning.search_and_measure(scenario, space, backend, settings, say, progress)
+    return build_report(settings.store_path, settings.experiment_id, settings.out, settings.storage)
+
+
+def _experiment(settings: Settings, scenario: Scenario, storage: str) -> str:
     """EXPERIMENT, the newest autotune of this scenario with RESUME, or a new name."""
-    from vllm_lab import autotune as tuning
     if settings.experiment or not settings.resume:
         return settings.experiment or experiment_name("autotune", scenario)
     prefix = experiment_name("autotune", scenario)[: -len("YYYYmmdd-HHMMSS")]
