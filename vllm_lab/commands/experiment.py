@@ -1,5 +1,6 @@
 """One command's experiment: its id, its scenario, the plan's points and the settings, taken through
-``plans.execute`` (in rounds when PRECISION= asks) within ``stopping.take``, then reported.
+``plans.execute`` within ``stopping.take``, then reported. With PRECISION= (``precision``) the
+points are taken in rounds until their intervals are that narrow.
 
 Resume is the store's: a point already recorded is not taken again (``store.finished_keys``;
 ``store.RETRIED_ON_RESUME`` says what a resume retries).
@@ -7,6 +8,7 @@ Resume is the store's: a point already recorded is not taken again (``store.fini
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,12 +17,17 @@ from typing import Any
 from vllm_lab import lint as lint_mod
 from vllm_lab import plans
 from vllm_lab.backends import Backend, PredictBackend
-from vllm_lab.commands import precision, stopping
+from vllm_lab.commands import stopping
 from vllm_lab.commands.naming import experiment_id
 from vllm_lab.commands.settings import Settings
 from vllm_lab.progress import Progress, closing_table, point_label
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
+
+
+def _identity(point: plans.Point) -> str:
+    """A point apart from its repeat index."""
+    return dataclasses.replace(point, repeat=0).key
 
 
 def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print) -> None:
@@ -83,9 +90,57 @@ class Experiment:
         """The points not yet recorded, on every host; in rounds when PRECISION= is set."""
         s, hosts = self.settings, self.settings.hosts()
         if s.precision is not None:
-            return precision.take_rounds(self, backend, hosts, shown, say)
+            return self.take_rounds(backend, hosts, shown, say)
         plan = plans.Plan(self.id, self.step, self.points, self.meta)
         return plans.execute(plan, backend, s.store_path, s.out / ".work", hosts, progress=shown)
+
+    def take_rounds(self, backend: Backend, hosts: Sequence[str | None], shown: Progress,
+                    say: Callable[[str], Any]) -> dict[str, int]:
+        """Repeat each point, round after round, until its intervals are as narrow as PRECISION
+        asks or the cap is hit; round r takes the r-th repeat of every point still open, so a
+        drift of the host over time lands on every point alike instead of passing for an effect."""
+        s, target = self.settings, self.settings.precision
+        base: dict[str, plans.Point] = {}
+        for point in self.points:
+            base.setdefault(_identity(point), dataclasses.replace(point, repeat=0))
+        planned = max(max(p.repeat for p in self.points) + 1, target.min_repeats)
+        counts: dict[str, int] = {}
+        still, reached = list(base), {}
+        for r in range(target.max_repeats):
+            plan = plans.Plan(self.id, self.step, [dataclasses.replace(base[i], repeat=r) for i in still],
+                              self.meta)
+            for status, n in plans.execute(plan, backend, s.store_path, s.out / ".work", hosts,
+                                           progress=shown).items():
+                counts[status] = counts.get(status, 0) + n
+            if r + 1 < planned:
+                continue
+            with Store(s.store_path) as store:
+                reached = target.judge(store.runs(self.id), base, r + 1)
+            still = [i for i in still if not reached[i]["reached"]]
+            if not still:
+                break
+        self.record_precision(base, reached, say)
+        return counts
+
+    def record_precision(self, base: dict[str, plans.Point], reached: dict[str, dict],
+                         say: Callable[[str], Any]) -> None:
+        """Say which points reached the precision and which hit the cap; keep it, with the host's
+        run-to-run noise, in the experiment's meta."""
+        target = self.settings.precision
+        for i, verdict in reached.items():
+            widths = ", ".join(f"±{verdict[m]:.1%} {m}" for m in target.targets if m in verdict)
+            how = "reached" if verdict["reached"] else f"cap of {target.max_repeats} runs hit"
+            say(f"precision {how}: {point_label(base[i].values)}: {widths} after {verdict['runs']} runs")
+        noise = target.noise(reached)
+        with Store(self.settings.store_path) as store:
+            store.update_meta(self.id, precision={"targets": target.targets,
+                                                  "max_repeats": target.max_repeats,
+                                                  "points": {point_label(base[i].values): v
+                                                             for i, v in reached.items()}},
+                              host_noise_cv=noise)
+        if noise:
+            say("host noise (run-to-run CV, median over points): "
+                + ", ".join(f"{m} {v:.1%}" for m, v in noise.items()))
 
     def account(self) -> stopping.Account:
         """How many runs are done and left; the work folders of those now in the store go, an

@@ -1,27 +1,16 @@
-"""PRECISION=: how narrow each point's 95% intervals must be, and the rounds that get them there.
-
-A point is repeated, round after round, until its intervals are as narrow as asked or it hits the
-cap; round r takes the r-th repeat of every point still open, so a drift of the host over time
-lands on every point alike instead of passing for an effect. Which points reached the precision,
-and the host's run-to-run noise, are kept in the experiment's meta.
-"""
+"""PRECISION=: how narrow each point's 95% intervals must be (half-width over the mean, per
+metric), and the most runs a point may take to get there; judged over a point's ok runs so far.
+An ``Experiment`` takes its points in rounds until they are this precise."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_lab import plans, stats
-from vllm_lab.backends import Backend
-from vllm_lab.progress import Progress, point_label
-from vllm_lab.store import Store
-
-if TYPE_CHECKING:  # an Experiment takes its rounds here
-    from vllm_lab.commands.experiment import Experiment
 
 # The metrics PRECISION may name, and the short names it takes for them.
 PRECISION_METRICS = ("output_throughput", "request_throughput", "goodput", "ttft_p50", "tpot_p50",
@@ -97,58 +86,3 @@ class Precision:
             if cvs:
                 out[m] = statistics.median(cvs)
         return out
-
-
-def identity(point: plans.Point) -> str:
-    """A point apart from its repeat index."""
-    return dataclasses.replace(point, repeat=0).key
-
-
-def take_rounds(exp: Experiment, backend: Backend, hosts: Sequence[str | None], shown: Progress,
-                say: Callable[[str], Any]) -> dict[str, int]:
-    """Repeat each point of ``exp``, round after round, until its intervals are as narrow as
-    PRECISION asks or the cap is hit; return the counts by status of the runs taken."""
-    s, target = exp.settings, exp.settings.precision
-    base: dict[str, plans.Point] = {}
-    for point in exp.points:
-        base.setdefault(identity(point), dataclasses.replace(point, repeat=0))
-    planned = max(max(p.repeat for p in exp.points) + 1, target.min_repeats)
-    counts: dict[str, int] = {}
-    still, reached = list(base), {}
-    for r in range(target.max_repeats):
-        round_points = [dataclasses.replace(base[i], repeat=r) for i in still]
-        plan = plans.Plan(exp.id, exp.step, round_points, exp.meta)
-        for status, n in plans.execute(plan, backend, s.store_path, s.out / ".work", hosts,
-                                       progress=shown).items():
-            counts[status] = counts.get(status, 0) + n
-        if r + 1 < planned:
-            continue
-        with Store(s.store_path) as store:
-            reached = target.judge(store.runs(exp.id), base, r + 1)
-        still = [i for i in still if not reached[i]["reached"]]
-        if not still:
-            break
-    record(exp, base, reached, say)
-    return counts
-
-
-def record(exp: Experiment, base: dict[str, plans.Point], reached: dict[str, dict],
-           say: Callable[[str], Any]) -> None:
-    """Say which points reached the precision and which hit the cap; keep it, with the host's
-    run-to-run noise, in the experiment's meta."""
-    target = exp.settings.precision
-    for i, verdict in reached.items():
-        widths = ", ".join(f"±{verdict[m]:.1%} {m}" for m in target.targets if m in verdict)
-        how = "reached" if verdict["reached"] else f"cap of {target.max_repeats} runs hit"
-        say(f"precision {how}: {point_label(base[i].values)}: {widths} "
-            f"after {verdict['runs']} runs")
-    noise = target.noise(reached)
-    with Store(exp.settings.store_path) as store:
-        store.update_meta(exp.id, precision={"targets": target.targets,
-                                             "max_repeats": target.max_repeats,
-                                             "points": {point_label(base[i].values): v
-                                                        for i, v in reached.items()}},
-                          host_noise_cv=noise)
-    if noise:
-        say("host noise (run-to-run CV, median over points): "
-            + ", ".join(f"{m} {v:.1%}" for m, v in noise.items()))
