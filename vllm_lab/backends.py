@@ -22,29 +22,35 @@ from typing import Any, Protocol
 import pandas as pd
 
 from vllm_lab import audit, serving
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
-from vllm_lab.store import PREDICTION_KEY
+from vllm_lab.store import RunStatus
 from vllm_lab.summary import request_failures, summarize
 
 log = logging.getLogger(__name__)
 
-# How a failed start is recorded (the store's statuses).
-START_STATUS = {"oom": "oom", "refused-flag": "failed-start", "start-timeout": "timeout",
-                "crashed": "crashed", "unreachable": "unreachable", "refused-config": "failed-start"}
+# How a failed start is recorded, by its cause.
+START_STATUS = {"oom": RunStatus.OOM, "refused-flag": RunStatus.FAILED_START,
+                "start-timeout": RunStatus.TIMEOUT, "crashed": RunStatus.CRASHED,
+                "unreachable": RunStatus.UNREACHABLE, "refused-config": RunStatus.FAILED_START}
 
 
 @dataclass
 class Measurement:
     """What one run produced, ready for the store."""
 
-    status: str
+    status: RunStatus
     started: float
     ended: float
     host: str = ""
     error: str = ""
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: RunSummary = field(default_factory=RunSummary)
     samples: pd.DataFrame | None = None
     server_metrics: pd.DataFrame | None = None
+
+    def __post_init__(self) -> None:
+        self.status = RunStatus(self.status)
+        self.summary = RunSummary.of(self.summary)  # the figures summarize computed will do
 
 
 class RunHooks(Protocol):
@@ -223,10 +229,10 @@ class LiveBackend:
             # Still marked as starting: the next start or close() stops whatever is left (a start
             # interrupted by Ctrl-C, a server still loading when the wait gave up).
             return self._with_prediction(scenario, Measurement(
-                status=START_STATUS.get(e.cause, "failed-start"), started=started, ended=time.time(),
+                status=START_STATUS.get(e.cause, RunStatus.FAILED_START), started=started, ended=time.time(),
                 host=e.host or host or "", error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}"))
         m = self.measure_on(scenario, instance, workdir)
-        if m.status == "crashed":
+        if m.status == RunStatus.CRASHED:
             self._running.pop(host, None)
         return self._with_prediction(scenario, m)
 
@@ -235,10 +241,10 @@ class LiveBackend:
         report compares them from the store alone (a later twin does not change an old page)."""
         if self.name == "vllm":
             try:
-                m.summary[PREDICTION_KEY] = twin_prediction(scenario)
+                m.summary.twin_prediction = twin_prediction(scenario)
             except Exception as e:  # noqa: BLE001  a measured run is never lost to its prediction
                 log.warning("the twin could not predict %s: %s", scenario.name, e)
-                m.summary[PREDICTION_KEY] = {"backend": PredictBackend.name, "predicted": False,
+                m.summary.twin_prediction = {"backend": PredictBackend.name, "predicted": False,
                                              "profile": scenario.hardware.twin_profile,
                                              "status": "failed-start", "error": str(e), "summary": {}}
         return m
@@ -248,7 +254,8 @@ class LiveBackend:
         workers = self._load_generators()
         procs = self.processes or self._plan(scenario, workers)
         started = time.time()
-        result, summary = self._run(scenario, instance, workdir, workers, procs)
+        result, figures = self._run(scenario, instance, workdir, workers, procs)
+        summary = RunSummary.of(figures)
         failures = request_failures(result.samples)
         failed = failures.rate > scenario.load.failed_requests_threshold
         limited = _client_limited(result, summary)
@@ -257,22 +264,22 @@ class LiveBackend:
         if limited and not failed and self.processes is None and more > procs:
             log.info("client-limited with %d Locust processes (%s): running again with %d",
                      procs, limited, more)
-            result, summary = self._run(scenario, instance, workdir, workers, more)
-            summary["loadgen_rerun_of"] = procs
+            result, figures = self._run(scenario, instance, workdir, workers, more)
+            summary = RunSummary.of(figures, loadgen_rerun_of=procs)
             failures = request_failures(result.samples)
             failed = failures.rate > scenario.load.failed_requests_threshold
             limited = _client_limited(result, summary)
         ended = time.time()
         summary.update(failures.as_summary())
-        status, error = "ok", ""
+        status, error = RunStatus.OK, ""
         if _get(instance.url + "/health") != 200:
-            status, error = "crashed", "the server stopped answering /health during the run"
+            status, error = RunStatus.CRASHED, "the server stopped answering /health during the run"
         elif failed:
-            status = "failed-requests"
+            status = RunStatus.FAILED_REQUESTS
             error = (f"{failures.message()} (threshold "
                      f"{scenario.load.failed_requests_threshold:.0%}: load.failed_requests_threshold)")
         elif limited:
-            status = "client-limited"
+            status = RunStatus.CLIENT_LIMITED
             error = f"the load generator could not keep up ({limited}): these figures describe the client"
         return Measurement(status=status, started=started, ended=ended, host=instance.host,
                            error=error, summary=summary, samples=result.samples,
@@ -322,14 +329,14 @@ class LiveBackend:
         return result, summary
 
 
-def _client_limited(result, summary: dict) -> str:
+def _client_limited(result, summary: RunSummary) -> str:
     """Why the client could not keep up ("" when it could): its own lag and CPU, or the audit."""
     why = []
     if result.client_overloaded:
         why.append(f"client lag p99 {max(result.schedule_lag_p99_s, result.loop_lag_p99_s) * 1e3:.1f} ms, "
                    f"busiest process at {result.cpu_fraction_max:.0%} CPU")
-    if summary.get("audit_client_limited"):
-        why.append(summary["audit_reason"])
+    if summary.audit_client_limited:
+        why.append(summary.audit_reason)
     return "; ".join(why)
 
 
@@ -426,7 +433,7 @@ def twin_prediction(scenario: Scenario) -> dict[str, Any]:
         m = PredictBackend().measure(scenario, None, Path("."))
     except (ValueError, OSError, ScenarioError) as e:  # an unknown model shape or profile: said so
         return {**record, "predicted": False, "status": "failed-start", "error": str(e), "summary": {}}
-    return {**record, "status": m.status, "error": m.error, "summary": m.summary}
+    return {**record, "status": m.status, "error": m.error, "summary": m.summary.record()}
 
 
 def predicted_requests(scenario: Scenario, count: int):

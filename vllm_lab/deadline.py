@@ -23,7 +23,7 @@ from typing import Self
 
 from vllm_lab.backends import Backend, Measurement
 from vllm_lab.scenarios import Scenario
-from vllm_lab.store import Store
+from vllm_lab.store import LEFT_OUT, RunStatus, Store
 
 # The exit status of a command stopped for its deadline (sysexits' EX_TEMPFAIL: try again later).
 EXIT_DEADLINE = 75
@@ -161,7 +161,7 @@ class DeadlineGuard:
         began = time.time()
         m = self.backend.measure(scenario, host, workdir)
         self.timing.add(where, start, time.time() - began)
-        if m.status in ("ok", "failed-requests", "client-limited"):
+        if m.status in (RunStatus.OK, *LEFT_OUT):  # it ended with its server up
             self._serving[host] = serve
         else:
             self._serving.pop(host, None)  # a failed start or a crash: the next point starts again

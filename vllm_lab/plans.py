@@ -28,7 +28,7 @@ from vllm_lab.backends import Backend, Measurement
 from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
-from vllm_lab.store import RunRecord, Store, run_identity
+from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ class Taking:
             self.progress.point_started(point.values, point.repeat, host)
         refusal = self.refusals[_server(point)]
         folder = self.workdir / self.plan.experiment_id / point.key
-        m = (Measurement(status="failed-start", started=time.time(), ended=time.time(),
+        m = (Measurement(status=RunStatus.FAILED_START, started=time.time(), ended=time.time(),
                          host=host or "", error=f"refused before launch: {refusal.message}")
              if refusal else self.backend.measure(point.scenario, host, folder))
         if self.stop.is_set():

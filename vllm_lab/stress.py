@@ -69,7 +69,7 @@ def predicted_capacity(scenario: Scenario, backend: Any = None, workdir: Any = N
     ends = (m.samples["start_ts"] + m.samples["e2e_s"]).dropna().sort_values().to_numpy()
     lo, hi = ends[len(ends) // 4], ends[3 * len(ends) // 4]
     return float((3 * len(ends) // 4 - len(ends) // 4) / (hi - lo)) if hi > lo else \
-        float(m.summary["request_throughput"])
+        float(m.summary.request_throughput)
 
 
 def staircase_levels(scenario: Scenario, levels: list[float] | None) -> list[float]:

@@ -16,7 +16,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ from typing import Any
 from scipy import stats
 
 from vllm_lab import scenarios
-from vllm_lab.store import RunRecord, Store, run_identity
+from vllm_lab.run_summary import RunSummary
+from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
 
 # metric -> +1 when higher is better, -1 when lower is better.
 METRICS = {"output_throughput": +1, "ttft_p50": -1, "tpot_p50": -1, "e2e_p50": -1}
@@ -72,8 +73,8 @@ def probe_scenario(model: str, hardware: str | None = None, overrides: list[str]
 
 
 def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | None = None,
-          overrides: list[str] | None = None, api_key: str | None = None) -> dict[str, Any]:
-    """Run one probe against ``url``, store it (step watch, point {"role": role}); return its row."""
+          overrides: list[str] | None = None, api_key: str | None = None) -> RunSummary:
+    """Run one probe against ``url``, store it (step watch, point {"role": role}); its summary."""
     from vllm_lab.summary import summarize
     from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
 
@@ -87,22 +88,23 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
         result = run_load(url, model, scenario.workload, scenario.load, workdir / exp / str(index),
                           seed=index, api_key=api_key)
         ended = time.time()
-        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics)
-        ok = len(result.samples) and summary.get("errors", 0) < len(result.samples)
+        summary = RunSummary.of(summarize(result.samples, scenario.slo,
+                                          server_metrics=result.server_metrics))
+        ok = len(result.samples) and (summary.errors or 0) < len(result.samples)
         record = RunRecord(
             experiment_id=exp, run_key=run_identity({**scenario.to_record(), "url": url}, index),
             step="watch", scenario_name=scenario.name, scenario=scenario.to_record(),
-            status="ok" if ok else "crashed", started=started, ended=ended,
+            status=RunStatus.OK if ok else RunStatus.CRASHED, started=started, ended=ended,
             point={"role": role}, repeat=index, host=url, gpu_model=scenario.hardware.name,
             vllm_version=scenario.vllm_version, backend="live", summary=summary,
             error="" if ok else "no request of the probe succeeded")
         if role == "probe":
             verdict = judge(store.runs(exp), summary)
-            summary["regression"] = bool(verdict.regressed)
-            summary["regressed_metrics"] = verdict.regressed
+            summary.regression = bool(verdict.regressed)
+            summary.regressed_metrics = verdict.regressed
             record.summary = summary
         store.record_run(record, result.samples, result.server_metrics)
-        return {**summary, "run_key": record.run_key, "status": record.status}
+        return summary
 
 
 def bound(values: list[float], direction: int) -> float:
@@ -115,8 +117,9 @@ def bound(values: list[float], direction: int) -> float:
     return mean - direction * t * sd * math.sqrt(1 + 1 / n)
 
 
-def judge(runs, summary: dict[str, Any]) -> Verdict:
+def judge(runs, summary: Mapping[str, Any]) -> Verdict:
     """Compare a probe's summary with the baseline probes of ``runs`` (a watch experiment's rows)."""
+    summary = RunSummary.of(summary)
     base = runs[(runs["point"].map(lambda p: p.get("role")) == "baseline") & (runs["status"] == "ok")]
     if len(base) < 2:
         raise WatchError("the deployment has fewer than 2 baseline probes; record one with "
@@ -124,7 +127,7 @@ def judge(runs, summary: dict[str, Any]) -> Verdict:
     regressed, lines = [], []
     for metric, direction in METRICS.items():
         values = [float(v) for v in base[metric].dropna()]
-        value = summary.get(metric)
+        value = summary.figure(metric)
         if len(values) < 2 or value is None:
             continue
         limit = bound(values, direction)
@@ -172,8 +175,8 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
         echo(f"{url}: recording a baseline of {repeats} probes")
         for i in range(repeats):
             s = probe(url, store_path, "baseline", workdir, hardware, overrides)
-            echo(f"  baseline {i + 1}/{repeats}: {s.get('output_throughput', 0):.0f} tok/s, "
-                 f"TTFT p50 {(s.get('ttft_p50') or 0) * 1000:.0f} ms")
+            echo(f"  baseline {i + 1}/{repeats}: {s.output_throughput or 0:.0f} tok/s, "
+                 f"TTFT p50 {(s.ttft_p50 or 0) * 1000:.0f} ms")
     s = probe(url, store_path, "probe", workdir, hardware, overrides)
     with Store(store_path) as store:
         verdict = judge(store.runs(exp), s)

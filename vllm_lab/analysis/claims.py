@@ -17,16 +17,9 @@ import pandas as pd
 
 from vllm_lab import claims
 from vllm_lab.analysis.points import NO_PREDICTION, recorded_prediction
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
-
-
-def _figures(row: dict) -> dict:
-    """A run's figures: the store's metric columns plus the rest of its summary."""
-    skip = {"summary", "point", "summary_json", "point_json", "scenario_json", "error", "status"}
-    columns = {k: v for k, v in row.items() if k not in skip and isinstance(v, (int, float))}
-    return {**columns, **(row["summary"] or {})}
-
 
 
 def runs_by_label(runs: pd.DataFrame) -> dict[str, list[dict]]:
@@ -35,7 +28,7 @@ def runs_by_label(runs: pd.DataFrame) -> dict[str, list[dict]]:
     for row in runs.to_dict("records"):
         label = (row["point"] or {}).get("arm")
         if label:
-            out[label].append({"status": row["status"], "summary": _figures(row),
+            out[label].append({"status": row["status"], "summary": RunSummary.of_row(row),
                                "error": row["error"] or "",
                                "prediction": recorded_prediction(row["summary"])})
     return dict(out)
@@ -49,9 +42,10 @@ def predicted_by_label(measured: dict[str, list[dict]]) -> dict[str, list[dict]]
     for label, runs in measured.items():
         rec = runs[0].get("prediction")
         if rec is None:
-            out[label] = [{"status": "no-prediction", "summary": {}, "error": NO_PREDICTION}]
+            out[label] = [{"status": "no-prediction", "summary": RunSummary(), "error": NO_PREDICTION}]
             continue
-        out[label] = [{"status": rec["status"], "summary": rec["summary"], "error": rec["error"]}]
+        out[label] = [{"status": rec["status"], "summary": RunSummary.of(rec["summary"]),
+                       "error": rec["error"]}]
     return out
 
 
@@ -74,7 +68,7 @@ def _tp_sweep(store: Store, base: Scenario) -> tuple[str, Scenario, dict[str, li
         for row in runs.to_dict("records"):
             n = int(row["point"]["tensor-parallel-size"])
             arm = claims.Arm(f"tp-{n}", "saturating", {"tensor-parallel-size": n} if n > 1 else {})
-            mapped[arm.label].append({"status": row["status"], "summary": _figures(row),
+            mapped[arm.label].append({"status": row["status"], "summary": RunSummary.of_row(row),
                                       "error": row["error"] or ""})
         return exp["id"], sweep_base, dict(mapped)
     return None

@@ -15,7 +15,7 @@ import pandas as pd
 from scipy import stats
 
 from vllm_lab.analysis import findings as findings_mod
-from vllm_lab.summary import meets_slo
+from vllm_lab.run_summary import RunSummary
 
 TUNING_STEPS = ("sweep", "combo", "tune")
 SIGNIFICANCE = 0.05
@@ -57,7 +57,8 @@ def baseline_comparison(now: pd.DataFrame, before: pd.DataFrame) -> pd.DataFrame
 
 def point_means(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (experiment, point): means over its ok repeats and whether all met the SLO."""
-    ok = ok_runs(runs).assign(meets=lambda d: d["summary_json"].map(meets_slo))
+    ok = ok_runs(runs).assign(meets=lambda d: d["summary_json"].map(
+        lambda text: bool(RunSummary.of(text).meets_slo)))
     agg = ok.groupby(["experiment_id", "point_json"], sort=False).agg(
         label=("label", "first"), scenario_name=("scenario_name", "first"),
         gpu_model=("gpu_model", "first"), step=("step", "first"), params=("params", "first"),

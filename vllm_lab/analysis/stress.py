@@ -12,11 +12,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
 
@@ -84,7 +86,7 @@ def offered_rate(samples: pd.DataFrame | None, level: float) -> float:
     return (len(t) - 1) / span if span > 0 else level
 
 
-def level_verdict(level: float, summary: dict[str, Any], samples: pd.DataFrame,
+def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFrame,
                   metrics: pd.DataFrame | None) -> dict[str, Any]:
     """One staircase level: bounded or not, the SLO verdict, and the capacity it implies."""
     slope = latency_growth(samples)
@@ -101,7 +103,7 @@ def level_verdict(level: float, summary: dict[str, Any], samples: pd.DataFrame,
     if qslope is not None and qslope > GROWTH_SLOPE * max(offered - qslope, 0.0):
         unbounded, capacity = True, offered - qslope
     return {"level": level, "offered": offered, "latency_growth": slope, "queue_growth": qslope,
-            "unbounded": unbounded, "meets_slo": bool(summary.get("meets_slo")),
+            "unbounded": unbounded, "meets_slo": bool(RunSummary.of(summary).meets_slo),
             "capacity_estimate": capacity if unbounded else math.nan}
 
 
@@ -161,7 +163,7 @@ def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
         row = {"level": level, "ok": ok, "status": run["status"], "confirmed": run["confirmed"],
                **{m: run[m] for m in LEVEL_COLUMNS if m in run}}
         if ok:
-            verdict = level_verdict(level, {"meets_slo": run["summary"].get("meets_slo")},
+            verdict = level_verdict(level, run["summary"],
                                            store.samples(exp_id, run["run_key"]),
                                            store.server_metrics(exp_id, run["run_key"]))
             row.update(verdict)

@@ -32,7 +32,7 @@ from vllm_lab.backends import Backend, Measurement
 from vllm_lab.flags import redact
 from vllm_lab.progress import Progress
 from vllm_lab.scenarios import Scenario, ScenarioError
-from vllm_lab.store import Store
+from vllm_lab.store import RunStatus, Store
 
 
 @dataclass
@@ -211,11 +211,11 @@ def _flags_text(flags: dict[str, Any]) -> str:
 def level_line(point: plans.Point, m: Measurement) -> str:
     """One progress line per measured level."""
     level = point.values["load.shape.level"]
-    if m.status != "ok":
+    if m.status != RunStatus.OK:
         return f"    {level} req/s: {m.status}: {(m.error or '').splitlines()[0][:120] if m.error else ''}"
     s = m.summary
-    held = "meets" if s.get("meets_slo") else "breaks"
+    held = "meets" if s.meets_slo else "breaks"
     grows = level_verdict(level, s, m.samples, m.server_metrics)["unbounded"]
-    return (f"    {level} req/s: TTFT p99 {(s.get('ttft_p99') or 0) * 1000:.0f} ms, TPOT p99 "
-            f"{(s.get('tpot_p99') or 0) * 1000:.1f} ms: {held} the SLO"
+    return (f"    {level} req/s: TTFT p99 {(s.ttft_p99 or 0) * 1000:.0f} ms, TPOT p99 "
+            f"{(s.tpot_p99 or 0) * 1000:.1f} ms: {held} the SLO"
             + (", queue grows without bound" if grows else ""))

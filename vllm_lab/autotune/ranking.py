@@ -16,6 +16,7 @@ from vllm_lab.analysis.stress import level_verdict
 from vllm_lab.autotune.space import open_loop, with_flags
 from vllm_lab.backends import Measurement, PredictBackend
 from vllm_lab.scenarios import Scenario, ScenarioError
+from vllm_lab.store import RunStatus
 
 # Probes per configuration: a bracket widened by BRACKET, then halved: about 4% wide.
 PROBES = 7
@@ -37,7 +38,7 @@ class Predicted:
 
 def level_holds(level: float, m: Measurement) -> bool:
     """A level holds when its run is ok, meets every SLO and its queue does not grow without bound."""
-    if m.status != "ok" or not m.summary.get("meets_slo"):
+    if m.status != RunStatus.OK or not m.summary.meets_slo:
         return False
     return not level_verdict(level, m.summary, m.samples, m.server_metrics)["unbounded"]
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_lab import plans, stats
+from vllm_lab.run_summary import RunSummary
 
 # The metrics PRECISION may name, and the short names it takes for them.
 PRECISION_METRICS = ("output_throughput", "request_throughput", "goodput", "ttft_p50", "tpot_p50",
@@ -71,7 +72,7 @@ class Precision:
             verdict: dict[str, Any] = {"runs": len(mine)}
             for m in self.targets:
                 values = [float(v) for v in mine[m]] if m in mine else \
-                    [float(x[m]) for x in mine["summary"] if x.get(m) is not None]
+                    [v for x in mine["summary"] if (v := RunSummary.of(x).figure(m)) is not None]
                 verdict[m] = stats.mean_ci(values).relative
                 verdict[f"{m}_cv"] = stats.cv(values)
             verdict["reached"] = all(verdict[m] <= t for m, t in self.targets.items())

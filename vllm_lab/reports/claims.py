@@ -31,7 +31,7 @@ ARM_METRICS = {name: (metric(name).heading, metric(name).scale) for name in sele
 
 def _median(runs: list[dict], key: str, scale: float) -> float | None:
     ok = [r for r in runs if r["status"] in claims.OK_STATUSES]
-    vals = [r["summary"].get(key) for r in ok if isinstance(r["summary"].get(key), (int, float))]
+    vals = [v for r in ok if (v := r["summary"].figure(key)) is not None]
     return round(float(pd.Series(vals).median()) * scale, 2) if vals else None
 
 
