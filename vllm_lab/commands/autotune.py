@@ -72,7 +72,10 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
 
     def account() -> stopping.Account:
         from vllm_lab.reports.autotune import build_report
-        spent = build_report(settings.store_path, exp_id, settings.out, storage)["gpu_minutes"]
+        try:
+            spent = build_report(settings.store_path, exp_id, settings.out, storage)["gpu_minutes"]
+        except StoreError:  # stopped during the search: no plan, nothing measured yet
+            return stopping.Account("the search on the predictor was under way, nothing measured")
         return stopping.Account(f"{spent:.1f} of GPU_MINUTES={options.gpu_minutes:g} spent",
                                 kept="what was measured is kept and reported")
 
