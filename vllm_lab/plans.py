@@ -339,7 +339,7 @@ class Taking:
             return False  # interrupted mid-run: its figures are not a measurement
         store.record_run(_record(self.plan, point, self.backend, m), m.samples, m.server_metrics)
         with self.lock:
-            self.counts[m.status] = self.counts.get(m.status, 0) + 1
+            self.counts[str(m.status)] = self.counts.get(str(m.status), 0) + 1  # plain words when printed
             self.recorded.append(folder)
         if self.progress:
             self.progress.point_done(point.values, point.repeat, m.status, m.summary, m.error, host)

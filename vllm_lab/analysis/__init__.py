@@ -6,6 +6,8 @@
 - ``claims``: the guide's claims judged on a claims experiment's arms (and on the twin's
   predictions recorded with them);
 - ``search``: a search's Optuna study: its trials, importances and best configurations;
+- ``autotune``: an autotune's record (plan, candidates, minutes spent), each candidate's measured
+  SLO capacity, the best and the verdict;
 - ``findings``: the tuning guide's troubleshooting patterns in a run's figures;
 - ``quarterly``: the tables of a period's report.
 
