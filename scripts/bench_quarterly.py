@@ -190,9 +190,8 @@ def main() -> int:
         runs, n = generate(args.out, args.runs, args.samples)
         print(f"generated {runs:,} runs, {n:,} request samples in {time.perf_counter() - t:.0f} s "
               f"({args.out})")
-    store = Store(args.out / "lab.db")
-    all_runs = store.runs()
-    store.close()
+    with Store(args.out / "lab.db") as store:
+        all_runs = store.runs()
     print(f"store: {len(all_runs):,} runs over "
           f"{all_runs['started'].min() and datetime.fromtimestamp(all_runs['started'].min(), UTC):%Y-%m-%d}"
           f" .. {datetime.fromtimestamp(all_runs['started'].max(), UTC):%Y-%m-%d}, "

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from vllm_lab import plans, search
-from vllm_lab import reports as report
+from vllm_lab.analysis.points import point_table
 from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import resolve
 from vllm_lab.store import Store
@@ -47,9 +47,8 @@ def main() -> int:
     plan = plans.Plan("grid", "combo", search.combo_points(scenario, GRID), {"params": list(GRID)})
     plans.execute(plan, PredictBackend(), db, work / "w")
     grid_s = time.perf_counter() - t0
-    store = Store(db)
-    table = report.point_table(store.runs("grid"), list(GRID))
-    store.close()
+    with Store(db) as store:
+        table = point_table(store.runs("grid"), list(GRID))
     best = table.sort_values("goodput", ascending=False).iloc[0]
     print(f"grid: {len(table)} points in {grid_s:.1f} s; best goodput {best['goodput']:.2f} req/s at "
           f"max-num-seqs={best['max-num-seqs']}, max-num-batched-tokens={best['max-num-batched-tokens']}")

@@ -33,6 +33,7 @@ import numpy as np
 import yaml
 
 from vllm_lab import plans, stress
+from vllm_lab.analysis.stress import find_knee, levels_table, offered_rate
 from vllm_lab.backends import LiveBackend, PredictBackend
 from vllm_lab.scenarios import resolve
 from vllm_lab.store import Store
@@ -60,9 +61,8 @@ def ramp(scenario, db: Path, exp: str, backend, levels: list[float], rounds: int
         return 0
 
     def read_levels():
-        store = Store(db)
-        table = stress.levels_table(store, exp, store.runs(exp))
-        store.close()
+        with Store(db) as store:
+            table = levels_table(store, exp, store.runs(exp))
         if echo:
             for r in table.itertuples():
                 echo(f"    level {r.level:7.3f} offered {getattr(r, 'offered', float('nan')):7.3f} "
@@ -73,7 +73,7 @@ def ramp(scenario, db: Path, exp: str, backend, levels: list[float], rounds: int
 
     stress.run_staircase(scenario, levels, rounds, take, read_levels, say=echo or (lambda _: None))
     table = read_levels()
-    return {**stress.find_knee(table), "runs": len(table)}
+    return {**find_knee(table), "runs": len(table)}
 
 
 def in_system_growth(samples) -> float:
@@ -93,7 +93,7 @@ def queue_truth(scenario, around: float, duration_s: float) -> tuple[float, list
         point = stress.staircase_points(s, [round(around * f, 3)])[0]
         # No client-side cap: the whole backlog must reach the server, or the sends slow down.
         m = PredictBackend().measure(plans.apply_value(point.scenario, "load.max_in_flight", 10**6), None, None)
-        ladder.append((stress.offered_rate(m.samples, 0.0), in_system_growth(m.samples)))
+        ladder.append((offered_rate(m.samples, 0.0), in_system_growth(m.samples)))
     # Overloaded runs pile up requests at (offered - capacity) per second: the line through them
     # crosses zero growth at the capacity.
     over = [(o, g) for o, g in ladder if g > 0.01 * o]

@@ -120,11 +120,8 @@ def staircases(db: Path = STAIRCASES) -> None:
     from vllm_lab.backends import PredictBackend
     from vllm_lab.store import Store
 
-    store = Store(db)
-    try:
+    with Store(db) as store:
         runs = store.runs()
-    finally:
-        store.close()
     print(f"\n## Fidelity on stored staircases: {db}")
     print(f"{'candidate':24s} {'set':8s} {'level':>7s} {'TTFT p99 ms':>17s} {'TPOT p99 ms':>15s} {'SLO':>13s}")
     agree = {"fit": [], "held-out": []}

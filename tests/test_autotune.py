@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -15,6 +16,8 @@ import pytest
 from tests.support.processes import private_inventory
 from vllm_lab import autotune, cli, search
 from vllm_lab.backends import PredictBackend
+from vllm_lab.commands import autotune as autotune_command
+from vllm_lab.reports.autotune import build_report
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
 
@@ -70,18 +73,18 @@ def test_capacity_of_a_staircase_and_its_refinement():
                 {"level": 6, "meets_slo": False, "unbounded": False},
                 {"level": 8, "meets_slo": True, "unbounded": True}])
     found = autotune.capacity_from_levels(t)
-    assert (found["capacity"], found["bound"], found["bracket"]) == (4.0, "=", (4.0, 6.0))
+    assert (found.capacity, found.bound, found.bracket) == (4.0, "=", (4.0, 6.0))
     assert autotune.refine_level(found) == 5.0
     all_hold = autotune.capacity_from_levels(t.assign(meets_slo=True, unbounded=False))
-    assert all_hold["bound"] == ">=" and autotune.refine_level(all_hold) == 10.4
+    assert all_hold.bound == ">=" and autotune.refine_level(all_hold) == 10.4
     none_hold = autotune.capacity_from_levels(t.assign(meets_slo=False))
-    assert none_hold["capacity"] == 0.0 and none_hold["bound"] == "<"
+    assert none_hold.capacity == 0.0 and none_hold.bound == "<"
     assert autotune.refine_level(none_hold) == 1.0
     narrow = autotune.capacity_from_levels(levels([{"level": 4, "meets_slo": True, "unbounded": False},
                                                    {"level": 4.2, "meets_slo": False, "unbounded": False}]))
     assert autotune.refine_level(narrow) is None
     failed = autotune.capacity_from_levels(pd.DataFrame([{"level": 1, "ok": False, "status": "oom"}]))
-    assert failed["capacity"] is None and failed["status"] == "oom"
+    assert failed.capacity is None and failed.status == "oom"
 
 
 def settings(tmp_path, name="at", minutes=20.0, **kw):
@@ -98,7 +101,7 @@ def test_predictor_end_to_end_and_resume(tmp_path):
     scenario = chat()
     space = autotune.load_space(None, scenario)
     said: list[str] = []
-    summary = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
+    summary = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
                            said.append)
     assert SUMMARY_KEYS <= set(summary) and summary["backend"] == "predict"
     assert summary["defaults_capacity"] > 0 and summary["best_capacity"] >= summary["defaults_capacity"]
@@ -121,14 +124,14 @@ def test_predictor_end_to_end_and_resume(tmp_path):
     store = Store(tmp_path / "lab.db")
     runs = len(store.runs())
     store.close()
-    again = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
+    again = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
                          said.append)
     store = Store(tmp_path / "lab.db")
     assert len(store.runs()) == runs  # everything was recorded: nothing measured twice
     store.close()
     assert again["best_capacity"] == summary["best_capacity"]
     with pytest.raises(ScenarioError, match="experiment at measures on predict: resume it with BACKEND=predict"):
-        autotune.run(scenario, space, Slow(), settings(tmp_path, trials=4, seed=3, top=1), said.append)
+        autotune_command.run(scenario, space, Slow(), settings(tmp_path, trials=4, seed=3, top=1), said.append)
 
 
 class Slow(PredictBackend):
@@ -138,7 +141,7 @@ class Slow(PredictBackend):
 
 
 def test_a_candidate_that_would_pass_the_budget_is_not_started(tmp_path):
-    summary = autotune.run(chat(), autotune.load_space(None, chat()), Slow(),
+    summary = autotune_command.run(chat(), autotune.load_space(None, chat()), Slow(),
                            settings(tmp_path, minutes=0.5, trials=3, seed=1, top=1), lambda _: None)
     assert summary["best_capacity"] is None and summary["gpu_minutes"] == 0
     assert "raise GPU_MINUTES" in summary["verdict"]
@@ -165,10 +168,10 @@ def test_minutes_spent_are_kept_when_the_deadline_cuts_a_server_stop(tmp_path):
     the report; they are recorded before the interrupt goes on."""
     scenario = chat()
     with pytest.raises(KeyboardInterrupt):
-        autotune.run(scenario, autotune.load_space(None, scenario), StopInterrupted(),
+        autotune_command.run(scenario, autotune.load_space(None, scenario), StopInterrupted(),
                      settings(tmp_path, trials=3, seed=1, top=1), lambda _: None)
-    study = search.load_study("at", search.storage_url(None, tmp_path / "lab.db"))
-    spent = study.user_attrs["spend"]["defaults"]
+    with Store(tmp_path / "lab.db") as store:
+        spent = store.experiment("at")["meta"]["spend"]["defaults"]
     assert spent["runs"] >= 3 and spent["measure_s"] > 0
 
 
@@ -190,7 +193,7 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
                     "measure:\n  max-num-partial-prefills: [2]\n")
     space = autotune.load_space(str(spec), scenario)
     assert space.measure == {"max-num-partial-prefills": [2]}
-    summary = autotune.run(scenario, space, OnVllm(), settings(tmp_path, minutes=60, trials=3, seed=1, top=2),
+    summary = autotune_command.run(scenario, space, OnVllm(), settings(tmp_path, minutes=60, trials=3, seed=1, top=2),
                            lambda _: None)
     names = [c["name"] for c in summary["candidates"]]
     assert names == ["defaults", "m1", "c1", "c2"]
@@ -201,31 +204,30 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
     assert m1["centre"] == pytest.approx(summary["defaults_capacity"], rel=0.16)
     md = (tmp_path / "at" / "report.md").read_text()
     assert "| m1" in md and "not modelled" in md and "max-num-partial-prefills=2 on defaults" in md
-    twin_plan = autotune.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1),
+    twin_plan = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1),
                              lambda _: None)
     assert [c["name"] for c in twin_plan["candidates"]] == ["defaults", "c1"]
 
 
 def test_staircase_centre_follows_what_was_measured():
-    plan = {"candidates": [{"name": "defaults", "flags": {}, "predicted": 40.0},
-                           {"name": "c1", "flags": {"max-num-seqs": 64}, "predicted": 50.0},
-                           {"name": "m1", "flags": None, "measure": {"api-server-count": 4},
-                            "predicted": None, "base": "c1"}]}
-    exact = {"capacity": 30.0, "bound": "=", "bracket": (30.0, 33.0), "status": "ok"}
+    plan = autotune.Plan({}, {}, [], "vllm", 60, 1, 3, 80.0, [
+        autotune.Candidate("defaults", {}, 40.0), autotune.Candidate("c1", {"max-num-seqs": 64}, 50.0),
+        autotune.Candidate("m1", None, None, measure={"api-server-count": 4}, base="c1")])
+    exact = autotune.Capacity(30.0, "=", (30.0, 33.0), "ok")
     # The predictor read the defaults 25% high: the next candidate's staircase moves down alike.
-    assert autotune.staircase_centre(plan["candidates"][0], plan, {}) == 40.0
-    assert autotune.staircase_centre(plan["candidates"][1], plan, {"defaults": exact}) == 37.5
+    assert autotune.staircase_centre(plan.candidates[0], plan, {}) == 40.0
+    assert autotune.staircase_centre(plan.candidates[1], plan, {"defaults": exact}) == 37.5
     # Nothing broke up to 30: aim a little higher; the lowest level broke at 30: aim below it.
-    assert autotune.staircase_centre(plan["candidates"][1], plan,
-                                     {"defaults": {**exact, "bound": ">=", "bracket": (30.0, None)}}) == 43.125
-    assert autotune.staircase_centre(plan["candidates"][1], plan,
-                                     {"defaults": {**exact, "capacity": 0.0, "bound": "<",
-                                                   "bracket": (None, 30.0)}}) == 26.25
+    assert autotune.staircase_centre(plan.candidates[1], plan,
+                                     {"defaults": replace(exact, bound=">=", bracket=(30.0, None))}) == 43.125
+    assert autotune.staircase_centre(plan.candidates[1], plan,
+                                     {"defaults": replace(exact, capacity=0.0, bound="<",
+                                                          bracket=(None, 30.0))}) == 26.25
     # A variant starts from its base's measurement, or its base's prediction scaled like the rest.
-    assert autotune.staircase_centre(plan["candidates"][2], plan, {"defaults": exact, "c1": exact}) == 30.0
-    assert autotune.staircase_centre(plan["candidates"][2], plan, {"defaults": exact}) == 37.5
-    assert autotune.best_measured(plan, {"defaults": exact, "c1": {**exact, "capacity": 29.0}})["name"] == "defaults"
-    assert autotune.best_measured(plan, {"defaults": exact, "c1": {**exact, "capacity": 31.0}})["name"] == "c1"
+    assert autotune.staircase_centre(plan.candidates[2], plan, {"defaults": exact, "c1": exact}) == 30.0
+    assert autotune.staircase_centre(plan.candidates[2], plan, {"defaults": exact}) == 37.5
+    assert autotune.best_measured(plan, {"defaults": exact, "c1": replace(exact, capacity=29.0)}).name == "defaults"
+    assert autotune.best_measured(plan, {"defaults": exact, "c1": replace(exact, capacity=31.0)}).name == "c1"
 
 
 def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path):
@@ -270,7 +272,7 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
     db = tmp_path / "lab.db"
     db.write_bytes((example / "lab.db").read_bytes())
     (tmp_path / "lab.samples").symlink_to(example / "lab.samples")
-    summary = autotune.build_report(db, exp, tmp_path, search.storage_url(None, db))
+    summary = build_report(db, exp, tmp_path, search.storage_url(None, db))
     assert summary["backend"] == "vllm" and summary["gpu_minutes"] <= 20
     assert SUMMARY_KEYS <= set(summary) and summary["gain"] > autotune.NOISE
     for name in ("summary.json", "report.md", "best.yaml"):
@@ -280,3 +282,23 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
         assert summary["best_flags"]["api-server-count"] == 4 and summary["gain"] >= 0.30
     else:
         assert summary["best_flags"] == {"api-server-count": 4}
+
+
+def test_make_report_rebuilds_an_autotune_from_its_store(tmp_path, capsys):
+    """make report EXPERIMENT=<an autotune> goes through reports.BUILDERS: for a store written
+    before the autotune's own experiment was recorded (its plan in the study) as for a new one."""
+    example = REPO / "reports/examples/autotune-h200"
+    (tmp_path / "lab.db").write_bytes((example / "lab.db").read_bytes())
+    (tmp_path / "lab.samples").symlink_to(example / "lab.samples")
+    exp = "autotune-realtime-chat-h200-b"
+    assert cli.main(["report", "--out", str(tmp_path), "--experiment", exp]) == 0
+    for name in ("summary.json", "report.md", "best.yaml", "index.html"):
+        assert (tmp_path / exp / name).read_text() == (example / exp / name).read_text(), name
+    out = tmp_path / "new"
+    autotune_command.run(chat(), autotune.load_space(None, chat()), PredictBackend(),
+                         settings(out, trials=3, seed=1, top=1), lambda _: None)
+    first = (out / "at" / "report.md").read_text()
+    (out / "at" / "report.md").unlink()
+    assert cli.main(["report", "--out", str(out), "--experiment", "at"]) == 0
+    assert (out / "at" / "report.md").read_text() == first
+    assert capsys.readouterr().out.strip().endswith("at/index.html")

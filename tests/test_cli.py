@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from vllm_lab import cli
+from vllm_lab.commands import show
 from vllm_lab.store import Store
 
 
@@ -84,7 +85,7 @@ def test_ctrl_c_is_exit_130_with_a_sentence(capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_show", interrupted)
+    monkeypatch.setattr(show, "main", interrupted)
     code, _, err = run(capsys, "show")
     assert code == 130 and err == "lab: interrupted; finished runs are in the store\n"
 

@@ -10,8 +10,22 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import private_inventory
-from vllm_lab import cli, experiment
-from vllm_lab.experiment import Deadline, DeadlineError, Settings, Source
+from vllm_lab import cli, serving
+from vllm_lab.commands.autotune import AutotuneOptions, autotune
+from vllm_lab.commands.naming import experiment_id
+from vllm_lab.commands.settings import Settings, Source, store_path
+from vllm_lab.commands.stopping import watched
+from vllm_lab.commands.sweep import sweep
+from vllm_lab.commands.tune import TuneOptions, tune
+from vllm_lab.deadline import (
+    EXIT_DEADLINE,
+    RUN_OVERHEAD_S,
+    Deadline,
+    DeadlineError,
+    DeadlineReached,
+    Timing,
+    Watchdog,
+)
 from vllm_lab.store import Store
 
 SMALL = ["--set", "load.shape.level=2", "--set", "load.stop.duration_s=5"]
@@ -63,17 +77,17 @@ def test_resume_command_repeats_the_make_variables():
 # -- ids and the store ------------------------------------------------------------------------------
 
 def test_store_path_and_unique_ids(tmp_path):
-    assert experiment.store_path(tmp_path) == tmp_path / "lab.db"
-    assert experiment.store_path(tmp_path, tmp_path / "x.db") == tmp_path / "x.db"
+    assert store_path(tmp_path) == tmp_path / "lab.db"
+    assert store_path(tmp_path, tmp_path / "x.db") == tmp_path / "x.db"
     scenario = SOURCE.resolve_checked()
     settings = Settings(backend="predict", out=tmp_path)
-    first = experiment.experiment_id(settings, "sweep", scenario, "max-num-seqs")
+    first = experiment_id(settings, "sweep", scenario, "max-num-seqs")
     store = Store(settings.store_path)
     store.create_experiment(first, "sweep", scenario.name, {})
     store.close()
-    second = experiment.experiment_id(settings, "sweep", scenario, "max-num-seqs")
+    second = experiment_id(settings, "sweep", scenario, "max-num-seqs")
     assert second != first and second.startswith(first[:-len("-YYYYmmdd-HHMMSS")])
-    resumed = experiment.experiment_id(Settings(backend="predict", out=tmp_path, resume=True),
+    resumed = experiment_id(Settings(backend="predict", out=tmp_path, resume=True),
                                        "sweep", scenario, "max-num-seqs")
     assert resumed == first
 
@@ -95,13 +109,13 @@ def test_predictor_stops_at_the_deadline_and_resume_completes(tmp_path, capsys):
     deadline = Deadline(at, "test", clock=lambda: time.time() if _recorded(out / "lab.db", "dl") < 3 else at + 1)
     settings = Settings(backend="predict", out=out, experiment="dl", deadline=deadline,
                         resume_command=lambda e: f"make sweep RESUME=1 EXPERIMENT={e}")
-    rc = experiment.sweep(settings, SOURCE, "max-num-seqs", "8,16,32,64")
+    rc = sweep(settings, SOURCE, "max-num-seqs", "8,16,32,64")
     err = capsys.readouterr().err
-    assert rc == experiment.EXIT_DEADLINE, err
+    assert rc == EXIT_DEADLINE, err
     assert "3 of 4 runs done, 1 left" in err and "make sweep RESUME=1 EXPERIMENT=dl" in err
     assert err.count("\n") == 1
     first = Store(out / "lab.db").runs("dl").set_index("run_key")["started"]
-    rc = experiment.sweep(Settings(backend="predict", out=out, experiment="dl", resume=True), SOURCE,
+    rc = sweep(Settings(backend="predict", out=out, experiment="dl", resume=True), SOURCE,
                           "max-num-seqs", "8,16,32,64")
     assert rc == 0
     runs = Store(out / "lab.db").runs("dl").set_index("run_key")
@@ -112,7 +126,7 @@ def test_predictor_stops_at_the_deadline_and_resume_completes(tmp_path, capsys):
 def test_cli_deadline_too_close_starts_nothing_and_says_how_to_resume(tmp_path, capsys):
     argv = ["sweep", *SMALL, "--backend", "predict", "--out", str(tmp_path), "--param", "max-num-seqs",
             "--values", "8,16", "--deadline", "2s"]
-    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    assert cli.main(argv) == EXIT_DEADLINE
     err = capsys.readouterr().err
     assert "0 of 2 runs done, 2 left" in err
     command = shlex.split(err.split("resume with: ")[1])
@@ -123,10 +137,10 @@ def test_cli_deadline_too_close_starts_nothing_and_says_how_to_resume(tmp_path, 
 
 def test_timing_uses_measured_starts_and_runs(tmp_path):
     scenario = SOURCE.resolve_checked()
-    timing = experiment.Timing(live=True)
+    timing = Timing(live=True)
     # Nothing measured: the run's duration plus overhead, and the start timeout for a start.
-    assert timing.expected("h", scenario, start=False) == 5 + experiment.RUN_OVERHEAD_S
-    assert timing.expected("h", scenario, start=True) == scenario.run.start_timeout_s + 5 + experiment.RUN_OVERHEAD_S
+    assert timing.expected("h", scenario, start=False) == 5 + RUN_OVERHEAD_S
+    assert timing.expected("h", scenario, start=True) == scenario.run.start_timeout_s + 5 + RUN_OVERHEAD_S
     timing.add("h", True, 40.0)
     timing.add("h", False, 8.0)
     assert timing.expected("h", scenario, start=False) == 8.0
@@ -150,13 +164,13 @@ def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_pat
     deadline = Deadline(at, "test", clock=lambda: time.time() if _recorded(out / "lab.db", "dl-twin") < 2 else at)
     settings = Settings(backend="twin", inventory=inv, out=out, experiment="dl-twin", repeats=2,
                         deadline=deadline)
-    assert experiment.sweep(settings, source, "max-num-seqs", "4,8") == experiment.EXIT_DEADLINE
+    assert sweep(settings, source, "max-num-seqs", "4,8") == EXIT_DEADLINE
     assert "2 of 4 runs done, 2 left, servers stopped" in capsys.readouterr().err
     assert not any(p.read_text().split()[:1] for p in (tmp_path / "host").rglob("*.pid")), \
         "a twin is still running after the deadline"
     first = Store(out / "lab.db").runs("dl-twin").set_index("run_key")["started"]
     resumed = Settings(backend="twin", inventory=inv, out=out, experiment="dl-twin", repeats=2, resume=True)
-    assert experiment.sweep(resumed, source, "max-num-seqs", "4,8") == 0
+    assert sweep(resumed, source, "max-num-seqs", "4,8") == 0
     runs = Store(out / "lab.db").runs("dl-twin").set_index("run_key")
     assert len(runs) == 4 and set(runs["status"]) == {"ok"}
     assert (runs.loc[first.index, "started"] == first).all()
@@ -165,14 +179,14 @@ def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_pat
 def test_watchdog_stops_a_run_that_outlasts_its_estimate():
     deadline = Deadline(time.time() + 0.5, "test")
     began = time.time()
-    with pytest.raises(KeyboardInterrupt), experiment.Watchdog(deadline, margin=0.0) as watch:
+    with pytest.raises(KeyboardInterrupt), Watchdog(deadline, margin=0.0) as watch:
         time.sleep(10)  # a run still going at the deadline
     assert watch.fired.is_set() and time.time() - began < 5
-    with experiment.Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0) as watch:
+    with Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0) as watch:
         pass  # a block that ends in time is never interrupted afterwards
     time.sleep(0.5)
     assert not watch.fired.is_set()
-    with experiment.Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0) as watch:
+    with Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0) as watch:
         watch.disarm()  # the lab is stopping: its servers' stop is not cut short
         time.sleep(0.6)
     assert not watch.fired.is_set()
@@ -182,37 +196,37 @@ def test_watched_block_turns_the_watchdog_interrupt_into_deadline_reached(tmp_pa
     from vllm_lab import progress
 
     shown = progress.Progress("sweep", "w", "predict", tmp_path)
-    with pytest.raises(experiment.DeadlineReached), \
-            experiment.watched(Deadline(time.time() + 0.3, "test"), object(), shown):
+    with pytest.raises(DeadlineReached), \
+            watched(Deadline(time.time() + 0.3, "test"), object(), shown):
         time.sleep(10)  # a run still going at the deadline
-    with pytest.raises(KeyboardInterrupt), experiment.watched(None, object(), shown):
+    with pytest.raises(KeyboardInterrupt), watched(None, object(), shown):
         raise KeyboardInterrupt  # the user's Ctrl-C stays one
 
 
 def test_tune_stopped_says_how_many_trials_are_left(tmp_path, capsys):
     argv = ["tune", *SMALL, "--backend", "predict", "--out", str(tmp_path), "--trials", "3",
             "--deadline", "2s"]
-    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    assert cli.main(argv) == EXIT_DEADLINE
     err = capsys.readouterr().err
     assert "0 of 3 trials done, 3 left" in err and "--trials=3 --resume --experiment=tune-" in err
 
 
 def test_tune_spread_over_hosts_stops_at_the_deadline_without_tracebacks(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(experiment.serving, "serve_hosts", lambda inventory: ["a", "b"])
+    monkeypatch.setattr(serving, "serve_hosts", lambda inventory: ["a", "b"])
     out = tmp_path / "reports"
     at = time.time() + 3600
     deadline = Deadline(at, "test", clock=lambda: time.time() if _recorded(out / "lab.db", "dl-tune") < 2 else at)
     settings = Settings(backend="predict", out=out, experiment="dl-tune", spread=True, deadline=deadline)
-    rc = experiment.tune(settings, SOURCE, experiment.TuneOptions(trials=4, seed=1))
+    rc = tune(settings, SOURCE, TuneOptions(trials=4, seed=1))
     err = capsys.readouterr().err
-    assert rc == experiment.EXIT_DEADLINE, err
+    assert rc == EXIT_DEADLINE, err
     assert "of 8 trials done" in err and "Traceback" not in err and "Exception in thread" not in err
 
 
 def test_stress_ramp_stops_once_for_the_deadline(tmp_path, capsys):
     argv = ["stress", "--shape", "ramp", "--backend", "predict", "--out", str(tmp_path),
             "--set", "load.stop.duration_s=5", "--deadline", "2s"]
-    assert cli.main(argv) == experiment.EXIT_DEADLINE
+    assert cli.main(argv) == EXIT_DEADLINE
     err = capsys.readouterr().err
     assert err.count("lab: stopped for DEADLINE=") == 1 and "0 of " in err
 
@@ -231,31 +245,31 @@ def test_autotune_stops_at_the_deadline_reports_what_it_has_and_resumes(tmp_path
     out = tmp_path / "reports"
     at = time.time() + 3600
     deadline = Deadline(at, "test", clock=lambda: time.time() if _family_runs(out / "lab.db", "at") < 4 else at + 1)
-    source = experiment.Source("realtime-chat")
-    options = experiment.AutotuneOptions(gpu_minutes=20, trials=3, seed=1, top=1)
+    source = Source("realtime-chat")
+    options = AutotuneOptions(gpu_minutes=20, trials=3, seed=1, top=1)
     settings = Settings(backend="predict", out=out, experiment="at", deadline=deadline,
                         resume_command=lambda e: f"make autotune RESUME=1 EXPERIMENT={e}")
-    rc = experiment.autotune(settings, source, options)
+    rc = autotune(settings, source, options)
     err = capsys.readouterr().err
-    assert rc == experiment.EXIT_DEADLINE, err
+    assert rc == EXIT_DEADLINE, err
     assert "make autotune RESUME=1 EXPERIMENT=at" in err and err.count("\n") == 1
     assert _family_runs(out / "lab.db", "at") == 4
     stopped = json.loads((out / "at" / "summary.json").read_text())
     assert stopped["candidates"][0]["status"] == "ok"  # the defaults' levels measured so far
-    rc = experiment.autotune(Settings(backend="predict", out=out, experiment="at"), source, options)
+    rc = autotune(Settings(backend="predict", out=out, experiment="at"), source, options)
     assert rc == 0
     done = json.loads((out / "at" / "summary.json").read_text())
     assert all(c["status"] == "ok" for c in done["candidates"]) and _family_runs(out / "lab.db", "at") > 4
-    timing = experiment.Timing.from_store(out / "lab.db", "at", "predict")
+    timing = Timing.from_store(out / "lab.db", "at", "predict")
     assert sum(map(len, timing.runs.values())) == _family_runs(out / "lab.db", "at")
 
 
 def test_autotune_shows_its_levels_as_progress(tmp_path):
     """Each level is a progress run naming its candidate; make status reads the heartbeat."""
     out = tmp_path / "reports"
-    rc = experiment.autotune(Settings(backend="predict", out=out, experiment="at"),
-                             experiment.Source("realtime-chat"),
-                             experiment.AutotuneOptions(trials=3, seed=1, top=1))
+    rc = autotune(Settings(backend="predict", out=out, experiment="at"),
+                             Source("realtime-chat"),
+                             AutotuneOptions(trials=3, seed=1, top=1))
     assert rc == 0
     beat = json.loads((out / ".work" / "status.json").read_text())
     assert beat["step"] == "autotune" and beat["state"] == "finished" and beat["runs_done"] >= 6
@@ -270,7 +284,7 @@ def test_watchdog_works_when_the_lab_was_started_with_sigint_ignored():
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with pytest.raises(KeyboardInterrupt), \
-                experiment.Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0):
+                Watchdog(Deadline(time.time() + 0.3, "test"), margin=0.0):
             time.sleep(10)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:

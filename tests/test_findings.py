@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from vllm_lab import findings
+from vllm_lab.analysis import findings
 
 
 def _row(serve: dict | None = None, **figures) -> dict:

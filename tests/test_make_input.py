@@ -14,6 +14,7 @@ import pytest
 
 from vllm_lab import cli, plans, scenarios, store
 from vllm_lab.backends import Measurement
+from vllm_lab.commands import bench
 from vllm_lab.store import Store, StoreError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -278,7 +279,7 @@ def test_make_help_is_plain_text_off_a_terminal_and_groups_variables_by_target()
     for target in ("provision", "stop", "teardown", "bench"):
         assert f"\n  {target} " in out.stdout
     # Every scripts/bench_*.py is listed under its make bench NAME, with its first line.
-    for name in cli.benchmarks():
+    for name in bench.benchmarks():
         assert f"\n  {name} " in out.stdout
     # A target's own variables sit under its heading.
     sweep = out.stdout.index("\nmake sweep:")

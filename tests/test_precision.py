@@ -6,9 +6,11 @@ import time
 import numpy as np
 import pytest
 
-from vllm_lab import experiment
 from vllm_lab.backends import Measurement
-from vllm_lab.experiment import Precision, PrecisionError, Settings, Source
+from vllm_lab.commands import backend as command_backend
+from vllm_lab.commands.precision import Precision, PrecisionError
+from vllm_lab.commands.settings import Settings, Source
+from vllm_lab.commands.sweep import sweep
 from vllm_lab.store import Store
 
 
@@ -37,10 +39,10 @@ class NoisyBackend:
 
 def test_points_repeat_until_precise_or_capped_in_interleaved_rounds(tmp_path, monkeypatch, capsys):
     backend = NoisyBackend()
-    monkeypatch.setattr(experiment, "make_backend", lambda settings, exp_id="": backend)
+    monkeypatch.setattr(command_backend, "make_backend", lambda settings, exp_id="", hooks=None: backend)
     settings = Settings(backend="predict", out=tmp_path, experiment="prec",
                         precision=Precision.parse("throughput=2%,max=6"))
-    code = experiment.sweep(settings, Source("default", None, ()), "max-num-seqs", "8,64")
+    code = sweep(settings, Source("default", None, ()), "max-num-seqs", "8,64")
     assert code == 0
     out = capsys.readouterr().out
     assert "precision reached: max-num-seqs=64" in out and "after 3 runs" in out

@@ -61,9 +61,9 @@ def test_plain_mode_lines(tmp_path, monkeypatch):
     with progress.tracking(p):
         p.begin(points, points, groups=2)
         p.point_started(points[0].values, 0)
-        progress.phase("starting")
-        progress.phase("measuring", window_s=30)
-        progress.figures(requests=12, tok_s=340.0, errors=1)
+        p.phase("starting")
+        p.phase("measuring", window_s=30)
+        p.figures(requests=12, tok_s=340.0, errors=1)
         p.point_done(points[0].values, 0, "ok", {"output_throughput": 345.0, "goodput": 1.5,
                                                  "ttft_p50": 0.08, "tpot_p50": 0.012})
         p.point_started(points[1].values, 1)

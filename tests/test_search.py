@@ -12,6 +12,7 @@ import pytest
 from tests.support.processes import PostgresServer
 from vllm_lab import plans, search
 from vllm_lab import reports as report
+from vllm_lab.analysis.search import best_configs
 from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
@@ -101,7 +102,7 @@ def test_throughput_objective_uses_the_slo_as_constraint(tmp_path, scenario):
     search.run_trials(s, settings, PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
     study = search.load_study("tune-c", settings.storage)
     assert all(t.user_attrs["slo_violation"] > 0 for t in study.trials)
-    assert search.best_configs(study, 1, "throughput") == []  # infeasible: no best
+    assert best_configs(study, 1, "throughput") == []  # infeasible: no best
 
 
 def test_pareto_uses_nsga2(tmp_path, scenario):

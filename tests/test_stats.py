@@ -73,7 +73,7 @@ def test_cv_of_a_host():
 def test_a_sweep_report_names_the_cheapest_point_within_noise_of_the_top():
     import pandas as pd
 
-    from vllm_lab.reports.points import best_point, within_noise
+    from vllm_lab.analysis.points import best_point, within_noise
 
     # The H200 example's max-num-seqs at 64 users, one run each: 64, 256 and 1024 cannot change
     # the batch; 256 reads 3.8% under 1024, within a single run's noise; 64 reads 23% under.

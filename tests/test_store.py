@@ -44,6 +44,17 @@ def test_round_trip(tmp_path):
     assert store.finished_keys("e1") == {"k1"}
 
 
+def test_a_store_closes_at_the_end_of_its_with_block_however_it_ends(tmp_path):
+    with Store(tmp_path / "lab.db") as store:
+        store.create_experiment("e", "sweep", "default")
+    with pytest.raises(sqlite3.ProgrammingError):
+        store.experiments()  # closed
+    with pytest.raises(StoreError), Store(tmp_path / "lab.db") as store:
+        store.experiment("missing")
+    with pytest.raises(sqlite3.ProgrammingError):
+        store.experiments()
+
+
 def test_run_identity_is_stable_and_ignores_provenance():
     a = run_identity({"serve": {"x": 1}, "sources": ["a.yaml"]}, 0)
     assert a == run_identity({"serve": {"x": 1}, "sources": ["b.yaml"]}, 0)

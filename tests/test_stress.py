@@ -14,6 +14,14 @@ import pytest
 from tests.support.processes import private_inventory
 from vllm_lab import plans, stress
 from vllm_lab import reports as report
+from vllm_lab.analysis.stress import (
+    find_knee,
+    levels_table,
+    offered_rate,
+    soak_drift,
+    spike_behaviour,
+    windows,
+)
 from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
@@ -30,7 +38,7 @@ def test_find_knee_and_refine():
                {"level": 4, "unbounded": False, "meets_slo": True},
                {"level": 6, "unbounded": False, "meets_slo": False},
                {"level": 8, "unbounded": True, "meets_slo": False, "capacity_estimate": 7.0}])
-    knee = stress.find_knee(t)
+    knee = find_knee(t)
     assert knee["knee_unbounded"] == 7.0 and knee["bracket"] == (6.0, 8.0)
     assert knee["knee_slo"] == 4.0 and knee["knee"] == 4.0 and knee["max_sustainable"] == 4.0
     assert stress.refine_levels(t) == [6.5, 7.0, 7.5]
@@ -41,12 +49,12 @@ def test_find_knee_and_refine():
 def test_knee_is_read_on_the_rate_the_runs_sent():
     """A level is the arrival process's mean: the knee uses the rate each run really offered."""
     samples = pd.DataFrame({"start_ts": 100 + np.arange(0, 60, 0.5)})  # 120 sends over 59.5 s
-    assert stress.offered_rate(samples, 3.0) == pytest.approx(119 / 59.5)
-    assert stress.offered_rate(samples.head(3), 3.0) == 3.0  # too few sends: the level
+    assert offered_rate(samples, 3.0) == pytest.approx(119 / 59.5)
+    assert offered_rate(samples.head(3), 3.0) == 3.0  # too few sends: the level
     t = table([{"level": 4.0, "offered": 3.7, "unbounded": False, "meets_slo": True},
                {"level": 5.0, "offered": 4.6, "unbounded": True, "meets_slo": False,
                 "capacity_estimate": 4.0}])
-    knee = stress.find_knee(t)
+    knee = find_knee(t)
     assert knee["knee_unbounded"] == 4.0 and knee["bracket"] == (4.0, 5.0)
     assert knee["knee_slo"] == 3.7 and knee["max_sustainable"] == 3.7
 
@@ -68,7 +76,7 @@ def test_a_marginal_overload_is_confirmed_by_a_longer_run(tmp_path):
     plans.execute(plans.Plan("c", "stress", points, {"shape": "ramp"}), PredictBackend(),
                   tmp_path / "lab.db", tmp_path / "w")
     store = Store(tmp_path / "lab.db")
-    t = stress.levels_table(store, "c", store.runs("c"))
+    t = levels_table(store, "c", store.runs("c"))
     assert list(t["level"]) == [2.0, 5.0] and list(t["confirmed"]) == [False, True]
     long_run = store.runs("c").loc[lambda r: r["point"].map(lambda p: p["load.shape.level"]) == 5.0]
     assert t["request_throughput"].iloc[1] == long_run.sort_values("duration_s")["request_throughput"].iloc[-1]
@@ -89,8 +97,8 @@ def test_predictor_staircase_finds_the_capacity(tmp_path):
                       {"shape": "ramp", "params": ["load.shape.level"]})
     plans.execute(plan, PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
     store = Store(tmp_path / "lab.db")
-    t = stress.levels_table(store, "st", store.runs("st"))
-    knee = stress.find_knee(t)
+    t = levels_table(store, "st", store.runs("st"))
+    knee = find_knee(t)
     assert not t[t["level"] <= 0.8 * capacity]["unbounded"].any()
     assert t[t["level"] >= 1.2 * capacity]["unbounded"].all()
     assert abs(knee["knee_unbounded"] / capacity - 1) < 0.10
@@ -117,10 +125,10 @@ def test_spike_recovery_and_soak_drift():
     s = resolve("default", None, ["load.shape.kind=spike", "load.shape.spike_at_s=20",
                                   "load.shape.spike_s=10"])
     samples, metrics = synthetic_run(spike=True)
-    found = stress.spike_behaviour(stress.windows(samples, metrics), s)
+    found = spike_behaviour(windows(samples, metrics), s)
     assert found["peak_queue"] == 30 and 5 <= found["recovery_s"] <= 8
     samples, metrics = synthetic_run(spike=False)
-    drift = stress.soak_drift(stress.windows(samples, metrics))
+    drift = soak_drift(windows(samples, metrics))
     assert drift["tpot_p50_drift"] > 0.2 and drift["kv_usage_drift"] > 0.2
     assert abs(drift["ttft_p50_drift"]) < 0.01
 
@@ -138,7 +146,7 @@ def test_live_twin_staircase(tmp_path):
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     store = Store(tmp_path / "reports/lab.db")
-    t = stress.levels_table(store, "live-st", store.runs("live-st")).set_index("level")
+    t = levels_table(store, "live-st", store.runs("live-st")).set_index("level")
     assert set(t["status"]) == {"ok"}
     assert not t.loc[1.5, "unbounded"] and t.loc[8.0, "unbounded"]
     assert t.loc[8.0, "queue_growth"] > 0  # the twin's own vllm:num_requests_waiting grows

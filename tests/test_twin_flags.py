@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_lab import findings
 from vllm_lab import flags as flag_catalog
+from vllm_lab.analysis import findings
 from vllm_lab.twin.cli_args import SERVER_FLAGS, build_parser
 from vllm_lab.twin.engine import ENGINE_FLAGS, resolve_flags
 from vllm_lab.twin.profile import load_profile

@@ -2,7 +2,9 @@
 Locust), or the twin's offline predictor. Plans see one interface, ``Backend``.
 
 A live backend keeps one server per host and restarts it only when the serve flags change, so a
-sweep over a load parameter (``load.shape.level``) reuses the running server.
+sweep over a load parameter (``load.shape.level``) reuses the running server. It tells the
+``RunHooks`` it was given (the command's progress) which phase the run in flight is in and its
+live figures; nobody listens by default.
 """
 
 from __future__ import annotations
@@ -20,30 +22,59 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from vllm_lab import audit, progress, serving
+from vllm_lab import audit, serving
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
-from vllm_lab.store import PREDICTION_KEY
+from vllm_lab.store import RunStatus
 from vllm_lab.summary import request_failures, summarize
 
 log = logging.getLogger(__name__)
 
-# How a failed start is recorded (the store's statuses).
-START_STATUS = {"oom": "oom", "refused-flag": "failed-start", "start-timeout": "timeout",
-                "crashed": "crashed", "unreachable": "unreachable", "refused-config": "failed-start"}
+# How a failed start is recorded, by its cause.
+START_STATUS = {"oom": RunStatus.OOM, "refused-flag": RunStatus.FAILED_START,
+                "start-timeout": RunStatus.TIMEOUT, "crashed": RunStatus.CRASHED,
+                "unreachable": RunStatus.UNREACHABLE, "refused-config": RunStatus.FAILED_START}
 
 
 @dataclass
 class Measurement:
     """What one run produced, ready for the store."""
 
-    status: str
+    status: RunStatus
     started: float
     ended: float
     host: str = ""
     error: str = ""
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: RunSummary = field(default_factory=RunSummary)
     samples: pd.DataFrame | None = None
     server_metrics: pd.DataFrame | None = None
+
+    def __post_init__(self) -> None:
+        self.status = RunStatus(self.status)
+        self.summary = RunSummary.of(self.summary)  # the figures summarize computed will do
+
+
+class RunHooks(Protocol):
+    """Who hears of the run in flight on this thread: its phases and its live figures."""
+
+    def phase(self, name: str, **info: Any) -> None:
+        """The run enters a phase: ``starting`` a server, ``measuring`` the window, ..."""
+
+    def figures(self, **figures: Any) -> None:
+        """Live figures of the run (requests, tok_s, errors), or its Locust web UI's ``web_url``."""
+
+
+class QuietHooks:
+    """Hooks nobody listens to: a backend built without a command's progress."""
+
+    def phase(self, name: str, **info: Any) -> None:
+        """Nothing to tell."""
+
+    def figures(self, **figures: Any) -> None:
+        """Nothing to show."""
+
+
+QUIET = QuietHooks()
 
 
 class Backend(Protocol):
@@ -102,8 +133,10 @@ class LiveBackend:
     REMOTE_CORES = 16
 
     def __init__(self, name: str, inventory: Path, api_key: str | None = None,
-                 processes: int | None = None, experiment: str = "", live_host: str | None = None):
+                 processes: int | None = None, experiment: str = "", live_host: str | None = None,
+                 hooks: RunHooks = QUIET):
         self.name = name  # "twin" | "vllm"
+        self.hooks = hooks  # the command's progress: the phase and figures of the run in flight
         self.inventory = inventory
         self.experiment = experiment  # named in the lock on each instance this process holds
         self.api_key = api_key
@@ -121,11 +154,11 @@ class LiveBackend:
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]
         if current:
-            progress.phase("stopping the last server")
+            self.hooks.phase("stopping the last server")
         self._stop(host, release=False)  # a restart keeps the instance's lock: no one takes it between
         # Marked before the start returns: an interrupt during a start must still stop the server.
         self._starting.add(host)
-        progress.phase("starting")
+        self.hooks.phase("starting")
         instances = serving.start(
             scenario.serve, inventory=self.inventory, backend=self.name, limit=host,
             experiment=self.experiment,
@@ -197,10 +230,10 @@ class LiveBackend:
             # Still marked as starting: the next start or close() stops whatever is left (a start
             # interrupted by Ctrl-C, a server still loading when the wait gave up).
             return self._with_prediction(scenario, Measurement(
-                status=START_STATUS.get(e.cause, "failed-start"), started=started, ended=time.time(),
+                status=START_STATUS.get(e.cause, RunStatus.FAILED_START), started=started, ended=time.time(),
                 host=e.host or host or "", error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}"))
         m = self.measure_on(scenario, instance, workdir)
-        if m.status == "crashed":
+        if m.status == RunStatus.CRASHED:
             self._running.pop(host, None)
         return self._with_prediction(scenario, m)
 
@@ -209,10 +242,10 @@ class LiveBackend:
         report compares them from the store alone (a later twin does not change an old page)."""
         if self.name == "vllm":
             try:
-                m.summary[PREDICTION_KEY] = twin_prediction(scenario)
+                m.summary.twin_prediction = twin_prediction(scenario)
             except Exception as e:  # noqa: BLE001  a measured run is never lost to its prediction
                 log.warning("the twin could not predict %s: %s", scenario.name, e)
-                m.summary[PREDICTION_KEY] = {"backend": PredictBackend.name, "predicted": False,
+                m.summary.twin_prediction = {"backend": PredictBackend.name, "predicted": False,
                                              "profile": scenario.hardware.twin_profile,
                                              "status": "failed-start", "error": str(e), "summary": {}}
         return m
@@ -222,7 +255,8 @@ class LiveBackend:
         workers = self._load_generators()
         procs = self.processes or self._plan(scenario, workers)
         started = time.time()
-        result, summary = self._run(scenario, instance, workdir, workers, procs)
+        result, figures = self._run(scenario, instance, workdir, workers, procs)
+        summary = RunSummary.of(figures)
         failures = request_failures(result.samples)
         failed = failures.rate > scenario.load.failed_requests_threshold
         limited = _client_limited(result, summary)
@@ -231,22 +265,22 @@ class LiveBackend:
         if limited and not failed and self.processes is None and more > procs:
             log.info("client-limited with %d Locust processes (%s): running again with %d",
                      procs, limited, more)
-            result, summary = self._run(scenario, instance, workdir, workers, more)
-            summary["loadgen_rerun_of"] = procs
+            result, figures = self._run(scenario, instance, workdir, workers, more)
+            summary = RunSummary.of(figures, loadgen_rerun_of=procs)
             failures = request_failures(result.samples)
             failed = failures.rate > scenario.load.failed_requests_threshold
             limited = _client_limited(result, summary)
         ended = time.time()
         summary.update(failures.as_summary())
-        status, error = "ok", ""
+        status, error = RunStatus.OK, ""
         if _get(instance.url + "/health") != 200:
-            status, error = "crashed", "the server stopped answering /health during the run"
+            status, error = RunStatus.CRASHED, "the server stopped answering /health during the run"
         elif failed:
-            status = "failed-requests"
+            status = RunStatus.FAILED_REQUESTS
             error = (f"{failures.message()} (threshold "
                      f"{scenario.load.failed_requests_threshold:.0%}: load.failed_requests_threshold)")
         elif limited:
-            status = "client-limited"
+            status = RunStatus.CLIENT_LIMITED
             error = f"the load generator could not keep up ({limited}): these figures describe the client"
         return Measurement(status=status, started=started, ended=ended, host=instance.host,
                            error=error, summary=summary, samples=result.samples,
@@ -276,11 +310,11 @@ class LiveBackend:
                 log.warning("%s: /reset_prefix_cache did not answer 200 (a server without "
                             "VLLM_SERVER_DEV_MODE): this run starts with the last run's cache",
                             instance.url)
-        progress.phase("measuring", window_s=scenario.load.stop.duration_s)
+        self.hooks.phase("measuring", window_s=scenario.load.stop.duration_s)
         result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
                           workdir, seed=scenario.run.seed, api_key=api_key,
                           processes=processes, workers_hosts=workers,
-                          on_progress=progress.figures, web_host=self.live_host)
+                          on_progress=self.hooks.figures, web_host=self.live_host)
         result.server_metrics = own_gpus(result.server_metrics, instance.gpus)
         summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics,
                             load=scenario.load)
@@ -297,14 +331,14 @@ class LiveBackend:
         return result, summary
 
 
-def _client_limited(result, summary: dict) -> str:
+def _client_limited(result, summary: RunSummary) -> str:
     """Why the client could not keep up ("" when it could): its own lag and CPU, or the audit."""
     why = []
     if result.client_overloaded:
         why.append(f"client lag p99 {max(result.schedule_lag_p99_s, result.loop_lag_p99_s) * 1e3:.1f} ms, "
                    f"busiest process at {result.cpu_fraction_max:.0%} CPU")
-    if summary.get("audit_client_limited"):
-        why.append(summary["audit_reason"])
+    if summary.audit_client_limited:
+        why.append(summary.audit_reason)
     return "; ".join(why)
 
 
@@ -433,7 +467,7 @@ def twin_prediction(scenario: Scenario) -> dict[str, Any]:
         m = PredictBackend().measure(scenario, None, Path("."))
     except (ValueError, OSError, ScenarioError) as e:  # an unknown model shape or profile: said so
         return {**record, "predicted": False, "status": "failed-start", "error": str(e), "summary": {}}
-    return {**record, "status": m.status, "error": m.error, "summary": m.summary}
+    return {**record, "status": m.status, "error": m.error, "summary": m.summary.record()}
 
 
 def predicted_requests(scenario: Scenario, count: int):

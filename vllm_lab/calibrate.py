@@ -66,9 +66,8 @@ def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,
     ``reference``: `vllm bench serve` result files from the same machine, fitted together with the
     lab's runs: two instruments on one server keep the twin honest to both.
     """
-    store = Store(store_path)
-    points = bench_points(store, experiment_id)
-    store.close()
+    with Store(store_path) as store:
+        points = bench_points(store, experiment_id)
     points += [load_point(Path(f)) for f in reference]
     if len(points) < 3:
         raise ValueError(f"experiment {experiment_id} has {len(points)} ok calibration runs; "

@@ -21,6 +21,7 @@ from vllm_lab import flags as flagcat
 from vllm_lab import lint as lint_mod
 from vllm_lab import stats
 from vllm_lab.plans import Point
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, deep_merge, read_yaml, scenario_path
 
 HOLDS, PARTLY, NO, UNTESTABLE = "holds", "holds partly", "does not hold", "not testable here"
@@ -107,7 +108,9 @@ class Evidence:
     """Each arm's runs (summaries and statuses), read by the judges."""
 
     def __init__(self, runs_by_label: Mapping[str, Sequence[dict]], arms: Sequence[Arm]):
-        self._runs = {a.name: list(runs_by_label.get(a.label, [])) for a in arms}
+        # Each run's summary typed, whether it came from the store or as a mapping of figures.
+        self._runs = {a.name: [{**r, "summary": RunSummary.of(r.get("summary"))}
+                               for r in runs_by_label.get(a.label, [])] for a in arms}
 
     def measured(self, arm: str) -> bool:
         """The arm has at least one run."""
@@ -131,7 +134,7 @@ class Evidence:
         """The metric over the arm's runs that produced figures."""
         out = []
         for r in self._runs.get(arm, []):
-            v = (r.get("summary") or {}).get(metric)
+            v = r["summary"].figure(metric)
             if r["status"] in OK_STATUSES and isinstance(v, (int, float)) and not math.isnan(v):
                 out.append(float(v))
         return out

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -27,9 +27,8 @@ from vllm_lab import flags as flagcat
 from vllm_lab.backends import Backend, Measurement
 from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
-from vllm_lab.progress import Progress
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
-from vllm_lab.store import RunRecord, Store, run_identity
+from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +237,24 @@ class Plan:
     meta: dict[str, Any]
 
 
+class PlanHooks(Protocol):
+    """Who hears of a plan's runs (the command's progress): the plan, each run's start and end."""
+
+    def begin(self, points: Sequence[Point], todo: Sequence[Point], groups: int, hosts: int = 1) -> None:
+        """The plan's points, those this call takes, its server starts and busy hosts."""
+
+    def point_started(self, values: dict[str, Any], repeat: int, host: str | None = None) -> None:
+        """A run begins on ``host``."""
+
+    def point_done(self, values: dict[str, Any], repeat: int, status: str, summary: dict[str, Any],
+                   error: str = "", host: str | None = None) -> None:
+        """A run ended, recorded with its status."""
+
+
 def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
             hosts: Sequence[str | None] = (None,),
             on_run: Callable[[Point, Measurement], None] | None = None,
-            progress: Progress | None = None) -> dict[str, int]:
+            progress: PlanHooks | None = None) -> dict[str, int]:
     """Take every point not yet in the store; return counts by status (the runs this call took).
 
     ``progress`` hears of each run's start and end (point i of N, run j of k, its figures).
@@ -249,80 +262,106 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     Serve groups are dealt to ``hosts`` round-robin and each host works through its share in its
     own thread; every run is committed as it ends, so Ctrl-C loses only the runs in flight.
     """
-    base = plan.points[0].scenario
-    store = Store(store_path)
-    store.create_experiment(plan.experiment_id, plan.step, base.name, plan.meta)
-    done = store.finished_keys(plan.experiment_id)
-    store.close()
+    todo = _todo(plan, store_path)
+    groups = group_by_server(todo)
+    shares = deal(groups, hosts)
+    busy = [h for h in hosts if shares[h]]
+    if progress:
+        progress.begin(plan.points, todo, len(groups), len(busy))
+    prune_work(workdir)
+    taking = Taking(plan, backend, store_path, workdir, _refusals(todo), on_run, progress)
+    if len(busy) <= 1:
+        # One host: work in this thread, so Ctrl-C lands inside the run and its cleanup runs.
+        for h in busy:
+            taking.work(h, shares[h])
+    else:
+        _in_threads(taking, {h: shares[h] for h in busy})
+    _remove_work(taking.recorded, workdir / plan.experiment_id)
+    return taking.counts
+
+
+def _todo(plan: Plan, store_path: Path) -> list[Point]:
+    """The plan's points not yet in the store (the experiment recorded first, for resume)."""
+    with Store(store_path) as store:
+        store.create_experiment(plan.experiment_id, plan.step, plan.points[0].scenario.name, plan.meta)
+        done = store.finished_keys(plan.experiment_id)
     todo = [p for p in plan.points if p.key not in done]
     if len(todo) < len(plan.points):
         log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,
                  len(plan.points) - len(todo), len(plan.points))
-    # One hardware check per server (flags on a GPU), not per repeat: they refuse alike.
+    return todo
+
+
+def _refusals(todo: Sequence[Point]) -> dict[tuple[str, str], Any]:
+    """Per server (flags on a GPU), why the hardware refuses it before launch, or None: one check
+    per server, not per repeat, since they refuse alike."""
     refusals = {}
     for p in todo:
         if _server(p) not in refusals:
             refusals[_server(p)] = hardware_refusal(p.scenario)
-    groups = group_by_server(todo)
-    shares = deal(groups, hosts)
-    if progress:
-        progress.begin(plan.points, todo, len(groups), sum(1 for h in hosts if shares[h]))
-    prune_work(workdir)
-    recorded: list[Path] = []
-    counts: dict[str, int] = {}
-    lock = threading.Lock()
-    stop = threading.Event()
+    return refusals
 
-    def work(host: str | None) -> None:
-        host_store = Store(store_path)  # one SQLite connection per thread
+
+class Taking:
+    """The runs one ``execute`` takes: each measured (or refused before launch), recorded as it
+    ends and counted; ``stop`` ends every host's share after its run in flight."""
+
+    def __init__(self, plan: Plan, backend: Backend, store_path: Path, workdir: Path,
+                 refusals: dict, on_run: Callable[[Point, Measurement], None] | None,
+                 progress: PlanHooks | None):
+        self.plan, self.backend, self.store_path, self.workdir = plan, backend, store_path, workdir
+        self.refusals, self.on_run, self.progress = refusals, on_run, progress
+        self.counts: dict[str, int] = {}
+        self.recorded: list[Path] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+
+    def work(self, host: str | None, groups: Sequence[list[Point]]) -> None:
+        """Take a host's share of serve groups, then stop its server."""
         try:
-            for group in shares[host]:
-                for point in group:
-                    if stop.is_set():
+            with Store(self.store_path) as store:  # one SQLite connection per thread
+                for point in (p for group in groups for p in group):
+                    if self.stop.is_set() or not self.take(point, host, store):
                         return
-                    if progress:
-                        progress.point_started(point.values, point.repeat, host)
-                    refusal = refusals[_server(point)]
-                    m = (Measurement(status="failed-start", started=time.time(), ended=time.time(),
-                                     host=host or "", error=f"refused before launch: {refusal.message}")
-                         if refusal else
-                         backend.measure(point.scenario, host, workdir / plan.experiment_id / point.key))
-                    if stop.is_set():
-                        return  # interrupted mid-run: its figures are not a measurement
-                    host_store.record_run(_record(plan, point, backend, m), m.samples, m.server_metrics)
-                    with lock:
-                        counts[m.status] = counts.get(m.status, 0) + 1
-                        recorded.append(workdir / plan.experiment_id / point.key)
-                    if progress:
-                        progress.point_done(point.values, point.repeat, m.status, m.summary,
-                                            m.error, host)
-                    if on_run:
-                        on_run(point, m)
         finally:
-            host_store.close()
-            backend.close(host)
+            self.backend.close(host)
 
-    busy = [h for h in hosts if shares[h]]
-    if len(busy) <= 1:
-        # One host: work in this thread, so Ctrl-C lands inside the run and its cleanup runs.
-        for h in busy:
-            work(h)
-        _remove_work(recorded, workdir / plan.experiment_id)
-        return counts
-    with ThreadPoolExecutor(max_workers=len(busy)) as pool:
-        futures = [pool.submit(work, h) for h in busy]
+    def take(self, point: Point, host: str | None, store: Store) -> bool:
+        """Measure one point and record it; False when the plan was stopped during its run."""
+        if self.progress:
+            self.progress.point_started(point.values, point.repeat, host)
+        refusal = self.refusals[_server(point)]
+        folder = self.workdir / self.plan.experiment_id / point.key
+        m = (Measurement(status=RunStatus.FAILED_START, started=time.time(), ended=time.time(),
+                         host=host or "", error=f"refused before launch: {refusal.message}")
+             if refusal else self.backend.measure(point.scenario, host, folder))
+        if self.stop.is_set():
+            return False  # interrupted mid-run: its figures are not a measurement
+        store.record_run(_record(self.plan, point, self.backend, m), m.samples, m.server_metrics)
+        with self.lock:
+            self.counts[str(m.status)] = self.counts.get(str(m.status), 0) + 1  # plain words when printed
+            self.recorded.append(folder)
+        if self.progress:
+            self.progress.point_done(point.values, point.repeat, m.status, m.summary, m.error, host)
+        if self.on_run:
+            self.on_run(point, m)
+        return True
+
+
+def _in_threads(taking: Taking, shares: dict[str | None, list[list[Point]]]) -> None:
+    """Each host's share in its own thread; Ctrl-C stops them all, their runs in flight unrecorded."""
+    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+        futures = [pool.submit(taking.work, h, groups) for h, groups in shares.items()]
         try:
             for f in futures:
                 while not f.done():
                     time.sleep(0.2)  # wake for Ctrl-C: a blocking result() would not
                 f.result()
         except KeyboardInterrupt:
-            stop.set()
-            for h in busy:
-                backend.close(h)  # the runs in flight fail fast and are not recorded
+            taking.stop.set()
+            for h in shares:
+                taking.backend.close(h)  # the runs in flight fail fast and are not recorded
             raise
-    _remove_work(recorded, workdir / plan.experiment_id)
-    return counts
 
 
 def _server(point: Point) -> tuple[str, str]:

@@ -4,8 +4,9 @@ in flight (server starting against its expected time; measuring: window, request
 On a terminal it is drawn with ``rich``; on a pipe, a file, CI, ``TERM=dumb`` or ``NO_COLOR`` it
 is plain timestamped lines without escape codes, so logs stay greppable. Every change is also
 written to a heartbeat file (``OUT/.work/status.json``, with the pid) that ``make status`` reads
-from another shell. Backends and the traffic runner report phases and live figures through the
-module functions ``phase`` and ``figures``, which reach the progress of the command in flight.
+from another shell. A command hands its ``Progress`` down: ``plans.execute`` tells it of each run
+(``plans.PlanHooks``), a live backend of the run's phases and the traffic runner's live figures
+(``backends.RunHooks``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from vllm_lab.analysis.points import best_point, point_table
+from vllm_lab.run_summary import RunSummary
+from vllm_lab.store import RunStatus
 
 STATUS_FILE = "status.json"    # under OUT/.work: what the lab is doing now
 TIMINGS_FILE = "timings.json"  # under OUT/.work: start and run times measured on this host
@@ -68,17 +73,17 @@ def duration(seconds: float | None) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
-def outcome(status: str, summary: dict[str, Any], error: str = "") -> str:
+def outcome(status: str, summary: Mapping[str, Any], error: str = "") -> str:
     """A run's result in one line: its figures, or its status and the cause's first line."""
-    if status != "ok":
+    if status != RunStatus.OK:
         cause = next((ln.strip() for ln in (error or "").splitlines() if ln.strip()), "")
         if cause.startswith(f"{status}:"):  # a start failure's cause already leads with it
             return cause[:170]
         return f"{status}: {cause[:160]}" if cause else status
-    s = summary
-    return (f"{s.get('output_throughput') or 0:.0f} tok/s, goodput {s.get('goodput') or 0:.2f} req/s, "
-            f"TTFT p50 {(s.get('ttft_p50') or 0) * 1000:.0f} ms, "
-            f"TPOT p50 {(s.get('tpot_p50') or 0) * 1000:.1f} ms")
+    s = RunSummary.of(summary)
+    return (f"{s.output_throughput or 0:.0f} tok/s, goodput {s.goodput or 0:.2f} req/s, "
+            f"TTFT p50 {(s.ttft_p50 or 0) * 1000:.0f} ms, "
+            f"TPOT p50 {(s.tpot_p50 or 0) * 1000:.1f} ms")
 
 
 @dataclass
@@ -425,42 +430,22 @@ def _write_atomic(path: Path, body: dict) -> None:
     tmp.replace(path)  # a reader never sees half a file
 
 
-# -- the command in flight: backends and the traffic runner report here -------------------------
-
-_CURRENT: Progress | None = None
-
-
 @contextlib.contextmanager
 def tracking(progress: Progress) -> Iterator[Progress]:
-    """Make ``progress`` the one ``phase`` and ``figures`` report to; finish it on the way out."""
-    global _CURRENT
-    previous, _CURRENT = _CURRENT, progress
+    """The block a command reports its runs in: ``progress`` is finished on the way out, as
+    ``finished`` or ``interrupted`` (a heartbeat that says how the command ended)."""
     state = "interrupted"
     try:
         yield progress
         state = "finished"
     finally:
-        _CURRENT = previous
         progress.finish(state)
-
-
-def phase(name: str, **info: Any) -> None:
-    """Report a phase of this thread's run in flight (nothing when no command tracks progress)."""
-    if _CURRENT is not None:
-        _CURRENT.phase(name, **info)
-
-
-def figures(**values: Any) -> None:
-    """Report live figures of this thread's run in flight."""
-    if _CURRENT is not None:
-        _CURRENT.figures(**values)
 
 
 # -- the closing table ---------------------------------------------------------------------------
 
 def _best_label(runs) -> str | None:
     """The report's best point (the cheapest within noise of the top under the SLO), labelled."""
-    from vllm_lab.reports.points import best_point, point_table
     first = runs["point"].iloc[0] or {}
     params = list(first)
     if not params:
@@ -477,12 +462,11 @@ def closing_table(runs, stream: TextIO = sys.stdout, plain: bool | None = None) 
     for r in runs.to_dict("records"):
         row = rows.setdefault(point_label(r["point"]), {"ok": [], "statuses": []})
         row["statuses"].append(r["status"])
-        if r["status"] == "ok":  # the store keeps the main figures as columns, the rest in summary
-            row["ok"].append({**(r.get("summary") or {}),
-                              **{k: r[k] for k in _TABLE_KEYS if r.get(k) == r.get(k) and k in r}})
+        if r["status"] == RunStatus.OK:
+            row["ok"].append(RunSummary.of_row(r))
 
-    def med(summaries: list[dict], key: str) -> float | None:
-        vals = sorted(float(s[key]) for s in summaries if s.get(key) is not None)
+    def med(summaries: list[RunSummary], key: str) -> float | None:
+        vals = sorted(s.figure(key) for s in summaries if s.figure(key) is not None)
         return vals[len(vals) // 2] if vals else None
 
     table = []
@@ -520,9 +504,6 @@ def closing_table(runs, stream: TextIO = sys.stdout, plain: bool | None = None) 
     for t in table:
         out.add_row(*(cell(t, c) for c in cols), style="bold green" if t["point"] == best else None)
     Console(file=stream, highlight=False).print(out)
-
-
-_TABLE_KEYS = ("output_throughput", "goodput", "ttft_p50", "tpot_p50")
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -25,8 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from vllm_lab import flags as flagcat
 from vllm_lab import plans
 from vllm_lab.backends import Backend
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import SCENARIO_DIR, Scenario, ScenarioError, read_yaml
 from vllm_lab.store import Store
+from vllm_lab.summary import PERCENTILES
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +176,14 @@ def slo_latency(scenario: Scenario) -> tuple[str, float] | None:
     return None
 
 
-def slo_violation(summary: dict[str, Any], scenario: Scenario) -> float:
+def slo_violation(summary: RunSummary, scenario: Scenario) -> float:
     """How far the run is over its worst SLO, as a fraction of the threshold (<= 0: feasible)."""
     worst = -1.0
-    verdicts = summary.get("slo_verdicts") or {}
+    verdicts = summary.slo_verdicts or {}
     for metric, target in scenario.slo.targets().items():
-        value = summary.get(f"{metric}_p{round(target.percentile)}")
-        if round(target.percentile) not in (50, 90, 99) and metric in verdicts:
+        pct = round(target.percentile)
+        value = summary.figure(f"{metric}_p{pct}") if pct in PERCENTILES else None
+        if pct not in PERCENTILES and metric in verdicts:
             worst = max(worst, -0.5 if verdicts[metric] else 0.5)  # only the verdict is stored
             continue
         if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -189,16 +192,15 @@ def slo_violation(summary: dict[str, Any], scenario: Scenario) -> float:
     return worst if scenario.slo.targets() else -1.0
 
 
-def objective_values(summary: dict[str, Any], objective: str, scenario: Scenario) -> list[float]:
+def objective_values(summary: RunSummary, objective: str, scenario: Scenario) -> list[float]:
     """The value(s) Optuna gets: goodput; throughput; or (throughput, the SLO's latency)."""
     if objective == "goodput":
-        return [float(summary.get("goodput") or 0.0)]
+        return [float(summary.goodput or 0.0)]
     if objective == "throughput":
-        return [float(summary.get("output_throughput") or 0.0)]
+        return [float(summary.output_throughput or 0.0)]
     latency = slo_latency(scenario)
-    column = latency[0] if latency else "e2e_p99"
-    value = summary.get(column)
-    return [float(summary.get("output_throughput") or 0.0), float(value) if value is not None else math.inf]
+    value = summary.figure(latency[0] if latency else "e2e_p99")
+    return [float(summary.output_throughput or 0.0), value if value is not None else math.inf]
 
 
 def directions(objective: str) -> list[str]:
@@ -371,40 +373,14 @@ def _point(scenario: Scenario, values: dict[str, Any]) -> plans.Point:
 
 def _run(store_path: Path, experiment_id: str, key: str) -> dict[str, Any]:
     """The stored run of one trial: status, error, host and the summary (columns + json)."""
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         runs = store.runs(experiment_id)
-    finally:
-        store.close()
     row = runs[runs["run_key"] == key].iloc[-1]
-    summary = {**row["summary"], **{c: row[c] for c in runs.columns if c.endswith(
-        ("_p50", "_p90", "_p99", "throughput")) or c in ("goodput", "slo_attainment", "errors")}}
-    summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
-    return {"status": row["status"], "error": row["error"], "host": row["host"], "summary": summary}
+    return {"status": row["status"], "error": row["error"], "host": row["host"],
+            "summary": RunSummary.of_row(row)}
 
 
 # -- the best configurations ----------------------------------------------------------------------
-
-def best_configs(study, k: int = 1, objective: str = "goodput") -> list[dict[str, Any]]:
-    """The ``k`` best distinct configurations meeting the SLO (pareto: the feasible front)."""
-    from optuna.trial import TrialState
-
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.user_attrs.get("slo_violation", math.inf) <= 0 or objective == "goodput"]
-    if objective == "pareto":
-        front = [t for t in study.best_trials if t.user_attrs.get("slo_violation", math.inf) <= 0]
-        done = sorted(front, key=lambda t: -t.values[0])
-    else:
-        done = sorted(done, key=lambda t: -t.values[0])
-    out, seen = [], set()
-    for t in done:
-        key = tuple(sorted(t.params.items()))
-        if key not in seen:
-            seen.add(key)
-            out.append(dict(t.params))
-        if len(out) == k:
-            break
-    return out
 
 
 def scenario_file(scenario: dict[str, Any], params: dict[str, Any], note: str) -> str:

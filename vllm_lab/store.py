@@ -33,24 +33,41 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pandas as pd
 
 from vllm_lab.flags import redact
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.summary import COLUMNS, as_float
 
 SCHEMA_VERSION = 3
 DEFAULT_PATH = Path("reports/lab.db")
-STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate")
-STATUSES = ("ok", "failed-start", "oom", "crashed", "timeout", "client-limited", "failed-requests",
-            "unreachable")
+STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate",
+         "autotune")
+
+
+class RunStatus(StrEnum):
+    """How a run ended: ``ok``, or why it measured nothing of the server (a string in the store)."""
+
+    OK = "ok"
+    FAILED_START = "failed-start"   # vLLM refused its flags, or the lab refused them before launch
+    OOM = "oom"
+    CRASHED = "crashed"
+    TIMEOUT = "timeout"             # the server did not answer /health in time
+    CLIENT_LIMITED = "client-limited"
+    FAILED_REQUESTS = "failed-requests"
+    UNREACHABLE = "unreachable"     # no host answered
+
+
+STATUSES = tuple(RunStatus)
 # Runs that ended but measured the client or nothing: recorded with their figures and reason, and,
 # like every status but ok, left out of best points, verdicts, knees and fits.
-LEFT_OUT = ("client-limited", "failed-requests")
-RETRIED_ON_RESUME = ("crashed", "timeout", "unreachable")
+LEFT_OUT = (RunStatus.CLIENT_LIMITED, RunStatus.FAILED_REQUESTS)
+RETRIED_ON_RESUME = (RunStatus.CRASHED, RunStatus.TIMEOUT, RunStatus.UNREACHABLE)
 # How long a writer waits for another process's transaction before it gives up with a sentence.
 LOCK_TIMEOUT_S = 30.0
 
@@ -94,7 +111,7 @@ CREATE TABLE IF NOT EXISTS runs (
     gpu_count INTEGER NOT NULL DEFAULT 0,
     vllm_version TEXT NOT NULL DEFAULT '',
     backend TEXT NOT NULL DEFAULT '',  -- vllm | twin | predict | live (a watched deployment the lab did not start)
-    status TEXT NOT NULL CHECK (status IN ({', '.join(repr(s) for s in STATUSES)})),
+    status TEXT NOT NULL CHECK (status IN ({', '.join(repr(s.value) for s in STATUSES)})),
     error TEXT NOT NULL DEFAULT '',
     started REAL NOT NULL,
     ended REAL NOT NULL,
@@ -164,7 +181,7 @@ class RunRecord:
     step: str
     scenario_name: str
     scenario: dict[str, Any]
-    status: str
+    status: RunStatus
     started: float
     ended: float
     point: dict[str, Any] = field(default_factory=dict)
@@ -175,11 +192,18 @@ class RunRecord:
     vllm_version: str = ""
     backend: str = ""
     error: str = ""
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: RunSummary = field(default_factory=RunSummary)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise StoreError(f"run status {self.status!r} is not one of {', '.join(STATUSES)}")
+        self.status = RunStatus(self.status)
+        self.summary = RunSummary.of(self.summary)  # a mapping of its figures will do
 
 
 class Store:
-    """The lab's results store at ``path`` (created on first use)."""
+    """The lab's results store at ``path`` (created on first use); ``with Store(path) as store:``
+    closes it on the way out."""
 
     def __init__(self, path: Path | str = DEFAULT_PATH):
         self.path = Path(path)
@@ -297,6 +321,12 @@ class Store:
         """Close the connection."""
         self._conn.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # on every way out: a command that fails mid-read leaves no open connection
+
     # -- writing ---------------------------------------------------------------------------
     def create_experiment(self, experiment_id: str, step: str, scenario_name: str,
                           meta: dict[str, Any] | None = None) -> str:
@@ -325,8 +355,6 @@ class Store:
         An interruption before the commit leaves no row, so a resume measures the run again;
         the samples file is written to a temporary name and renamed, so it is never half a file.
         """
-        if run.status not in STATUSES:
-            raise StoreError(f"run status {run.status!r} is not one of {', '.join(STATUSES)}")
         samples_file = ""
         if samples is not None and len(samples):
             samples_file = f"{run.experiment_id}/{run.run_key}.parquet"
@@ -335,17 +363,17 @@ class Store:
             tmp = target.with_suffix(f".tmp{os.getpid()}")
             samples.to_parquet(tmp, index=False)
             os.replace(tmp, target)
-        summary = {k: v for k, v in run.summary.items() if k not in SUMMARY_COLUMNS}
-        row = asdict(run)
+        figures = run.summary.record()
+        summary = {k: v for k, v in figures.items() if k not in SUMMARY_COLUMNS}
         columns = ["experiment_id", "run_key", "step", "scenario_name", "scenario_json", "point_json",
                    "repeat", "host", "gpu_model", "gpu_count", "vllm_version", "backend", "status",
                    "error", "started", "ended", *SUMMARY_COLUMNS, "summary_json", "samples_file"]
-        values = [row["experiment_id"], row["run_key"], row["step"], row["scenario_name"],
+        values = [run.experiment_id, run.run_key, run.step, run.scenario_name,
                   json.dumps(redact(run.scenario), default=str),
                   json.dumps(redact(run.point), default=str),
                   run.repeat, run.host, run.gpu_model, run.gpu_count, run.vllm_version, run.backend,
                   run.status, run.error, run.started, run.ended,
-                  *[as_float(run.summary.get(c)) for c in SUMMARY_COLUMNS],
+                  *[as_float(figures.get(c)) for c in SUMMARY_COLUMNS],
                   json.dumps(summary, default=str), samples_file]
         marks = ", ".join("?" for _ in columns)
         with self._write() as conn:

@@ -16,8 +16,10 @@ measured anything at all: a run whose requests were refused (401, 404, no connec
 measurement of the server, however its figures read.
 
 ``METRICS`` is the one catalog of a run's summary figures: name, unit, label, which way is better
-and whether the store keeps it as a column. The store's columns, the reports' tables, the claims'
-arms and the findings read their names, units and labels from it.
+and whether the store keeps it as a column; ``FACTS`` the rest a summary says (verdicts, reasons,
+the twin's recorded prediction). The store's columns, the reports' tables, the claims' arms and the
+findings read their names, units and labels from it, and ``run_summary.RunSummary``, the typed
+record of one run's summary, is generated from both.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import stats
+from vllm_lab.audit import HISTOGRAMS
 
 if TYPE_CHECKING:  # the store reads the catalog: no scenario (and traffic) import at run time
     from vllm_lab.scenarios import Slo
     from vllm_lab.traffic.spec import Load
 
 PERCENTILES = (50, 90, 99)
+# vLLM's request histograms the audit reads: each gives a run a server mean, p50 and p99.
+SERVER_HISTOGRAMS = tuple(HISTOGRAMS)
 LATENCIES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
 HIGHER, LOWER, NEITHER = 1, -1, 0
 
@@ -101,6 +106,29 @@ METRICS: tuple[Metric, ...] = (
     Metric("server_tpot_mean", "s", "TPOT mean by vLLM's /metrics", LOWER),
     Metric("server_frontend_lag_mean", "s", "client minus server E2E (mean)", LOWER),
     Metric("audit_span_diff", "share", "client against server span", NEITHER),
+    # The steady window and how sure its throughput is.
+    Metric("warmup_s", "s", "start of the steady window after the first send", NEITHER),
+    Metric("drain_s", "s", "drain after the last send", NEITHER),
+    Metric("window_share", "share", "steady window's share of the run", NEITHER),
+    Metric("window_requests", "count", "requests finished inside the steady window", NEITHER),
+    Metric("output_throughput_rel_ci", "share", "output tokens/s 95% half-width (batch means)", LOWER),
+    # A closed loop's client turnaround: each user's wait between a reply's end and its next send.
+    *[Metric(f"turnaround_{s}", "s", f"client turnaround {s}", LOWER) for s in ("mean", "p50", "p90")],
+    # The load generator: its own lag and CPU, its hosts, and a re-run with more processes.
+    Metric("schedule_lag_p99_s", "s", "load generator schedule lag p99", LOWER),
+    Metric("loop_lag_p99_s", "s", "load generator event-loop lag p99", LOWER),
+    Metric("client_cpu_max", "share", "busiest Locust process's CPU", LOWER),
+    Metric("loadgen_hosts", "count", "load-generator hosts", NEITHER),
+    Metric("loadgen_rerun_of", "count", "Locust processes of the client-limited first try", NEITHER),
+    # vLLM's own account of the run (audit.ServerView) and the client against it (audit.Audit).
+    Metric("server_requests", "count", "requests by vLLM's /metrics", NEITHER),
+    Metric("server_generation_tokens", "tokens", "generated tokens by vLLM's /metrics", NEITHER),
+    Metric("server_prompt_tokens", "tokens", "prompt tokens by vLLM's /metrics", NEITHER),
+    *[Metric(f"server_{k}_{s}", "s", f"{k} {s} by vLLM's /metrics", LOWER)
+      for k in SERVER_HISTOGRAMS for s in ("mean", "p50", "p99")
+      if f"server_{k}_{s}" not in ("server_ttft_mean", "server_tpot_mean")],
+    Metric("audit_ttft_diff", "share", "client against server TTFT", NEITHER),
+    Metric("audit_tokens_diff", "share", "client against server output tokens", NEITHER),
     # The GPUs' energy over the steady window: their energy counter (NVML, DCGM) where the host
     # has one, else their power samples; the twin's power model on the twin (energy_source says).
     Metric("energy_j", "J", "GPU energy over the window", NEITHER),
@@ -111,6 +139,34 @@ METRICS: tuple[Metric, ...] = (
 CATALOG: dict[str, Metric] = {m.name: m for m in METRICS}
 # The summary figures the store keeps as REAL columns of the runs table, in their column order.
 COLUMNS: tuple[str, ...] = tuple(m.name for m in METRICS if m.column)
+
+
+@dataclass(frozen=True)
+class Fact:
+    """An entry of a run's summary that is not a figure: a verdict, a reason, a record."""
+
+    name: str
+    kind: Any  # the type it holds: bool, str, dict or list
+    label: str
+
+
+# The rest of the one catalog: what a summary says besides its figures.
+FACTS: tuple[Fact, ...] = (
+    Fact("meets_slo", bool, "every SLO holds at its percentile and no request failed"),
+    Fact("slo_verdicts", dict, "each SLO's verdict (ttft, tpot, itl, e2e -> holds)"),
+    Fact("window_reason", str, "why the steady window starts where it does"),
+    Fact("window_end_reason", str, "why the steady window ends where it does"),
+    Fact("window_note", str, "what to know about the steady window"),
+    Fact("energy_source", str, "where the energy figures come from: the GPUs' energy counter, "
+                               "their power samples, or the twin's power model"),
+    Fact("dominant_error", str, "the most common failure of the run's requests"),
+    Fact("audit_client_limited", bool, "the client read its streams later than vLLM handed them out"),
+    Fact("audit_reason", str, "why the audit calls the run client-limited"),
+    Fact("prefix_cache_reset", bool, "the prefix cache was reset before the run"),
+    Fact("twin_prediction", dict, "the twin's prediction of a real-vLLM run, made when it was measured"),
+    Fact("regression", bool, "a watch probe left its baseline's prediction interval"),
+    Fact("regressed_metrics", list, "the figures a watch probe regressed on"),
+)
 
 
 def metric(name: str) -> Metric:
@@ -138,16 +194,6 @@ def value(row: Mapping[str, Any], name: str) -> float:
     """Figure ``name`` of a run row or summary (a catalog metric), NaN when missing or empty."""
     v = as_float(row.get(metric(name).name))
     return math.nan if v is None else v
-
-
-def meets_slo(summary: Mapping[str, Any] | str | None) -> bool:
-    """Whether a recorded summary (a mapping or its JSON) says the run met every SLO."""
-    if isinstance(summary, str):
-        try:
-            summary = json.loads(summary)
-        except json.JSONDecodeError:
-            return False
-    return bool(isinstance(summary, Mapping) and summary.get("meets_slo", False))
 
 
 def _itl_values(samples: pd.DataFrame) -> np.ndarray:
@@ -449,6 +495,7 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         done, good = float(finished.sum()), float((meets & finished).sum())
         out["warmup_s"] = t0 - float(samples["start_ts"].min())
         out["window_reason"] = _window_reason(out["warmup_s"], window)
+        out["window_end_reason"] = window.end_reason
         last_end = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max())
         out["drain_s"] = last_end - t1
         out["window_share"] = duration_s / max(last_end - float(samples["start_ts"].min()), 1e-9)

@@ -16,7 +16,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ from typing import Any
 from scipy import stats
 
 from vllm_lab import scenarios
-from vllm_lab.store import RunRecord, Store, run_identity
+from vllm_lab.run_summary import RunSummary
+from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
 
 # metric -> +1 when higher is better, -1 when lower is better.
 METRICS = {"output_throughput": +1, "ttft_p50": -1, "tpot_p50": -1, "e2e_p50": -1}
@@ -72,41 +73,38 @@ def probe_scenario(model: str, hardware: str | None = None, overrides: list[str]
 
 
 def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | None = None,
-          overrides: list[str] | None = None, api_key: str | None = None) -> dict[str, Any]:
-    """Run one probe against ``url``, store it (step watch, point {"role": role}); return its row."""
+          overrides: list[str] | None = None, api_key: str | None = None) -> RunSummary:
+    """Run one probe against ``url``, store it (step watch, point {"role": role}); its summary."""
     from vllm_lab.summary import summarize
     from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
 
     model = served_model(url, api_key)
     scenario = probe_scenario(model, hardware, overrides)
     exp = experiment_id(url)
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         store.create_experiment(exp, "watch", scenario.name, {"url": url, "probe": PROBE})
         index = len(store.finished_keys(exp))
         started = time.time()
         result = run_load(url, model, scenario.workload, scenario.load, workdir / exp / str(index),
                           seed=index, api_key=api_key)
         ended = time.time()
-        summary = summarize(result.samples, scenario.slo, server_metrics=result.server_metrics,
-                            load=scenario.load)
-        ok = len(result.samples) and summary.get("errors", 0) < len(result.samples)
+        summary = RunSummary.of(summarize(result.samples, scenario.slo,
+                                          server_metrics=result.server_metrics, load=scenario.load))
+        ok = len(result.samples) and (summary.errors or 0) < len(result.samples)
         record = RunRecord(
             experiment_id=exp, run_key=run_identity({**scenario.to_record(), "url": url}, index),
             step="watch", scenario_name=scenario.name, scenario=scenario.to_record(),
-            status="ok" if ok else "crashed", started=started, ended=ended,
+            status=RunStatus.OK if ok else RunStatus.CRASHED, started=started, ended=ended,
             point={"role": role}, repeat=index, host=url, gpu_model=scenario.hardware.name,
             vllm_version=scenario.vllm_version, backend="live", summary=summary,
             error="" if ok else "no request of the probe succeeded")
         if role == "probe":
             verdict = judge(store.runs(exp), summary)
-            summary["regression"] = bool(verdict.regressed)
-            summary["regressed_metrics"] = verdict.regressed
+            summary.regression = bool(verdict.regressed)
+            summary.regressed_metrics = verdict.regressed
             record.summary = summary
         store.record_run(record, result.samples, result.server_metrics)
-        return {**summary, "run_key": record.run_key, "status": record.status}
-    finally:
-        store.close()
+        return summary
 
 
 def bound(values: list[float], direction: int) -> float:
@@ -119,8 +117,9 @@ def bound(values: list[float], direction: int) -> float:
     return mean - direction * t * sd * math.sqrt(1 + 1 / n)
 
 
-def judge(runs, summary: dict[str, Any]) -> Verdict:
+def judge(runs, summary: Mapping[str, Any]) -> Verdict:
     """Compare a probe's summary with the baseline probes of ``runs`` (a watch experiment's rows)."""
+    summary = RunSummary.of(summary)
     base = runs[(runs["point"].map(lambda p: p.get("role")) == "baseline") & (runs["status"] == "ok")]
     if len(base) < 2:
         raise WatchError("the deployment has fewer than 2 baseline probes; record one with "
@@ -128,7 +127,7 @@ def judge(runs, summary: dict[str, Any]) -> Verdict:
     regressed, lines = [], []
     for metric, direction in METRICS.items():
         values = [float(v) for v in base[metric].dropna()]
-        value = summary.get(metric)
+        value = summary.figure(metric)
         if len(values) < 2 or value is None:
             continue
         limit = bound(values, direction)
@@ -166,10 +165,9 @@ def run_schedule(store_path: Path, url: str | None = None, inventory: Path | Non
 
 
 def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir, echo) -> bool:
-    store = Store(store_path)
     exp = experiment_id(url)
-    runs = store.runs(exp)
-    store.close()
+    with Store(store_path) as store:
+        runs = store.runs(exp)
     have = int((runs["point"].map(lambda p: p.get("role")) == "baseline").sum()) if len(runs) else 0
     if new_baseline or have < 2:
         if new_baseline and len(runs):
@@ -177,12 +175,11 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
         echo(f"{url}: recording a baseline of {repeats} probes")
         for i in range(repeats):
             s = probe(url, store_path, "baseline", workdir, hardware, overrides)
-            echo(f"  baseline {i + 1}/{repeats}: {s.get('output_throughput', 0):.0f} tok/s, "
-                 f"TTFT p50 {(s.get('ttft_p50') or 0) * 1000:.0f} ms")
+            echo(f"  baseline {i + 1}/{repeats}: {s.output_throughput or 0:.0f} tok/s, "
+                 f"TTFT p50 {(s.ttft_p50 or 0) * 1000:.0f} ms")
     s = probe(url, store_path, "probe", workdir, hardware, overrides)
-    store = Store(store_path)
-    verdict = judge(store.runs(exp), s)
-    store.close()
+    with Store(store_path) as store:
+        verdict = judge(store.runs(exp), s)
     echo(f"{url}: probe {'REGRESSION in ' + ', '.join(verdict.regressed) if verdict.regressed else 'ok'}"
          f" (against {verdict.baseline_runs} baseline probes)")
     for line in verdict.lines:
@@ -192,8 +189,5 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
 
 def _retire_baseline(store_path: Path, exp: str) -> None:
     """A new baseline replaces the old one: old baseline rows become role 'old-baseline'."""
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         store.relabel_points(exp, {"role": "baseline"}, {"role": "old-baseline"})
-    finally:
-        store.close()

@@ -18,10 +18,11 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import search
+from vllm_lab.analysis.points import best_point, pareto_front, point_table
+from vllm_lab.analysis.search import best_configs, importances, trials_frame, tune_study
 from vllm_lab.reports import page, sweep
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
-from vllm_lab.reports.points import best_point, pareto_front, point_table
 from vllm_lab.reports.scenario_files import write_scenario_file
 from vllm_lab.store import Store
 
@@ -140,19 +141,6 @@ def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pa
 
 # -- the search -----------------------------------------------------------------------------------
 
-def trials_frame(study) -> pd.DataFrame:
-    """One row per trial: number, state, values, params and the cause of a failure."""
-    rows = []
-    for t in study.get_trials(deepcopy=False):
-        row = {"trial": t.number, "state": t.state.name, **t.params,
-               "value": t.values[0] if t.values else math.nan,
-               "value2": t.values[1] if t.values and len(t.values) > 1 else math.nan,
-               "cause": t.user_attrs.get("cause", ""), "error": t.user_attrs.get("error", ""),
-               "run_key": t.user_attrs.get("run_key", ""),
-               "slo_violation": t.user_attrs.get("slo_violation", math.nan)}
-        rows.append(row)
-    return pd.DataFrame(rows)
-
 
 def history_figure(trials: pd.DataFrame, objective: str, ctx: Context, folder: Path) -> Path:
     """Objective per trial, the best so far, and pruned/failed trials marked with their cause."""
@@ -177,15 +165,10 @@ def history_figure(trials: pd.DataFrame, objective: str, ctx: Context, folder: P
     return save(fig, folder / "history.png")
 
 
-def importance_figure(study, ctx: Context, folder: Path) -> tuple[Path | None, dict]:
-    """optuna.importance (its default, PED-ANOVA) of each parameter for the (first) objective."""
-    import optuna
-    # PED-ANOVA ranks what it takes to reach *low* target values: flip a maximized objective.
-    sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
-    try:
-        imp = optuna.importance.get_param_importances(study, target=lambda t: sign * t.values[0])
-    except (RuntimeError, ValueError, ZeroDivisionError):
-        return None, {}  # too few complete trials, or a parameter that never varied
+def importance_figure(imp: dict[str, float], ctx: Context, folder: Path) -> Path | None:
+    """The parameters' importances (``analysis.search.importances``) as bars; None without any."""
+    if not imp:
+        return None
     fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(imp)))
     names = list(imp)[::-1]
     ax.barh(names, [imp[n] for n in names], color="tab:blue")
@@ -193,7 +176,7 @@ def importance_figure(study, ctx: Context, folder: Path) -> tuple[Path | None, d
     ax.set_title("Parameter importances", fontsize=10)
     # Half an inch under the axes, below the x label, however few bars make the figure short.
     fig.text(0.01, -0.5 / fig.get_figheight(), ctx.caption, fontsize=7, va="top")
-    return save(fig, folder / "importances.png"), imp
+    return save(fig, folder / "importances.png")
 
 
 def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
@@ -203,16 +186,17 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
         return build_combo(store, exp, runs, folder)  # a confirmation is a small combination
     params = list(meta["params"])
     ctx = page.context(runs, swept=params)
-    study = search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store.path))
+    study = tune_study(exp, store.path)
     trials = trials_frame(study)
     trials.to_csv(folder / "trials.csv", index=False)
     table = point_table(runs, params)
     table.to_csv(folder / "summary.csv", index=False)
     figures = [history_figure(trials, meta["objective"], ctx, folder)]
-    imp_path, imp = importance_figure(study, ctx, folder)
+    imp = importances(study)
+    imp_path = importance_figure(imp, ctx, folder)
     figures += [imp_path] if imp_path else []
     figures.append(pareto_figure(table, params, ctx, folder))
-    configs = search.best_configs(study, 1, meta["objective"])
+    configs = best_configs(study, 1, meta["objective"])
     best = None
     if configs:
         match = table[np.logical_and.reduce([table[p] == v for p, v in configs[0].items()])]

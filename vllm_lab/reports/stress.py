@@ -12,7 +12,14 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from vllm_lab import stress
+from vllm_lab.analysis.stress import (
+    GROWTH_SLOPE,
+    find_knee,
+    levels_table,
+    soak_drift,
+    spike_behaviour,
+    windows,
+)
 from vllm_lab.reports import page, sweep
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Context
@@ -41,7 +48,7 @@ def staircase_figure(table: pd.DataFrame, knee: dict, ctx: Context, folder: Path
     axes[2].plot(x, table["errors"], "o-", color="tab:red", label="errors")
     ax3 = axes[2].twinx()
     ax3.plot(x, table["latency_growth"], "^--", color="tab:purple", label="E2E growth (s/s)")
-    ax3.axhline(stress.GROWTH_SLOPE, color="tab:purple", lw=0.8, ls=":")
+    ax3.axhline(GROWTH_SLOPE, color="tab:purple", lw=0.8, ls=":")
     ax3.set_ylabel("E2E growth within the run (s per s)")
     axes[2].set_ylabel("failed requests")
     for ax in axes:
@@ -93,8 +100,8 @@ def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
     ctx = page.context(runs)
     shape = exp["meta"]["shape"]
     if shape in ("ramp", "step"):
-        table = stress.levels_table(store, exp["id"], runs)
-        knee = stress.find_knee(table)
+        table = levels_table(store, exp["id"], runs)
+        knee = find_knee(table)
         figures = [staircase_figure(table, knee, ctx, folder)]
         headline = _staircase_headline(knee)
         shown = table[["level", *(["offered"] if "offered" in table else []), "status", "request_throughput", "goodput", "ttft_p50", "ttft_p99",
@@ -105,10 +112,10 @@ def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
     else:
         run = runs.iloc[-1]
         scenario = Scenario.model_validate_json(run["scenario_json"])
-        win = stress.windows(store.samples(exp["id"], run["run_key"]),
+        win = windows(store.samples(exp["id"], run["run_key"]),
                              store.server_metrics(exp["id"], run["run_key"]))
         figures = [timeline_figure(win, scenario, ctx, folder, f"{shape}: the run against time")]
-        found = stress.spike_behaviour(win, scenario) if shape == "spike" else stress.soak_drift(win)
+        found = spike_behaviour(win, scenario) if shape == "spike" else soak_drift(win)
         headline = _single_headline(shape, found)
         shown = win
         notes = [f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in found.items()]

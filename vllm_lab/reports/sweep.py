@@ -12,10 +12,7 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import stats
-from vllm_lab.reports import page
-from vllm_lab.reports.figures import save
-from vllm_lab.reports.page import Block, Context
-from vllm_lab.reports.points import (
+from vllm_lab.analysis.points import (
     AUDIT,
     CV_WARN,
     TWIN_METRICS,
@@ -24,6 +21,9 @@ from vllm_lab.reports.points import (
     with_twin_predictions,
     within_noise,
 )
+from vllm_lab.reports import page
+from vllm_lab.reports.figures import save
+from vllm_lab.reports.page import Block, Context
 from vllm_lab.store import LEFT_OUT, Store
 from vllm_lab.summary import LATENCY_LABELS, metric
 

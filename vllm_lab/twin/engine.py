@@ -17,291 +17,39 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from vllm_lab.flags import engine_defaults
+from vllm_lab.twin.engine_config import (
+    ENGINE_FLAGS,
+    EngineConfig,
+    EngineStartError,
+    MemoryPlan,
+    plan_memory,
+    resolve_flags,
+)
+from vllm_lab.twin.engine_io import (
+    DecodeRun,
+    EngineRequest,
+    EngineStats,
+    FinishedRequest,
+    RequestOutput,
+    StepResult,
+    StepSummary,
+)
 from vllm_lab.twin.kvcache import KVCache, block_hashes
 from vllm_lab.twin.power import PowerModel
 from vllm_lab.twin.profile import Profile
 from vllm_lab.twin.steptime import StepTimeModel
 
-GiB = 1024 ** 3
-_WEIGHT_DTYPES = {"float32": (4, "fp32"), "float": (4, "fp32"), "float16": (2, "fp16"),
-                  "half": (2, "fp16"), "bfloat16": (2, "bf16")}
-_KV_DTYPES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "bfloat16": 2, "float16": 2,
-              "half": 2}
-_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-# The flags the engine reads; every other flag it is given changes nothing in it. Their defaults
-# come from the flag catalog (vllm_lab.flags), the GPU-dependent ones sized for the profile's GPU.
-ENGINE_FLAGS = frozenset({
-    "max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "block-size",
-    "max-model-len", "enforce-eager", "dtype", "kv-cache-dtype", "tensor-parallel-size",
-    "enable-prefix-caching", "long-prefill-token-threshold", "num-gpu-blocks-override",
-    "async-scheduling",
-})
+# The engine's API is this module's: its configuration (engine_config) and its inputs and outputs
+# (engine_io) are imported from here by the predictor, the server and the tests.
+__all__ = ["ENGINE_FLAGS", "DecodeRun", "Engine", "EngineConfig", "EngineRequest", "EngineStartError",
+           "EngineStats", "FinishedRequest", "MemoryPlan", "RequestOutput", "StepResult",
+           "StepSummary", "plan_memory", "resolve_flags"]
+
 WAITING, RUNNING, FINISHED = 0, 1, 2
-
-
-class EngineStartError(Exception):
-    """vLLM would refuse to start: ``cause`` is "oom" or "refused-flag", ``message`` vLLM's words."""
-
-    def __init__(self, cause: str, message: str):
-        super().__init__(message)
-        self.cause = cause
-        self.message = message
-
-
-@dataclass
-class EngineRequest:
-    """One generation request as the engine core receives it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    eos_after: int | None = None   # output length at which the simulated model emits EOS
-    arrival_time: float = 0.0
-    num_prompt_tokens: int | None = None   # twin-only: a length without ids; never hits the cache
-
-
-@dataclass
-class RequestOutput:
-    """What one request produced in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    queue_time_s: float | None = None   # queued to first scheduled, on the first output only
-    scheduled_s: float | None = None    # when it was first scheduled (vLLM's scheduled_ts), idem
-
-
-@dataclass
-class StepResult:
-    """One engine step: its modelled GPU time and what became visible at its end."""
-
-    duration_s: float
-    outputs: list[RequestOutput]
-    num_scheduled_tokens: int
-    num_decode_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_preempted: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-
-
-@dataclass(slots=True)
-class FinishedRequest:
-    """A request that finished, with the counts the predictor books for it."""
-
-    request_id: Any
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    num_preemptions: int
-
-
-@dataclass(slots=True)
-class StepSummary:
-    """One step told in counts, not tokens: the predictor's cheaper view of ``step``."""
-
-    duration_s: float
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    first_token_ids: list            # requests whose first token this step made
-    first_scheduled: list            # (queued_ts, scheduled_ts) of each of them, as vLLM stamps them
-    finished: list[FinishedRequest]
-
-
-@dataclass(slots=True)
-class DecodeRun:
-    """Consecutive pure-decode steps computed in one go by ``Engine.fast_forward``."""
-
-    step_times: np.ndarray           # each step's modelled duration, in order
-    batch_size: int                  # requests decoding in every one of them
-    finished: list[FinishedRequest]  # those that finished with the last step
-
-
-@dataclass
-class EngineStats:
-    """The engine's gauges and counters, the numbers vLLM's /metrics shows."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_gpu_blocks: int
-    block_size: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    gpu_utilization: float
-    gpu_memory_used_bytes: int
-    gpu_memory_total_bytes: int
-    gpu_power_w: float = 0.0        # the power model's draw over the last second (all GPUs)
-    gpu_energy_j: float = 0.0       # the power model's energy since the engine started (all GPUs)
-
-
-@dataclass
-class MemoryPlan:
-    """How vLLM splits GPU memory at start-up (per GPU)."""
-
-    total_bytes: int
-    requested_bytes: int
-    weights_bytes: int
-    activation_bytes: int
-    cuda_graph_bytes: int
-    non_torch_bytes: int
-    kv_bytes: int
-    kv_bytes_per_token: int
-    num_gpu_blocks: int
-
-
-@dataclass
-class EngineConfig:
-    """The flags the engine reads, resolved against vLLM's defaults."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    gpu_memory_utilization: float
-    block_size: int
-    max_model_len: int
-    enforce_eager: bool
-    weight_bytes: int
-    peak_key: str
-    kv_bytes: int
-    tensor_parallel_size: int
-    enable_prefix_caching: bool
-    long_prefill_token_threshold: int
-    num_gpu_blocks_override: int | None
-    # vLLM 0.26 schedules step N+1 while step N runs unless an incompatible option turns it off
-    # (config/vllm.py: async_scheduling None -> True); --no-async-scheduling plans each step after
-    # the previous one ends.
-    async_scheduling: bool = True
-    raw: dict[str, Any] = field(default_factory=dict)
-
-
-def _norm_key(key: str) -> str:
-    return key.lstrip("-").replace("_", "-")
-
-
-def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfig:
-    """Merge ``flags`` over vLLM's defaults for this GPU and check them as vLLM would."""
-    defaults = engine_defaults(profile.hardware.memory_gib, profile.hardware.name, ENGINE_FLAGS)
-    merged = {**defaults, **{_norm_key(k): v for k, v in flags.items()}}
-
-    def refuse(msg: str):
-        raise EngineStartError("refused-flag", msg)
-
-    dtype = str(merged["dtype"] or "auto")
-    dtype_name = model.torch_dtype if dtype == "auto" else dtype
-    dtype_name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype_name, dtype_name)
-    if dtype_name not in _WEIGHT_DTYPES:
-        refuse(f"argument --dtype: invalid choice: '{dtype}' (choose from 'auto', 'bfloat16', "
-               f"'float', 'float16', 'float32', 'half')")
-    weight_bytes, peak_key = _WEIGHT_DTYPES[dtype_name]
-    kv_dtype = str(merged["kv-cache-dtype"] or "auto")
-    if kv_dtype == "auto":
-        kv_bytes = weight_bytes
-    elif kv_dtype in _KV_DTYPES:
-        kv_bytes = _KV_DTYPES[kv_dtype]
-    else:
-        refuse(f"argument --kv-cache-dtype: invalid choice: '{kv_dtype}'")
-    block_size = int(merged["block-size"])
-    if block_size not in _BLOCK_SIZES:
-        refuse(f"argument --block-size: invalid choice: {block_size} (choose from "
-               f"{', '.join(map(str, _BLOCK_SIZES))})")
-    util = float(merged["gpu-memory-utilization"])
-    if not 0 < util <= 1:
-        refuse(f"1 validation error for CacheConfig\ngpu_memory_utilization\n  Input should be "
-               f"{'greater than 0' if util <= 0 else 'less than or equal to 1'} "
-               f"[type=greater_than, input_value={util}]")
-    tp = int(merged["tensor-parallel-size"])
-    if tp < 1:
-        refuse(f"tensor_parallel_size must be at least 1, got {tp}")
-    if model.num_heads % tp:
-        refuse(f"Total number of attention heads ({model.num_heads}) must be divisible by tensor "
-               f"parallel size ({tp}).")
-    if tp > profile.hardware.gpu_count:
-        refuse(f"World size ({tp}) is larger than the number of available GPUs "
-               f"({profile.hardware.gpu_count}) in this node.")
-    derived = model.max_position_embeddings
-    max_model_len = merged.get("max-model-len")
-    if max_model_len is None:
-        max_model_len = derived
-    max_model_len = int(max_model_len)
-    if max_model_len > derived:
-        refuse(f"User-specified max_model_len ({max_model_len}) is greater than the derived "
-               f"max_model_len (max_position_embeddings={derived} or model_max_length=None in "
-               f"model's config.json). To allow overriding this maximum, set the env var "
-               f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.")
-    if max_model_len < 1:
-        refuse(f"max_model_len must be at least 1, got {max_model_len}")
-    seqs = int(merged["max-num-seqs"])
-    mnbt = int(merged["max-num-batched-tokens"])
-    if seqs < 1 or mnbt < 1:
-        refuse("max_num_seqs and max_num_batched_tokens must be at least 1")
-    if mnbt < seqs:
-        refuse(f"max_num_batched_tokens ({mnbt}) must be greater than or equal to max_num_seqs "
-               f"({seqs}).")
-    override = merged.get("num-gpu-blocks-override")
-    return EngineConfig(
-        max_num_seqs=seqs, max_num_batched_tokens=mnbt, gpu_memory_utilization=util,
-        block_size=block_size, max_model_len=max_model_len,
-        enforce_eager=bool(merged["enforce-eager"]), weight_bytes=weight_bytes, peak_key=peak_key,
-        kv_bytes=kv_bytes, tensor_parallel_size=tp,
-        enable_prefix_caching=bool(merged["enable-prefix-caching"]),
-        long_prefill_token_threshold=int(merged.get("long-prefill-token-threshold") or 0),
-        async_scheduling=merged.get("async-scheduling") is not False,
-        num_gpu_blocks_override=int(override) if override else None, raw=merged)
-
-
-def plan_memory(cfg: EngineConfig, profile: Profile, model) -> MemoryPlan:
-    """Split one GPU's memory as vLLM's profiling run does, or raise where vLLM would not start."""
-    hw, co = profile.hardware, profile.coefficients
-    tp = cfg.tensor_parallel_size
-    total = int(hw.memory_gib * GiB)
-    requested = int(total * cfg.gpu_memory_utilization)
-    weights = model.num_params * cfg.weight_bytes // tp
-    # The profiling run's peak: one max-num-batched-tokens forward (MLP intermediates dominate)
-    # plus the sampler's fp32 logits for max-num-seqs sequences.
-    act = cfg.max_num_batched_tokens * (3 * model.intermediate_size + 4 * model.hidden_size)
-    act = act * cfg.weight_bytes // tp + cfg.max_num_seqs * model.vocab_size * 4 // tp
-    graphs = 0 if cfg.enforce_eager else int(co.cuda_graph_memory_gib * GiB)
-    non_torch = int(co.non_torch_memory_gib * GiB)
-    per_token = model.kv_bytes_per_token(cfg.kv_bytes) // tp
-    if weights > total - non_torch:
-        raise EngineStartError("oom", (
-            f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
-            f"{min(weights, 2 * GiB) / 2**20:.2f} MiB. GPU 0 has a total capacity of "
-            f"{total / GiB:.2f} GiB of which {max(total - non_torch - weights, 0) / 2**20:.2f} MiB "
-            f"is free. Failed to load model - not enough GPU memory."))
-    kv = requested - weights - act - graphs - non_torch
-    if kv <= 0:
-        raise EngineStartError("oom", "No available memory for the cache blocks. Try increasing "
-                                      "`gpu_memory_utilization` when initializing the engine.")
-    blocks = kv // (per_token * cfg.block_size)
-    if cfg.num_gpu_blocks_override:
-        blocks = cfg.num_gpu_blocks_override
-    need = cfg.max_model_len * per_token
-    if blocks * cfg.block_size < cfg.max_model_len:
-        est = blocks * cfg.block_size
-        raise EngineStartError("oom", (
-            f"To serve at least one request with the models's max seq len ({cfg.max_model_len}), "
-            f"({need / GiB:.2f} GiB KV cache is needed, which is larger than the available KV cache "
-            f"memory ({kv / GiB:.2f} GiB). Based on the available memory, the estimated maximum "
-            f"model length is {est}. Try increasing `gpu_memory_utilization` or decreasing "
-            f"`max_model_len` when initializing the engine."))
-    return MemoryPlan(total, requested, weights, act, graphs, non_torch, kv, per_token, int(blocks))
 
 
 class _Req:

@@ -1,5 +1,5 @@
-"""The twin's HTTP API: vLLM's OpenAI-compatible routes, its error bodies and its SSE streams,
-around one engine loop."""
+"""The twin's HTTP API: vLLM's OpenAI-compatible routes and their SSE streams around one engine
+loop, refusing as vLLM does (``http_errors``) and with vLLM's logprob shapes (``logprobs``)."""
 
 from __future__ import annotations
 
@@ -7,80 +7,31 @@ import asyncio
 import hmac
 import json
 import os
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.abc import AbstractAccessLogger
 
 from vllm_lab import flags as flag_catalog
+from vllm_lab.twin import logprobs
 from vllm_lab.twin.cli_args import ServeArgs
 from vllm_lab.twin.engine_loop import EngineLoop, _Req
 from vllm_lab.twin.frontend import Frontend
+from vllm_lab.twin.http_errors import (
+    BadRequest,
+    Invalid,
+    compact,
+    error_response,
+    fastapi_errors,
+    vllm_value_error,
+)
 from vllm_lab.twin.metrics import CONTENT_TYPE, TwinMetrics
 from vllm_lab.twin.tokenizer import TwinTokenizer, draw_eos_after, pseudo_word
 from vllm_lab.twin.vllm_log import log
 
 VLLM_VERSION = flag_catalog.DEFAULT_VLLM_VERSION
-
-
-def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
-    """An OpenAI error body as vLLM sends it."""
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return web.json_response(body, status=status, dumps=_compact)
-
-
-class _BadRequest(Exception):
-    """A request vLLM's serving layer refuses: 400, type "BadRequestError", the parameter named."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-    def response(self) -> web.Response:
-        return _error(400, str(self), "BadRequestError", self.param)
-
-
-class _Invalid(_BadRequest):
-    """A request vLLM's pydantic models refuse: FastAPI's validation error, re-shaped by vLLM's
-    handler into the OpenAI error body with type "Bad Request"."""
-
-    def __init__(self, message: str, param: str, body: Any):
-        detail = {"type": "value_error", "loc": ("body",), "msg": f"Value error, {message}",
-                  "input": body}
-        super().__init__(f"1 validation error:\n  {detail!r}", param)
-
-    def response(self) -> web.Response:
-        return _error(400, str(self), "Bad Request", self.param)
-
-
-@web.middleware
-async def fastapi_errors(request: web.Request, handler):
-    """Unknown paths and methods answer as FastAPI does under vLLM: JSON ``{"detail": ...}``."""
-    try:
-        return await handler(request)
-    except web.HTTPNotFound:
-        return web.json_response({"detail": "Not Found"}, status=404, dumps=_compact)
-    except web.HTTPMethodNotAllowed:
-        return web.json_response({"detail": "Method Not Allowed"}, status=405, dumps=_compact)
-
-
-class UvicornAccessLogger(AbstractAccessLogger):
-    """Access lines as uvicorn writes them under vLLM."""
-
-    def log(self, request, response, time):
-        peer = request.transport.get_extra_info("peername") if request.transport else None
-        addr = f"{peer[0]}:{peer[1]}" if peer else "-"
-        sys.stdout.write(f'INFO:     {addr} - "{request.method} {request.path_qs} HTTP/'
-                         f'{request.version.major}.{request.version.minor}" {response.status} '
-                         f'{response.reason}\n')
-
-    @property
-    def enabled(self) -> bool:
-        return True
 
 
 class TwinServer:
@@ -153,12 +104,12 @@ class TwinServer:
                     "allow_search_indices": False, "allow_view": True,
                     "allow_fine_tuning": False, "organization": "*", "group": None,
                     "is_blocking": False}]})
-        return web.json_response({"object": "list", "data": data}, dumps=_compact)
+        return web.json_response({"object": "list", "data": data}, dumps=compact)
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         ok = self.engine.reset_prefix_cache()
         if ok is False:
-            return _error(500, "Failed to reset prefix cache.", "InternalServerError")
+            return error_response(500, "Failed to reset prefix cache.", "InternalServerError")
         return web.Response(status=200)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
@@ -195,14 +146,14 @@ class TwinServer:
             elif isinstance(body.get("prompt"), str):
                 ids = self.tok.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
             else:
-                raise _Invalid("Either prompt (a string) or messages must be provided.", "prompt",
+                raise Invalid("Either prompt (a string) or messages must be provided.", "prompt",
                                body)
-        except _BadRequest as e:
+        except BadRequest as e:
             return e.response()
         strs = [self.tok.token_str(t, i) for i, t in enumerate(ids)] \
             if body.get("return_token_strs") else None
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len,
-                                  "tokens": ids, "token_strs": strs}, dumps=_compact)
+                                  "tokens": ids, "token_strs": strs}, dumps=compact)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: token ids back to text."""
@@ -213,13 +164,13 @@ class TwinServer:
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-                raise _Invalid("tokens must be a list of integers.", "tokens", body)
+                raise Invalid("tokens must be a list of integers.", "tokens", body)
             if any(t < 0 or t >= self.tok.vocab_size for t in tokens):
-                raise _BadRequest(f"Token id out of vocabulary (size {self.tok.vocab_size}).",
+                raise BadRequest(f"Token id out of vocabulary (size {self.tok.vocab_size}).",
                                   "tokens")
-        except _BadRequest as e:
+        except BadRequest as e:
             return e.response()
-        return web.json_response({"prompt": self.tok.decode(tokens)}, dumps=_compact)
+        return web.json_response({"prompt": self.tok.decode(tokens)}, dumps=compact)
 
     # ------------------------------------------------------------ generation
 
@@ -227,15 +178,15 @@ class TwinServer:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _BadRequest(f"JSON decode error: {e}") from e
+            raise BadRequest(f"JSON decode error: {e}") from e
         if not isinstance(body, dict):
-            raise _BadRequest("Input should be a valid dictionary or object to extract fields from")
+            raise BadRequest("Input should be a valid dictionary or object to extract fields from")
         return body
 
     def _check_model(self, body: dict) -> web.Response | None:
         model = body.get("model")
         if model and model not in self.served_names:
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return None
 
     def _validate(self, body: dict, chat: bool) -> int:
@@ -245,15 +196,15 @@ class TwinServer:
         own checks as "BadRequestError"; both with status 400 and the parameter named.
         """
         if body.get("stream_options") and not body.get("stream"):
-            raise _Invalid("Stream options can only be defined when `stream=True`.",
+            raise Invalid("Stream options can only be defined when `stream=True`.",
                            "stream_options", body)
         if chat:
             top = body.get("top_logprobs")
             if top is not None and (not _is_int(top) or (top < 0 and top != -1)):
-                raise _Invalid("`top_logprobs` must be a positive value or -1.", "top_logprobs",
+                raise Invalid("`top_logprobs` must be a positive value or -1.", "top_logprobs",
                                body)
             if top and not body.get("logprobs"):
-                raise _Invalid("when using `top_logprobs`, `logprobs` must be set to true.",
+                raise Invalid("when using `top_logprobs`, `logprobs` must be set to true.",
                                "top_logprobs", body)
             logprobs = (top or 0) if body.get("logprobs") else -1
             if top == -1 and body.get("logprobs"):
@@ -261,25 +212,25 @@ class TwinServer:
         else:
             lp = body.get("logprobs")
             if lp is not None and (not _is_int(lp) or (lp < 0 and lp != -1)):
-                raise _Invalid("`logprobs` must be a positive value or -1.", "logprobs", body)
+                raise Invalid("`logprobs` must be a positive value or -1.", "logprobs", body)
             logprobs = -1 if lp is None else (self.tok.vocab_size if lp == -1 else lp)
         n = body.get("n", 1)
         if n is not None and (not _is_int(n) or n < 1):
-            raise _BadRequest(_vllm_value_error(f"n must be at least 1, got {n}.", "n", n), "n")
+            raise BadRequest(vllm_value_error(f"n must be at least 1, got {n}.", "n", n), "n")
         temperature = body.get("temperature")
         if isinstance(temperature, (int, float)) and temperature < 0:
             value = float(temperature)
-            raise _BadRequest(_vllm_value_error(
+            raise BadRequest(vllm_value_error(
                 f"temperature must be non-negative, got {value}.", "temperature", value),
                 "temperature")
         top_p = body.get("top_p")
         if isinstance(top_p, (int, float)) and not 0 < top_p <= 1:
             value = float(top_p)
-            raise _BadRequest(_vllm_value_error(
+            raise BadRequest(vllm_value_error(
                 f"top_p must be in (0, 1], got {value}.", "top_p", value), "top_p")
         if logprobs > self.max_logprobs >= 0:
             param = "top_logprobs" if chat else "logprobs"
-            raise _BadRequest(_vllm_value_error(
+            raise BadRequest(vllm_value_error(
                 f"Requested sample logprobs of {logprobs}, which is greater than max allowed: "
                 f"{self.max_logprobs}", param, logprobs), param)
         return logprobs
@@ -290,16 +241,16 @@ class TwinServer:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens", default_max)
         min_tokens = int(body.get("min_tokens") or 0)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
         if max_tokens is not None and max_tokens > self.max_model_len:
-            raise _BadRequest(
+            raise BadRequest(
                 f"max_tokens={max_tokens} cannot be greater than "
                 f"max_model_len={self.max_model_len}. Please request fewer output tokens.",
                 "max_tokens")
         out = max_tokens or 0
         if len(prompt_ids) + out > self.max_model_len:
             total = len(prompt_ids) + out
-            raise _BadRequest(
+            raise BadRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {out} output tokens and your prompt contains "
                 f"{len(prompt_ids)} input tokens, for a total of {total} tokens. Please reduce "
@@ -308,7 +259,7 @@ class TwinServer:
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
         if min_tokens > max_tokens:
-            raise _BadRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            raise BadRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                               f"got {min_tokens}.", "min_tokens")
         ignore_eos = bool(body.get("ignore_eos", False))
         # Each of n choices samples its own length; choice 0 keeps the single-choice draw.
@@ -347,7 +298,7 @@ class TwinServer:
                     out = []
                     break
         if not out:
-            raise _BadRequest("Either prompt or prompt_embeds must be provided and non-empty.",
+            raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.",
                               "prompt")
         return out
 
@@ -362,7 +313,7 @@ class TwinServer:
             n = body.get("n") or 1
             plan = [(ids, text, self._sampling(body, ids, 16, i))
                     for ids, text in prompts for i in range(n)]
-        except _BadRequest as e:
+        except BadRequest as e:
             return e.response()
         rid = self._request_id(request, "cmpl")
         reqs = self._submit(rid, plan, arrival)
@@ -384,12 +335,12 @@ class TwinServer:
             logprobs = self._validate(body, chat=True)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
-                raise _BadRequest("messages must be a non-empty list.", "messages")
+                raise BadRequest("messages must be a non-empty list.", "messages")
             prompt_ids = self.tok.encode_chat(_flatten(messages))
             n = body.get("n") or 1
             plan = [(prompt_ids, None, self._sampling(body, prompt_ids, None, i))
                     for i in range(n)]
-        except _BadRequest as e:
+        except BadRequest as e:
             return e.response()
         rid = self._request_id(request, "chatcmpl")
         reqs = self._submit(rid, plan, arrival, chat=True)
@@ -436,29 +387,7 @@ class TwinServer:
             for i, t in enumerate(choice.echo_ids):
                 entries.append((self.tok.token_str(t, i), t, i, i > 0))
         entries += [(pseudo_word(t, start + i), t, start + i, True) for i, t in enumerate(tokens)]
-        if chat:
-            content = []
-            for word, t, pos, _scored in entries:
-                tops = [_top(word, t, pos, j) for j in range(k)]
-                content.append({"token": word, "logprob": tops[0][1] if tops else _lp(t, pos, 0),
-                                "bytes": list(word.encode()),
-                                "top_logprobs": [{"token": w, "logprob": lp,
-                                                  "bytes": list(w.encode())} for w, lp in tops]})
-            return {"content": content}
-        out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [],
-                                "top_logprobs": []}
-        for word, t, pos, scored in entries:
-            out["text_offset"].append(offset)
-            offset += len(word)
-            out["tokens"].append(word)
-            if not scored:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            tops = [_top(word, t, pos, j) for j in range(max(k, 1))]
-            out["token_logprobs"].append(tops[0][1])
-            out["top_logprobs"].append(dict(tops))
-        return out
+        return logprobs.shaped(entries, k, chat, offset)
 
     async def _full(self, rid: str, choices: list[_Choice], chat: bool, logprobs: int,
                     prompt_tokens: int) -> web.Response:
@@ -501,7 +430,7 @@ class TwinServer:
             body = {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": self.model_name, "choices": bodies, "service_tier": None,
                     "system_fingerprint": None, "usage": usage, "kv_transfer_params": None}
-        return web.json_response(body, dumps=_compact)
+        return web.json_response(body, dumps=compact)
 
     async def _stream(self, request: web.Request, rid: str, choices: list[_Choice], body: dict,
                       chat: bool, logprobs: int, prompt_tokens: int) -> web.StreamResponse:
@@ -588,7 +517,7 @@ class TwinServer:
             text = self._text(toks, sent)
             lp_json = "null"
             if logprobs >= 0 and (toks or (c.echo_ids and sent == 0)):
-                lp_json = _compact(self._logprobs(c, toks, sent, logprobs, chat, offset))
+                lp_json = compact(self._logprobs(c, toks, sent, logprobs, chat, offset))
             if sent == 0 and c.echo is not None:
                 text = c.echo + text
             offset += len(text)
@@ -640,20 +569,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _lp(token_id: int, position: int, rank: int) -> float:
-    # Deterministic, plausible numbers: the sampled token near 0, each next rank lower.
-    return -round(((token_id * 2654435761 + position * 40503) % 997) / 997 * 1.5 + rank * 1.25, 4)
-
-
-def _top(word: str, token_id: int, position: int, rank: int) -> tuple[str, float]:
-    return (word if rank == 0 else pseudo_word(token_id + rank, position + 7 * rank),
-            _lp(token_id, position, rank))
-
-
 def _flatten(messages: Any) -> list[dict]:
     """Chat messages as role and text: OpenAI content parts keep their text ones."""
     if not isinstance(messages, list) or not messages:
-        raise _BadRequest("messages must be a non-empty list.", "messages")
+        raise BadRequest("messages must be a non-empty list.", "messages")
     flat = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
@@ -664,23 +583,6 @@ def _flatten(messages: Any) -> list[dict]:
     return flat
 
 
-def _vllm_value_error(message: str, parameter: str, value: Any) -> str:
-    # vLLM's VLLMValidationError names the parameter and value after the sentence.
-    return f"{message} (parameter={parameter}, value={value})"
-
-
-def _compact(obj: Any) -> str:
-    # pydantic's model_dump_json, which vLLM uses, writes no spaces.
-    return json.dumps(obj, separators=(",", ":"))
-
-
 def _usage(prompt: int, completion: int) -> str:
     return (f'{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
             f'"completion_tokens":{completion}}}')
-
-
-class _AccessSink:
-    """aiohttp wants a logger object; the access logger class does the writing."""
-
-    def info(self, *a, **k):
-        pass

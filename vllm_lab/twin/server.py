@@ -26,7 +26,8 @@ from vllm_lab import flags as flag_catalog
 from vllm_lab.twin.cli_args import FRONTEND_FLAGS, ServeArgs, build_parser, parse_serve_args
 from vllm_lab.twin.engine import Engine, EngineStartError
 from vllm_lab.twin.engine_loop import EngineLoop, _Req
-from vllm_lab.twin.http_api import VLLM_VERSION, TwinServer, UvicornAccessLogger, _AccessSink
+from vllm_lab.twin.http_api import VLLM_VERSION, TwinServer
+from vllm_lab.twin.http_errors import AccessSink, UvicornAccessLogger
 from vllm_lab.twin.metrics import TwinMetrics
 from vllm_lab.twin.tokenizer import load_tokenizer
 from vllm_lab.twin.vllm_log import log as _log
@@ -124,27 +125,11 @@ def _gpu_info(profile: Any, flags: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _serve(args: ServeArgs) -> None:
-    from vllm_lab.models import load_model_shape
-
+    """Start the engine and the HTTP app as vLLM does (and says), then serve until SIGTERM/SIGINT."""
     flags = args.flags
     _log("INFO", "api_utils.py:273", f"vLLM API server version {VLLM_VERSION}")
     _log("INFO", "api_utils.py:273", f"non-default args: {_non_default(args)}")
-    try:
-        shape = load_model_shape(args.model)
-    except ValueError as e:
-        sys.stderr.write(f"OSError: {e}\n")
-        sys.exit(1)
-    try:
-        profile = _load_profile(args.profile)
-    except (OSError, ValueError, KeyError) as e:
-        sys.stderr.write(f"twin: cannot load profile {args.profile!r}: {e}\n")
-        sys.exit(1)
-    engine_flags = {k: v for k, v in flags.items() if k not in FRONTEND_FLAGS}
-    try:
-        engine = Engine.from_flags(engine_flags, profile, shape)
-    except EngineStartError as e:
-        await asyncio.sleep(min(args.startup_s, 1.0))
-        _engine_start_failure(e)
+    engine, profile, shape = await _start_engine(args)
     engine.origin = time.perf_counter()  # its modelled energy counts from the server's start
     stats = engine.stats
     max_len = _max_model_len(engine, flags, shape)
@@ -166,10 +151,41 @@ async def _serve(args: ServeArgs) -> None:
     metrics = TwinMetrics(engine, names[0], max_len, _cache_config(flags, stats, max_len),
                           _gpu_info(profile, flags))
     server = TwinServer(args, engine, tok, max_len, metrics)
+    runner = await _listen(server, flags)
+    await _serve_until_stopped(server, runner)
+
+
+async def _start_engine(args: ServeArgs) -> tuple[Engine, Any, Any]:
+    """The engine for the flags, on the profile and the model's shape; exit 1 with vLLM's words
+    when a model, a profile or the engine cannot start."""
+    from vllm_lab.models import load_model_shape
+
+    try:
+        shape = load_model_shape(args.model)
+    except ValueError as e:
+        sys.stderr.write(f"OSError: {e}\n")
+        sys.exit(1)
+    try:
+        profile = _load_profile(args.profile)
+    except (OSError, ValueError, KeyError) as e:
+        sys.stderr.write(f"twin: cannot load profile {args.profile!r}: {e}\n")
+        sys.exit(1)
+    engine_flags = {k: v for k, v in args.flags.items() if k not in FRONTEND_FLAGS}
+    try:
+        return Engine.from_flags(engine_flags, profile, shape), profile, shape
+    except EngineStartError as e:
+        await asyncio.sleep(min(args.startup_s, 1.0))
+        _engine_start_failure(e)
+        raise  # not reached: the failure exits
+
+
+async def _listen(server: TwinServer, flags: dict[str, Any]) -> web.AppRunner:
+    """The HTTP app bound to --host and --port (exit 1 as uvicorn says when the port is taken),
+    and vLLM's lines that it is up."""
     runner = web.AppRunner(
         server.app(), handle_signals=False,
         access_log_class=UvicornAccessLogger,
-        access_log=None if flags.get("disable-uvicorn-access-log") else _AccessSink())
+        access_log=None if flags.get("disable-uvicorn-access-log") else AccessSink())
     await runner.setup()
     host = flags.get("host") or "0.0.0.0"
     port = int(flags.get("port", flag_catalog.default("port")))
@@ -180,8 +196,6 @@ async def _serve(args: ServeArgs) -> None:
         sys.stderr.write(f"OSError: [Errno {e.errno}] error while attempting to bind on address "
                          f"('{host}', {port}): {e.strerror}\n")
         sys.exit(1)
-    engine_task = asyncio.create_task(server.loop.run())
-    stream_task = asyncio.create_task(server.loop.stream())
     _log("INFO", "api_server.py:677", "Supported tasks: ['generate']")
     _log("INFO", "api_server.py:677", f"Starting vLLM server on http://{host}:{port}")
     _log("INFO", "launcher.py:37", "Available routes are:")
@@ -192,6 +206,13 @@ async def _serve(args: ServeArgs) -> None:
     sys.stdout.write(f"INFO:     Started server process [{os.getpid()}]\nINFO:     Waiting for "
                      "application startup.\nINFO:     Application startup complete.\n")
     sys.stdout.flush()
+    return runner
+
+
+async def _serve_until_stopped(server: TwinServer, runner: web.AppRunner) -> None:
+    """Step the engine and stream its tokens until SIGTERM/SIGINT; a loop that fails exits 1."""
+    engine_task = asyncio.create_task(server.loop.run())
+    stream_task = asyncio.create_task(server.loop.stream())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -208,6 +229,7 @@ async def _serve(args: ServeArgs) -> None:
     engine_task.cancel()
     stream_task.cancel()
     await runner.cleanup()
+
 
 def _non_default(args: ServeArgs) -> dict[str, Any]:
     out = {"model_tag": args.model}

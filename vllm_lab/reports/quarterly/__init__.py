@@ -7,7 +7,8 @@ flag changes as ready scenario files. Output: ``index.html`` (figures embedded),
 ``report.pdf`` (headless Chromium prints the HTML) and ``recommended/*.yaml`` beside them.
 
 Its seams are its modules: ``period`` (which quarter), ``data`` (the store's runs and sample
-figures), ``analyses`` (the tables), ``charts`` (the figures) and ``document`` (the page).
+figures), ``vllm_lab.analysis.quarterly`` (the tables), ``charts`` (the figures), ``recommended`` (the
+scenario files) and ``document`` (the page).
 """
 
 from __future__ import annotations
@@ -17,20 +18,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vllm_lab.reports import page
-from vllm_lab.reports.pdf import ReportError, chromium, print_pdf
-from vllm_lab.reports.quarterly.analyses import (
+from vllm_lab.analysis.quarterly import (
     all_findings,
     baseline_comparison,
     best_configurations,
     findings_table,
     point_means,
-    recommendations,
     stress_summary,
     sweep_rollup,
     sweep_summary,
     watch_summary,
 )
+from vllm_lab.reports import page
+from vllm_lab.reports.pdf import ReportError, chromium, print_pdf
 from vllm_lab.reports.quarterly.charts import (
     caption,
     figure_baseline,
@@ -43,6 +43,7 @@ from vllm_lab.reports.quarterly.charts import (
 from vllm_lab.reports.quarterly.data import load_runs, sample_figures
 from vllm_lab.reports.quarterly.document import quarterly_page, sections
 from vllm_lab.reports.quarterly.period import Period, parse_period
+from vllm_lab.reports.quarterly.recommended import recommendations
 
 __all__ = ["Period", "ReportError", "all_findings", "baseline_comparison", "best_configurations",
            "build", "chromium", "findings_table", "load_runs", "parse_period", "point_means",

@@ -9,9 +9,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from vllm_lab.analysis.points import pareto_front
+from vllm_lab.analysis.quarterly import SIGNIFICANCE, ok_runs
 from vllm_lab.reports.figures import save_captioned
-from vllm_lab.reports.points import pareto_front
-from vllm_lab.reports.quarterly.analyses import SIGNIFICANCE, ok_runs
 from vllm_lab.reports.quarterly.period import Period
 
 # Inches: a figure of one small panel is still as wide as its title and its caption line.

@@ -24,12 +24,9 @@ SAMPLE_COLUMNS = ["prompt_tokens", "status"]
 
 def load_runs(store_path: Path, start: float, end: float) -> pd.DataFrame:
     """Runs started in [start, end), with their scenario decoded and the sweep parameter named."""
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         runs = store.runs_between(start, end)
         exps = store.experiments()
-    finally:
-        store.close()
     runs["scenario"] = runs["scenario_json"].map(json.loads)
     runs["label"] = runs["scenario_name"] + " · " + runs["gpu_model"]
     params = {r.id: _params(json.loads(r.meta_json)) for r in exps.itertuples()}
@@ -61,11 +58,8 @@ def sample_figures(store_path: Path, runs: pd.DataFrame, threads: int = 4) -> pd
     Files are read one at a time per thread (pyarrow releases the GIL), so at most ``threads``
     runs' samples are in memory at once.
     """
-    store = Store(store_path)
-    try:
+    with Store(store_path) as store:
         paths = store.samples_files(runs)
-    finally:
-        store.close()
     with ThreadPoolExecutor(max_workers=threads) as pool:
         rows = list(pool.map(lambda p: _run_sample_figures(p) if p else (np.nan,) * 3, paths))
     return pd.DataFrame(rows, columns=["prompt_p50", "prompt_p99", "sample_errors"],

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from vllm_lab.analysis.quarterly import sweep_rollup
 from vllm_lab.reports import page
 from vllm_lab.reports.page import Block, fmt
-from vllm_lab.reports.quarterly.analyses import sweep_rollup
 from vllm_lab.reports.quarterly.period import Period
 
 CSS = """
@@ -50,12 +50,23 @@ def section_table(df: pd.DataFrame, columns: list[tuple[str, str, str]], limit: 
 
 
 def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.DataFrame,
-              sweeps: pd.DataFrame, stress: pd.DataFrame, watch: pd.DataFrame,
-              found: pd.DataFrame, recs: pd.DataFrame, figures: dict[str, Path | None],
-              points: pd.DataFrame) -> list[Section]:
+             sweeps: pd.DataFrame, stress: pd.DataFrame, watch: pd.DataFrame,
+             found: pd.DataFrame, recs: pd.DataFrame, figures: dict[str, Path | None],
+             points: pd.DataFrame) -> list[Section]:
+    """The report's sections in order, from the period's analyses and figures."""
+    return [_overview(runs), _baseline(period, cmp, figures), _best(best, figures),
+            _tuning(sweeps, stress, points, figures), _watch(watch, figures), _findings(found),
+            _recommended(recs)]
+
+
+def _figures(figures: dict[str, Path | None], *names: str) -> list[Path]:
+    return [f for f in (figures.get(n) for n in names) if f]
+
+
+def _overview(runs: pd.DataFrame) -> Section:
     by_step = runs.groupby("step").size().to_dict()
     by_status = runs.groupby("status").size().to_dict()
-    overview = Section(
+    return Section(
         "The period at a glance",
         f"{len(runs):,} runs in {runs['experiment_id'].nunique():,} experiments, "
         f"{pd.to_datetime(runs['started'].min(), unit='s'):%Y-%m-%d} to "
@@ -65,8 +76,11 @@ def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.Dat
         [], [f"GPUs: {', '.join(sorted(runs['gpu_model'].unique()))}",
              (f"hosts: {runs['host'].nunique()}, vLLM versions: "
              f"{', '.join(sorted(runs['vllm_version'].unique()))}")])
+
+
+def _baseline(period: Period, cmp: pd.DataFrame, figures: dict[str, Path | None]) -> Section:
     slower = cmp[cmp["verdict"] == "slower"] if len(cmp) else cmp
-    baseline = Section(
+    return Section(
         f"Baseline: {period.name} against {period.previous}",
         (f"{len(slower)} of {len(cmp)} baselines are significantly slower than last period."
          if len(cmp) else "No baseline runs this period."),
@@ -77,8 +91,11 @@ def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.Dat
                       ("ttft_p99_now", "TTFT p99 now (ms)", "ms"),
                       ("ttft_p99_before", "before (ms)", "ms"),
                       ("tpot_p99_now", "TPOT p99 now (ms)", "ms"), ("verdict", "verdict", "")])],
-        [f for f in [figures.get("baseline")] if f], [])
-    best_sec = Section(
+        _figures(figures, "baseline"), [])
+
+
+def _best(best: pd.DataFrame, figures: dict[str, Path | None]) -> Section:
+    return Section(
         "Best configuration per scenario",
         "The tuned point (sweep, combination or tuning run) with the highest goodput among those "
         "meeting every SLO; its margin over the baseline, and over the runner-up in run-to-run "
@@ -89,8 +106,12 @@ def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.Dat
                        ("margin_vs_runner_up_sd", "vs runner-up (sd)", ""),
                        ("ttft_p99", "TTFT p99 (ms)", "ms"), ("tpot_p99", "TPOT p99 (ms)", "ms"),
                        ("experiment_id", "experiment", "")])],
-        [f for f in [figures.get("best")] if f], [])
-    sweep_sec = Section(
+        _figures(figures, "best"), [])
+
+
+def _tuning(sweeps: pd.DataFrame, stress: pd.DataFrame, points: pd.DataFrame,
+            figures: dict[str, Path | None]) -> Section:
+    return Section(
         "Sweeps, combinations and stress tests",
         f"{len(sweeps)} sweeps, {points[points['step'].isin(('combo', 'tune'))]['experiment_id'].nunique()} "
         f"combination searches, {len(stress)} stress tests.",
@@ -104,10 +125,12 @@ def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.Dat
                          ("peak_throughput", "peak tok/s", ""),
                          ("ttft_p99_at_peak_s", "TTFT p99 at peak (ms)", "ms"),
                          ("experiment_id", "experiment", "")], limit=30)],
-        [f for f in (figures.get("sweeps"), figures.get("combos"), figures.get("stress")) if f],
-        [])
+        _figures(figures, "sweeps", "combos", "stress"), [])
+
+
+def _watch(watch: pd.DataFrame, figures: dict[str, Path | None]) -> Section:
     total_reg = int(watch["regressions"].sum()) if len(watch) else 0
-    watch_sec = Section(
+    return Section(
         "Monitoring: the regression watch",
         f"{int(watch['probes'].sum()) if len(watch) else 0} probes on {len(watch)} deployments; "
         f"{total_reg} flagged as a regression against their recorded baseline.",
@@ -118,8 +141,11 @@ def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.Dat
                         ("ttft_p99_median", "TTFT p99 median (ms)", "ms"),
                         ("gpu_util_mean", "GPU util %", ""), ("kv_usage_max", "KV max", ""),
                         ("regressions", "regressions", "")])],
-        [f for f in [figures.get("watch")] if f], [])
-    find_sec = Section(
+        _figures(figures, "watch"), [])
+
+
+def _findings(found: pd.DataFrame) -> Section:
+    return Section(
         "Findings",
         f"{int(found['runs'].sum()) if len(found) else 0} runs show a pattern of the tuning guide's "
         "troubleshooting list; per pattern, scenario and GPU, the latest run's numbers and the flag "
@@ -127,14 +153,16 @@ def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.Dat
         [section_table(found, [("title", "finding", ""), ("label", "scenario · GPU", ""),
                         ("runs", "runs", ""), ("evidence", "numbers (latest run)", ""),
                         ("flags", "try", "")], limit=30)], [], [])
-    rec_rows = [[r["label"], fmt(r["changes"], "fixed"), f"{r['margin']:+.0%}", str(r["file"].name)]
-                for r in recs.to_dict("records")]
-    rec_sec = Section(
+
+
+def _recommended(recs: pd.DataFrame) -> Section:
+    rows = [[r["label"], fmt(r["changes"], "fixed"), f"{r['margin']:+.0%}", str(r["file"].name)]
+            for r in recs.to_dict("records")]
+    return Section(
         "Recommended flag changes",
         "Ready scenario files, written next to this report: run `make baseline "
         "SCENARIO=<file>` to confirm a change on your own traffic before adopting it.",
-        [(["scenario · GPU", "change", "goodput vs baseline", "file"], rec_rows)], [], [])
-    return [overview, baseline, best_sec, sweep_sec, watch_sec, find_sec, rec_sec]
+        [(["scenario · GPU", "change", "goodput vs baseline", "file"], rows)], [], [])
 
 
 def quarterly_page(period: Period, parts: list[Section], caption: str) -> page.Page:

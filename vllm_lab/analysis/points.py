@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from vllm_lab import stats
-from vllm_lab.store import PREDICTION_KEY
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.summary import select
 
 CV_WARN = 0.10  # a spread above this is too large to trust a difference of the same size
@@ -49,10 +50,10 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
             row[m] = col.mean() if col.notna().any() else np.nan
             if m in SPREAD:
                 row[f"{m}_cv"] = col.std() / col.mean() if len(col.dropna()) > 1 and col.mean() else np.nan
-        row["meets_slo"] = bool(len(ok)) and all(s.get("meets_slo", False) for s in ok["summary"]) \
+        row["meets_slo"] = bool(len(ok)) and all(RunSummary.of(s).meets_slo for s in ok["summary"]) \
             if "summary" in ok else False
         for k in AUDIT:
-            vals = [s[k] for s in group.get("summary", []) if isinstance(s.get(k), (int, float))]
+            vals = [v for s in group.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
             row[k] = float(np.mean(vals)) if vals else np.nan
         rows.append(row)
     table = pd.DataFrame(rows)
@@ -64,9 +65,9 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
     return table
 
 
-def recorded_prediction(summary: dict[str, Any] | None) -> dict[str, Any] | None:
+def recorded_prediction(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The twin's prediction recorded with a run (None: a run from before they were recorded)."""
-    return (summary or {}).get(PREDICTION_KEY)
+    return RunSummary.of(summary).twin_prediction
 
 
 def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
@@ -83,7 +84,8 @@ def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[
         elif not rec.get("predicted", True):  # the predictor could not take the scenario: said so
             figures["twin_error"] = rec.get("error", "")
         else:
-            figures.update({f"twin_{k}": _float(rec["summary"].get(k)) for k in TWIN_METRICS})
+            twin = RunSummary.of(rec["summary"])
+            figures.update({f"twin_{k}": _float(twin.figure(k)) for k in TWIN_METRICS})
         predicted.append(figures)
     out = pd.concat([table.reset_index(drop=True), pd.DataFrame(predicted)], axis=1)
     for k in TWIN_METRICS:

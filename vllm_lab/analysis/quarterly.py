@@ -1,24 +1,21 @@
 """The quarterly report's analyses: each a table computed from the period's runs alone.
 
 The baseline now against the previous period, the best configuration per scenario and GPU and its
-margin, the sweeps, combinations and stress tests, the regression watch, the troubleshooting
-findings, and the recommended flag changes (written as ready scenario files).
+margin, the sweeps, combinations and stress tests, the regression watch and the troubleshooting
+findings. ``reports.quarterly`` draws them and writes the recommended flag changes.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-from vllm_lab import findings as findings_mod
-from vllm_lab.reports.scenario_files import write_scenario_file
-from vllm_lab.summary import meets_slo
+from vllm_lab.analysis import findings as findings_mod
+from vllm_lab.run_summary import RunSummary
 
 TUNING_STEPS = ("sweep", "combo", "tune")
 SIGNIFICANCE = 0.05
@@ -60,7 +57,8 @@ def baseline_comparison(now: pd.DataFrame, before: pd.DataFrame) -> pd.DataFrame
 
 def point_means(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (experiment, point): means over its ok repeats and whether all met the SLO."""
-    ok = ok_runs(runs).assign(meets=lambda d: d["summary_json"].map(meets_slo))
+    ok = ok_runs(runs).assign(meets=lambda d: d["summary_json"].map(
+        lambda text: bool(RunSummary.of(text).meets_slo)))
     agg = ok.groupby(["experiment_id", "point_json"], sort=False).agg(
         label=("label", "first"), scenario_name=("scenario_name", "first"),
         gpu_model=("gpu_model", "first"), step=("step", "first"), params=("params", "first"),
@@ -194,31 +192,3 @@ def findings_table(found: list[findings_mod.Finding], runs: pd.DataFrame) -> pd.
                      "evidence": first["evidence"], "example": f"{first['experiment_id']}",
                      "flags": " ".join(f"--{k} {v}" for k, v in first["flags"].items())})
     return pd.DataFrame(rows).sort_values("runs", ascending=False).reset_index(drop=True)
-
-
-def recommendations(best: pd.DataFrame, runs: pd.DataFrame, folder: Path) -> pd.DataFrame:
-    """Write one ready scenario file per scenario and GPU whose best flags differ from its baseline."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for _, b in best.iterrows():
-        changes = {k: v for k, v in b["serve"].items() if b["base_serve"].get(k) != v}
-        if not changes or not (b["margin_vs_baseline"] > 0):
-            continue
-        source = runs[(runs["label"] == b["label"]) & (runs["experiment_id"] == b["experiment_id"])]
-        scenario = source["scenario"].iloc[-1]
-        # The best point's flags, and enough repeats to confirm it against the baseline.
-        scenario = {**scenario, "serve": b["serve"], "run": {**(scenario.get("run") or {}), "repeats": 3}}
-        gpu = (scenario.get("hardware") or {}).get("gpu") or "gpu"
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{b['scenario_name']}-{gpu}")
-        path = folder / f"{name}.yaml"
-        comment = (f"# {b['label']}: the best configuration of the period (experiment "
-                   f"{b['experiment_id']}).\n# Changed from the baseline: "
-                   + ", ".join(f"{k}: {b['base_serve'].get(k, 'default')} -> {v}"
-                               for k, v in changes.items())
-                   + f"\n# Check it before adopting it:  make baseline SCENARIO={path}\n")
-        write_scenario_file(path, scenario, {}, f"Recommended by the quarterly report: "
-                            f"{b['scenario_name']} on {b['gpu_model']}, goodput "
-                            f"{b['margin_vs_baseline']:+.0%} vs baseline", comment)
-        rows.append({"label": b["label"], "file": path, "changes": changes,
-                     "margin": b["margin_vs_baseline"]})
-    return pd.DataFrame(rows)

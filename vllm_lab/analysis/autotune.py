@@ -1,0 +1,298 @@
+"""What an autotune recorded, read from the store: its plan (the candidates in the order they are
+measured), the minutes each spent, each candidate's SLO capacity from its staircase, and the outcome:
+vLLM's defaults against the best, with the verdict.
+
+A configuration's SLO capacity is the highest open-loop request rate at which every SLO holds and
+the queue stays bounded: on a staircase, the highest level below which every level holds.
+
+The plan and the minutes are the meta of the autotune's own experiment in the store (step
+``autotune``); a store written before kept them as user attributes of the autotune's Optuna study,
+and is read from there. The study itself holds only its trials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from vllm_lab import search
+from vllm_lab.analysis.stress import levels_table
+from vllm_lab.store import Store, StoreError
+
+STEP = "autotune"  # the step of an autotune's own experiment, whose meta holds its plan
+# Below this gain the defaults are as good as the best: one staircase step is about this wide.
+NOISE = 0.05
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A staircase's measured SLO capacity (req/s), and how sure it is.
+
+    ``bound`` is "=" (a level above it broke the SLO), ">=" (no level broke it) or "<" (the lowest
+    level broke it: the capacity is below it); ``bracket`` (last holding, first broken) guides
+    refinement; ``status`` is the first level's when none ran ok, "not measured" without levels.
+    """
+
+    capacity: float | None = None
+    bound: str | None = None
+    bracket: tuple[float | None, float | None] | None = None
+    status: str = "not measured"
+
+    @property
+    def measured(self) -> float | None:
+        """The capacity of a staircase that ran (None: not measured, or no level ran ok)."""
+        return self.capacity if self.status == "ok" else None
+
+    def describe(self) -> str:
+        """The capacity as a person reads it: ``37.10 req/s``, ``>= 40.00 req/s``, ``< 4.00 req/s``;
+        a bracket left wide (the budget or the deadline cut the refinement) says where it broke."""
+        if self.capacity is None:
+            return self.status or "not measured"
+        bound = {"=": "", ">=": ">= ", "<": "< "}[self.bound]
+        value = self.bracket[1] if self.bound == "<" else self.capacity
+        low, high = self.bracket or (None, None)
+        wide = self.bound == "=" and high and high / low - 1 > 0.08
+        return f"{bound}{value:.2f} req/s" + (f" (breaks by {high:.2f})" if wide else "")
+
+
+def capacity_from_levels(table: pd.DataFrame) -> Capacity:
+    """The measured SLO capacity of a staircase: the highest level below which every level holds."""
+    if table.empty:
+        return Capacity()
+    ok = table[table["ok"]].sort_values("level")
+    if ok.empty:
+        return Capacity(status=str(table["status"].iloc[0]))
+    good = ok["meets_slo"].astype(bool) & ~ok["unbounded"].astype(bool)
+    broken = ok[~good]
+    if broken.empty:
+        top = float(ok["level"].max())
+        return Capacity(top, ">=", (top, None), "ok")
+    first = float(broken["level"].iloc[0])
+    below = ok[good & (ok["level"] < first)]
+    if below.empty:
+        return Capacity(0.0, "<", (None, first), "ok")
+    cap = float(below["level"].max())
+    return Capacity(cap, "=", (cap, first), "ok")
+
+
+def measured_capacity(store_path: Path, experiment_id: str) -> Capacity:
+    """The SLO capacity of one candidate's staircase experiment, from its runs in the store."""
+    with Store(store_path) as store:
+        runs = store.runs(experiment_id)
+        table = levels_table(store, experiment_id, runs) if len(runs) else pd.DataFrame()
+    return capacity_from_levels(table)
+
+
+@dataclass
+class Candidate:
+    """A configuration autotune measures: ``flags`` over vLLM's defaults (a measure-only variant's
+    are set once its ``base`` is chosen), the predicted SLO capacity, and where its staircase is
+    centred (kept once it starts, so a resume measures the same levels)."""
+
+    name: str
+    flags: dict[str, Any] | None
+    predicted: float | None
+    measure: dict[str, Any] | None = None  # a measure-only variant: the flag values it tries
+    centre: float | None = None
+    base: str | None = None
+
+    @property
+    def measure_only(self) -> bool:
+        """A variant of flags the twin does not model, tried on the best measured before it."""
+        return self.measure is not None
+
+    def to_record(self) -> dict[str, Any]:
+        """The candidate as the plan records it (keys left out until they are known)."""
+        record = {"name": self.name, "flags": self.flags, "predicted": self.predicted}
+        for key in ("measure", "centre", "base"):
+            if getattr(self, key) is not None:
+                record[key] = getattr(self, key)
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Candidate:
+        """A candidate from its record."""
+        return cls(record["name"], record.get("flags"), record.get("predicted"),
+                   record.get("measure"), record.get("centre"), record.get("base"))
+
+
+@dataclass
+class Plan:
+    """An autotune's plan, chosen once and kept: the scenario and its defaults (records), the
+    searched flags, the backend, the staircase's level length, the search's time and size, the
+    defaults' predicted saturation, and the candidates in the order they are measured."""
+
+    scenario: dict[str, Any]
+    defaults: dict[str, Any]
+    space: list[str]
+    backend: str
+    step_s: float
+    search_s: float
+    trials: int
+    saturation: float
+    candidates: list[Candidate]
+
+    def to_record(self) -> dict[str, Any]:
+        """The plan as the store keeps it."""
+        return {**{k: v for k, v in asdict(self).items() if k != "candidates"},
+                "candidates": [c.to_record() for c in self.candidates]}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Plan:
+        """A plan from its record."""
+        fields = {k: record[k] for k in ("scenario", "defaults", "space", "backend", "step_s",
+                                         "search_s", "trials", "saturation")}
+        return cls(**fields, candidates=[Candidate.from_record(c) for c in record["candidates"]])
+
+    def candidate(self, name: str) -> Candidate:
+        """The candidate named ``name``."""
+        return next(c for c in self.candidates if c.name == name)
+
+
+@dataclass
+class Spend:
+    """Seconds of the measuring backend a candidate took: starting (and stopping) servers, and
+    measuring; and its runs."""
+
+    start_s: float = 0.0
+    measure_s: float = 0.0
+    runs: int = 0
+
+    def __add__(self, other: Spend) -> Spend:
+        return Spend(self.start_s + other.start_s, self.measure_s + other.measure_s,
+                     self.runs + other.runs)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Spend:
+        """A spend from its record (an early one counted no runs)."""
+        return cls(record.get("start_s", 0.0), record.get("measure_s", 0.0), record.get("runs", 0))
+
+
+@dataclass
+class Record:
+    """What an autotune keeps besides its runs: the plan, the minutes each candidate spent and the
+    budget it was last given (GPU_MINUTES)."""
+
+    plan: Plan
+    spend: dict[str, Spend] = field(default_factory=dict)
+    budget: float | None = None
+
+    def meta(self) -> dict[str, Any]:
+        """The record as its experiment's meta."""
+        return {"plan": self.plan.to_record(), "spend": {k: asdict(v) for k, v in self.spend.items()},
+                "gpu_minutes_budget": self.budget}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> Record:
+        """The record from its experiment's meta (or a study's user attributes, the same keys)."""
+        return cls(Plan.from_record(meta["plan"]),
+                   {k: Spend.from_record(v) for k, v in (meta.get("spend") or {}).items()},
+                   meta.get("gpu_minutes_budget"))
+
+
+def load_record(store_path: Path, experiment_id: str, storage: str) -> Record | None:
+    """The autotune's record: its experiment's meta, or for a store written before, its study's
+    user attributes; None when it has chosen no plan yet."""
+    try:
+        with Store(store_path) as store:
+            exp = store.experiment(experiment_id)
+        if exp["step"] == STEP:
+            return Record.from_meta(exp["meta"])
+    except StoreError:
+        pass  # no experiment of that name: an autotune from before, or none
+    try:
+        attrs = search.load_study(experiment_id, storage).user_attrs
+    except KeyError:  # no study of that name
+        return None
+    return Record.from_meta(attrs) if "plan" in attrs else None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One candidate's outcome: its plan entry, its measured capacity and what it spent."""
+
+    candidate: Candidate
+    found: Capacity
+    spend: Spend
+
+    @property
+    def measured(self) -> float | None:
+        """The measured SLO capacity (None: not measured)."""
+        return self.found.measured
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """An autotune's outcome: each candidate's row, the best (the highest measured capacity above
+    0; the defaults win a tie), the gain over the defaults and the search's size."""
+
+    experiment: str
+    record: Record
+    rows: list[Row]
+    trials: int
+    pruned: int
+
+    @property
+    def defaults(self) -> Row:
+        """vLLM's defaults, always the first candidate."""
+        return self.rows[0]
+
+    @property
+    def best(self) -> Row | None:
+        """A configuration that met the SLO at no level is no winner, defaults included."""
+        return max((r for r in self.rows if r.measured is not None and r.measured > 0),
+                   key=lambda r: (r.measured, r.candidate.name == "defaults"), default=None)
+
+    @property
+    def any_measured(self) -> bool:
+        """Whether any candidate's staircase ran."""
+        return any(r.measured is not None for r in self.rows)
+
+    @property
+    def gain(self) -> float | None:
+        """The best's capacity over the defaults', less one."""
+        best, dflt = self.best, self.defaults.measured
+        return best.measured / dflt - 1 if best and dflt else None
+
+    def minutes(self) -> tuple[float, float]:
+        """Minutes of the measuring backend spent starting (and stopping) servers, and measuring."""
+        return (sum(r.spend.start_s for r in self.rows) / 60,
+                sum(r.spend.measure_s for r in self.rows) / 60)
+
+    def verdict(self) -> str:
+        """The headline in one sentence, honest when the defaults are as good as it gets."""
+        best, dflt, gain = self.best, self.defaults.measured, self.gain
+        if not self.any_measured:
+            return "nothing was measured within the budget; raise GPU_MINUTES and run again with RESUME=1"
+        if best is None:
+            return ("no measured configuration met the SLO at its lowest level: the SLO is out of reach "
+                    "of these flags on this backend, or the levels were too high")
+        name = best.candidate.name
+        if dflt is None:
+            return (f"the best measured configuration ({name}) carries {best.measured:.2f} req/s "
+                    f"within the SLO; vLLM's defaults were not measured")
+        if not dflt:
+            return (f"vLLM's defaults do not meet the SLO at the lowest level measured; {name} "
+                    f"carries {best.measured:.2f} req/s within it")
+        if gain is not None and gain <= NOISE:
+            return (f"the defaults are within {max(gain, 0):.0%} of the best reachable on this traffic "
+                    f"({dflt:.2f} against {best.measured:.2f} req/s): keep them")
+        return (f"{name} carries {best.measured:.2f} req/s within the SLO against "
+                f"{dflt:.2f} for vLLM's defaults: {gain:+.0%}")
+
+
+def outcome(store_path: Path, experiment_id: str, storage: str) -> Outcome:
+    """The autotune's outcome from the store: its record, each candidate's staircase, its study."""
+    from optuna.trial import TrialState
+
+    record = load_record(store_path, experiment_id, storage)
+    if record is None:
+        raise StoreError(f"{store_path}: no autotune {experiment_id!r} with a plan")
+    rows = [Row(c, measured_capacity(store_path, f"{experiment_id}-{c.name}"),
+                record.spend.get(c.name, Spend())) for c in record.plan.candidates]
+    trials = search.load_study(experiment_id, storage).get_trials(deepcopy=False)
+    return Outcome(experiment_id, record, rows, len(trials),
+                   sum(t.state == TrialState.PRUNED for t in trials))

@@ -1,0 +1,66 @@
+"""What a search's Optuna study says: its trials, the parameters' importances and the best
+configurations meeting the SLO. The study lives in the lab's database (or STUDY_STORAGE), beside
+the runs its trials recorded."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from vllm_lab import search
+
+
+def best_configs(study, k: int = 1, objective: str = "goodput") -> list[dict[str, Any]]:
+    """The ``k`` best distinct configurations meeting the SLO (pareto: the feasible front)."""
+    from optuna.trial import TrialState
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.user_attrs.get("slo_violation", math.inf) <= 0 or objective == "goodput"]
+    if objective == "pareto":
+        front = [t for t in study.best_trials if t.user_attrs.get("slo_violation", math.inf) <= 0]
+        done = sorted(front, key=lambda t: -t.values[0])
+    else:
+        done = sorted(done, key=lambda t: -t.values[0])
+    out, seen = [], set()
+    for t in done:
+        key = tuple(sorted(t.params.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(dict(t.params))
+        if len(out) == k:
+            break
+    return out
+
+
+def trials_frame(study) -> pd.DataFrame:
+    """One row per trial: number, state, values, params and the cause of a failure."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        row = {"trial": t.number, "state": t.state.name, **t.params,
+               "value": t.values[0] if t.values else math.nan,
+               "value2": t.values[1] if t.values and len(t.values) > 1 else math.nan,
+               "cause": t.user_attrs.get("cause", ""), "error": t.user_attrs.get("error", ""),
+               "run_key": t.user_attrs.get("run_key", ""),
+               "slo_violation": t.user_attrs.get("slo_violation", math.nan)}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def tune_study(exp: dict, store_path):
+    """The study a tune experiment's trials were asked by (its meta names it and its storage)."""
+    meta = exp["meta"]
+    return search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store_path))
+
+
+def importances(study) -> dict[str, float]:
+    """optuna.importance (its default, PED-ANOVA) of each parameter for the (first) objective;
+    empty with too few complete trials, or a parameter that never varied."""
+    import optuna
+    # PED-ANOVA ranks what it takes to reach *low* target values: flip a maximized objective.
+    sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
+    try:
+        return optuna.importance.get_param_importances(study, target=lambda t: sign * t.values[0])
+    except (RuntimeError, ValueError, ZeroDivisionError):
+        return {}

@@ -1,0 +1,221 @@
+"""The whole autotune but its report: the search on the predictor, the plan, and each candidate's
+capacity staircase measured on the backend, in order, while GPU_MINUTES last.
+
+A candidate starts only when its estimate (a server start and stop, and its levels) fits what is
+left; then each further level only while the slowest run seen so far and a server stop still fit.
+Each staircase is a stress experiment of its own, ``<experiment>-<candidate>``, taken through
+``plans.execute``: stored as it goes, so a resume measures nothing twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_lab import plans, search, stress
+from vllm_lab.analysis.autotune import Candidate, Capacity, Plan, Record, measured_capacity
+from vllm_lab.analysis.stress import level_verdict
+from vllm_lab.autotune import candidates, records
+from vllm_lab.autotune.budget import Budget, Measuring, measuring
+from vllm_lab.autotune.ranking import (
+    predicted_slo_capacity,
+    run_search,
+    saturation,
+    say_now,
+    top_configs,
+)
+from vllm_lab.autotune.space import defaults_scenario, measure_section, open_loop, with_flags
+from vllm_lab.backends import Backend, Measurement
+from vllm_lab.flags import redact
+from vllm_lab.progress import Progress
+from vllm_lab.scenarios import Scenario, ScenarioError
+from vllm_lab.store import RunStatus, Store
+
+
+@dataclass
+class Settings:
+    """One autotune: where it lives, its budget and how it measures."""
+
+    experiment_id: str
+    store_path: Path
+    out: Path
+    storage: str
+    gpu_minutes: float
+    trials: int = 20
+    seed: int | None = None
+    top: int | None = None
+    step_s: float | None = None
+    repeats: int = 1
+
+
+def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: Backend,
+                       settings: Settings, say: Callable[[str], Any] = say_now,
+                       progress: Progress | None = None) -> Record:
+    """Search on the predictor, plan the candidates (a resume keeps the first plan), and measure
+    the defaults and the top-k on ``backend`` within the budget; the record it kept."""
+    how = measuring(backend.name)
+    step_s = settings.step_s or how.step_s
+    if not scenario.slo.targets():
+        raise ScenarioError(f"scenario {scenario.name!r} has no slo: section; autotune ranks by the "
+                            f"highest rate that meets it, e.g. SET=\"slo.ttft.threshold_ms=500\"")
+    Store(settings.store_path).close()  # the study's tables go into the lab's database: make it first
+    defaults = defaults_scenario(scenario, space)
+    base = open_loop(defaults, step_s)
+    t0 = time.time()
+    sat = saturation(base)
+    if sat.error:
+        raise ScenarioError(f"vLLM's defaults do not start on the predictor for this scenario "
+                            f"({sat.error})")
+    start = 0.8 * sat.value  # an SLO usually binds a little below saturation
+    say(f"autotune: experiment {settings.experiment_id}: the defaults saturate at "
+        f"{sat.value:.2f} req/s on the predictor; searching {settings.trials} configurations "
+        f"of {', '.join(space.space)}")
+    study = run_search(base, space, settings.experiment_id, settings.storage, settings.trials,
+                       settings.seed, start, step_s, say)
+    record = _record(settings, scenario, defaults, space, backend, study, how, sat.value, start, t0)
+    record.budget = settings.gpu_minutes
+    records.keep(settings.store_path, settings.experiment_id, record)
+    say(f"autotune: search done in {time.time() - t0:.0f} s; measuring "
+        f"{', '.join(c.name for c in record.plan.candidates)} on {backend.name} "
+        f"(budget {settings.gpu_minutes:g} min)")
+    Staircases(record, defaults, backend, settings, how, say, progress).measure()
+    return record
+
+
+def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: search.SearchSpace,
+            backend: Backend, study, how: Measuring, saturated: float, start: float,
+            t0: float) -> Record:
+    """The autotune's record: the one it kept (a resumed experiment keeps the candidates it chose
+    first), else a new plan from the search's top configurations."""
+    from vllm_lab.analysis.autotune import load_record
+
+    record = load_record(settings.store_path, settings.experiment_id, settings.storage)
+    if record is None:
+        step_s = settings.step_s or how.step_s
+        top = settings.top if settings.top is not None else how.top
+        predicted = predicted_slo_capacity(open_loop(defaults, step_s), start, step_s)
+        record = Record(Plan(
+            scenario=redact(scenario.to_record()), defaults=redact(defaults.to_record()),
+            space=list(space.space), backend=backend.name, step_s=step_s,
+            search_s=round(time.time() - t0, 1), trials=settings.trials, saturation=saturated,
+            candidates=candidates.plan_candidates(predicted.value, top_configs(study, top),
+                                                  measure_section(space, backend.name))))
+    if record.plan.backend != backend.name:
+        raise ScenarioError(f"experiment {settings.experiment_id} measures on {record.plan.backend}: "
+                            f"resume it with BACKEND={record.plan.backend}, or leave out EXPERIMENT and "
+                            f"RESUME to start a new one on {backend.name}")
+    return record
+
+
+class Staircases:
+    """Each candidate's staircase, in order, while the budget lasts."""
+
+    def __init__(self, record: Record, defaults: Scenario, backend: Backend, settings: Settings,
+                 how: Measuring, say: Callable[[str], Any], progress: Progress | None):
+        self.record, self.plan, self.defaults = record, record.plan, defaults
+        self.settings, self.how, self.say, self.progress = settings, how, say, progress
+        self.budget = Budget(settings.gpu_minutes, how, self.plan.step_s, record.spend, backend)
+
+    def measure(self) -> None:
+        """Every candidate that fits the budget, in the plan's order."""
+        if self.progress:  # at most: every level of every candidate and its refinements
+            self.progress.expect(len(self.plan.candidates) * (len(self.how.fractions) + self.how.refine))
+        for i in range(len(self.plan.candidates)):
+            self.candidate(i)
+
+    def experiment(self, cand: Candidate) -> str:
+        """The stress experiment of a candidate's staircase."""
+        return f"{self.settings.experiment_id}-{cand.name}"
+
+    def candidate(self, i: int) -> None:
+        """One candidate's staircase: its flags and levels chosen (once), skipped when its estimate
+        does not fit what is left, then its levels and refinements while the budget allows."""
+        cand = self.plan.candidates[i]
+        if cand.centre is None:  # decided when the candidate first starts, then kept
+            cand = candidates.choose(cand, self.plan, {c.name: measured_capacity(
+                self.settings.store_path, self.experiment(c)) for c in self.plan.candidates if c is not cand})
+        scenario = open_loop(with_flags(self.defaults, cand.flags), self.plan.step_s)
+        levels = candidates.candidate_levels(cand.centre or 0.0, self.plan.saturation,
+                                             candidates.fractions(cand, self.how.fractions))
+        points = stress.staircase_points(scenario, levels, self.settings.repeats)
+        todo = self._todo(self.experiment(cand), points)
+        cost = self.budget.cost(todo)
+        if todo and self.budget.spent() + cost > self.budget.seconds:
+            self.say(f"  {cand.name}: skipped: about {cost / 60:.1f} min, {self.budget.left() / 60:.1f} "
+                     f"of GPU_MINUTES={self.settings.gpu_minutes:g} left")
+            return
+        if cand is not self.plan.candidates[i]:
+            self.plan.candidates[i] = cand
+            records.keep(self.settings.store_path, self.settings.experiment_id, self.record)
+        expected = (f"predicted SLO capacity {cand.predicted:.2f}" if cand.predicted is not None
+                    else f"{_flags_text(cand.measure)} over {cand.base}, not modelled")
+        self.say(f"  {cand.name} {cand.flags or '(vLLM defaults)'}: levels {levels} req/s "
+                 f"({expected}; about {cost / 60:.1f} min)")
+        self.budget.begin()
+        stopped = False
+        try:
+            stopped = self.staircase(cand, scenario, levels, points)
+        finally:
+            used = self.budget.end(cand.name, lambda spend: records.keep_spend(
+                self.settings.store_path, self.settings.experiment_id, spend))
+        self.budget.learn()
+        self.say(f"  {cand.name}: measured SLO capacity "
+                 f"{measured_capacity(self.settings.store_path, self.experiment(cand)).describe()} "
+                 f"({used.start_s / 60:.1f} min starting, {used.measure_s / 60:.1f} min measuring"
+                 + ("; stopped by the budget" if stopped else "") + ")")
+
+    def staircase(self, cand: Candidate, scenario: Scenario, levels: list[float],
+                  points: list[plans.Point]) -> bool:
+        """The staircase's levels, then refining levels inside its SLO bracket; True when the
+        budget stopped it (the estimate was low: no run past the budget)."""
+        exp = self.experiment(cand)
+        found = measured_capacity(self.settings.store_path, exp)
+        for round_ in range(self.how.refine + 1):
+            for point in points:
+                if self._todo(exp, [point]) == 0 or candidates.above_a_break(point, found):
+                    continue
+                if self.budget.ran() and not self.budget.fits_a_run():
+                    return True
+                found = self.level(cand, exp, point)
+            extra = candidates.refine_level(found) if round_ < self.how.refine else None
+            if extra is None or extra in levels or not self.budget.fits_a_run():
+                break
+            levels = sorted([*levels, extra])
+            points = stress.staircase_points(scenario, [extra], self.settings.repeats)
+        return False
+
+    def level(self, cand: Candidate, exp: str, point: plans.Point) -> Capacity:
+        """One level of a candidate's staircase, taken and recorded; the capacity it now shows."""
+        if self.progress:
+            self.progress.part = cand.name
+        meta = {"shape": "step", "params": ["load.shape.level"], "autotune": self.settings.experiment_id,
+                "candidate": cand.name, "flags": cand.flags}
+        plans.execute(plans.Plan(exp, "stress", [point], meta), self.budget.metered,
+                      self.settings.store_path, self.settings.out / ".work",
+                      on_run=lambda pt, m: self.say(level_line(pt, m)), progress=self.progress)
+        return measured_capacity(self.settings.store_path, exp)
+
+    def _todo(self, exp: str, points: list[plans.Point]) -> int:
+        with Store(self.settings.store_path) as store:
+            done = store.finished_keys(exp)
+        return sum(p.key not in done for p in points)
+
+
+def _flags_text(flags: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in flags.items()) or "(vLLM defaults)"
+
+
+def level_line(point: plans.Point, m: Measurement) -> str:
+    """One progress line per measured level."""
+    level = point.values["load.shape.level"]
+    if m.status != RunStatus.OK:
+        return f"    {level} req/s: {m.status}: {(m.error or '').splitlines()[0][:120] if m.error else ''}"
+    s = m.summary
+    held = "meets" if s.meets_slo else "breaks"
+    grows = level_verdict(level, s, m.samples, m.server_metrics)["unbounded"]
+    return (f"    {level} req/s: TTFT p99 {(s.ttft_p99 or 0) * 1000:.0f} ms, TPOT p99 "
+            f"{(s.tpot_p99 or 0) * 1000:.1f} ms: {held} the SLO"
+            + (", queue grows without bound" if grows else ""))

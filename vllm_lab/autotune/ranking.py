@@ -1,0 +1,144 @@
+"""The search on the twin's predictor: each configuration of the space ranked by its predicted SLO
+capacity, bracketed from a start rate and bisected, in an Optuna study named after the autotune."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_lab import search, stress
+from vllm_lab.analysis.autotune import Candidate
+from vllm_lab.analysis.stress import level_verdict
+from vllm_lab.autotune.space import open_loop, with_flags
+from vllm_lab.backends import Measurement, PredictBackend
+from vllm_lab.scenarios import Scenario, ScenarioError
+from vllm_lab.store import RunStatus
+
+# Probes per configuration: a bracket widened by BRACKET, then halved: about 4% wide.
+PROBES = 7
+BRACKET = 1.4
+
+
+def say_now(line: str) -> None:
+    """Progress on stdout, flushed: a make log written to a file shows each level as it ends."""
+    print(line, flush=True)
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """A figure the predictor gave (req/s), or why the configuration would not start."""
+
+    value: float = 0.0
+    error: str = ""
+
+
+def level_holds(level: float, m: Measurement) -> bool:
+    """A level holds when its run is ok, meets every SLO and its queue does not grow without bound."""
+    if m.status != RunStatus.OK or not m.summary.meets_slo:
+        return False
+    return not level_verdict(level, m.summary, m.samples, m.server_metrics)["unbounded"]
+
+
+def predicted_slo_capacity(scenario: Scenario, start: float, duration_s: float,
+                           probes: int = PROBES) -> Predicted:
+    """The predictor's SLO capacity of a configuration: bracket it from ``start`` (req/s), then bisect.
+
+    Each probe is one open-loop run of ``duration_s`` on the predictor (the levels the live staircase
+    runs last as long, so both read the same p99). The capacity is 0 when even a tenth of ``start``
+    breaks the SLO; the error is vLLM's words when the configuration would not start.
+    """
+    backend = PredictBackend()
+    base = open_loop(scenario, duration_s)
+    low, high, rate = 0.0, math.inf, start
+    for _ in range(probes):
+        point = stress.staircase_points(base, [round(rate, 4)])[0]
+        m = backend.measure(point.scenario, None, Path("."))
+        if m.status != "ok":
+            return Predicted(error=m.error or m.status)
+        if level_holds(rate, m):
+            low = rate
+        else:
+            high = rate
+        if math.isinf(high):
+            rate = low * BRACKET
+        elif low == 0:
+            rate = high / BRACKET**2
+            if rate < start / 10:
+                break
+        else:
+            rate = (low + high) / 2
+    return Predicted(round(low, 3))
+
+
+def saturation(scenario: Scenario) -> Predicted:
+    """The predictor's saturated capacity (closed loop, a queue that never empties), or its error."""
+    try:
+        return Predicted(round(stress.predicted_capacity(scenario), 3))
+    except ScenarioError as e:
+        return Predicted(error=str(e))
+
+
+def run_search(base: Scenario, space: search.SearchSpace, study_name: str, storage: str,
+               trials: int, seed: int | None, start: float, duration_s: float,
+               say: Callable[[str], Any] = say_now):
+    """Optuna over ``space`` on the predictor, maximizing the SLO capacity; resumes its study."""
+    from optuna.trial import TrialState
+
+    study = search.open_study(study_name, storage, "goodput", seed, startup_trials=min(8, max(trials // 2, 1)))
+    done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+    for _ in range(max(trials - done, 0)):
+        trial = study.ask()
+        try:
+            values = tidy(search.suggest(trial, space))
+            result = predicted_slo_capacity(with_flags(base, values), start, duration_s)
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)  # never leave a trial RUNNING
+            raise
+        if result.error:
+            trial.set_user_attr("error", result.error.splitlines()[0][:300])
+            study.tell(trial, state=TrialState.PRUNED)
+            say(f"  trial {trial.number} {values}: does not start")
+        else:
+            study.tell(trial, result.value)
+            say(f"  trial {trial.number} {values}: predicted SLO capacity {result.value:.2f} req/s")
+    return study
+
+
+def tidy(values: dict[str, Any]) -> dict[str, Any]:
+    """Flag values as a person writes them: a stepped float's 0.8500000000000001 is 0.85."""
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
+
+
+def top_configs(study, k: int) -> list[Candidate]:
+    """The ``k`` distinct configurations of the highest predicted SLO capacity (above 0), as
+    candidates c1, c2, ..."""
+    from optuna.trial import TrialState
+
+    ranked = sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)),
+                    key=lambda t: -t.value)
+    out: list[Candidate] = []
+    seen = set()
+    for t in ranked:
+        key = json.dumps(t.params, sort_keys=True)
+        if t.value > 0 and key not in seen:
+            seen.add(key)
+            out.append(Candidate(f"c{len(out) + 1}", tidy(t.params), t.value))
+        if len(out) == k:
+            break
+    return out
+
+
+def newest_study(storage: str, prefix: str) -> str | None:
+    """The newest autotune study whose name starts with ``prefix`` (names end with their time)."""
+    import optuna
+
+    try:
+        names = [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
+    except Exception:  # noqa: BLE001 - a store without Optuna's tables holds no study
+        return None
+    names = [n for n in names if n.startswith(prefix)]
+    return max(names) if names else None

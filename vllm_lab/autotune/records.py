@@ -1,0 +1,25 @@
+"""Where an autotune keeps what is not a run: its plan, the minutes each candidate spent and its
+budget, as the meta of its own experiment in the store (step ``autotune``; read back by
+``analysis.autotune.load_record``, which also reads a store from before, that kept them in the
+Optuna study)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from vllm_lab.analysis.autotune import STEP, Record, Spend
+from vllm_lab.store import Store
+
+
+def keep(store_path: Path, experiment_id: str, record: Record) -> None:
+    """Write the autotune's record (its experiment made first, the first time)."""
+    with Store(store_path) as store:
+        store.create_experiment(experiment_id, STEP, record.plan.scenario["name"])
+        store.update_meta(experiment_id, **record.meta())
+
+
+def keep_spend(store_path: Path, experiment_id: str, spend: dict[str, Spend]) -> None:
+    """Write what the candidates spent so far."""
+    with Store(store_path) as store:
+        store.update_meta(experiment_id, spend={k: asdict(v) for k, v in spend.items()})

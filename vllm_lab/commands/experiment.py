@@ -1,0 +1,155 @@
+"""One command's experiment: its id, its scenario, the plan's points and the settings, taken through
+``plans.execute`` within ``stopping.take``, then reported. With PRECISION= (``precision``) the
+points are taken in rounds until their intervals are that narrow.
+
+Resume is the store's: a point already recorded is not taken again (``store.finished_keys``;
+``store.RETRIED_ON_RESUME`` says what a resume retries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lab import lint as lint_mod
+from vllm_lab import plans
+from vllm_lab.backends import Backend, PredictBackend
+from vllm_lab.commands import stopping
+from vllm_lab.commands.naming import experiment_id
+from vllm_lab.commands.settings import Settings
+from vllm_lab.progress import Progress, closing_table, point_label
+from vllm_lab.scenarios import Scenario
+from vllm_lab.store import Store
+
+
+def _identity(point: plans.Point) -> str:
+    """A point apart from its repeat index."""
+    return dataclasses.replace(point, repeat=0).key
+
+
+def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print) -> None:
+    """A value vLLM would refuse is still a data point: it is measured (and recorded as refused).
+    Each distinct scenario is linted once, however many repeats it has."""
+    seen: set[str] = set()
+    for point in points:
+        if point.serve_key in seen:
+            continue
+        seen.add(point.serve_key)
+        for f in lint_mod.lint(point.scenario):
+            if f.severity == "error":
+                say(f"  note: {point_label(point.values)}: {f.message}")
+
+
+@dataclass
+class Experiment:
+    """The runs of one command: its id and step, the scenario, the plan's points and the settings."""
+
+    id: str
+    step: str
+    scenario: Scenario
+    points: list[plans.Point]
+    meta: dict[str, Any]
+    settings: Settings
+
+    @classmethod
+    def build(cls, settings: Settings, step: str, scenario: Scenario, points: list[plans.Point],
+              meta: dict[str, Any], param: str | None = None) -> Experiment:
+        """The experiment for these points, its id named (or found, to resume) in the store."""
+        return cls(experiment_id(settings, step, scenario, param), step, scenario, points, meta, settings)
+
+    def todo(self) -> list[plans.Point]:
+        """The points a run would take: those not in the store yet, and those a resume retries
+        (store.RETRIED_ON_RESUME)."""
+        with Store(self.settings.store_path) as store:
+            done = store.finished_keys(self.id)
+        return [p for p in self.points if p.key not in done]
+
+    def run(self, say: Callable[[str], Any] = print) -> int:
+        """Take the points not yet recorded and build the report (0); a stop (the deadline,
+        Ctrl-C) raises ``stopping.Stopped`` after saying how many runs are left."""
+        from vllm_lab import reports
+        s = self.settings
+        if s.backend == "predict":
+            for point in self.points:
+                PredictBackend.check(point.scenario)  # every point, before the first is taken
+        shown = Progress(self.step, self.id, s.backend, s.out,
+                         window_s=self.points[0].scenario.load.stop.duration_s)
+        counts = stopping.take(s, self.id, shown, lambda backend: self.take(backend, shown, say),
+                               self.account)
+        index = reports.build(s.store_path, self.id, s.out)
+        say(f"runs taken now: {counts or 'none (all were already recorded)'}")
+        with Store(s.store_path) as store:
+            closing_table(store.runs(self.id))
+        say(f"report: {index}")
+        return 0
+
+    def take(self, backend: Backend, shown: Progress, say: Callable[[str], Any]) -> dict[str, int]:
+        """The points not yet recorded, on every host; in rounds when PRECISION= is set."""
+        s, hosts = self.settings, self.settings.hosts()
+        if s.precision is not None:
+            return self.take_rounds(backend, hosts, shown, say)
+        plan = plans.Plan(self.id, self.step, self.points, self.meta)
+        return plans.execute(plan, backend, s.store_path, s.out / ".work", hosts, progress=shown)
+
+    def take_rounds(self, backend: Backend, hosts: Sequence[str | None], shown: Progress,
+                    say: Callable[[str], Any]) -> dict[str, int]:
+        """Repeat each point, round after round, until its intervals are as narrow as PRECISION
+        asks or the cap is hit; round r takes the r-th repeat of every point still open, so a
+        drift of the host over time lands on every point alike instead of passing for an effect."""
+        s, target = self.settings, self.settings.precision
+        base: dict[str, plans.Point] = {}
+        for point in self.points:
+            base.setdefault(_identity(point), dataclasses.replace(point, repeat=0))
+        planned = max(max(p.repeat for p in self.points) + 1, target.min_repeats)
+        counts: dict[str, int] = {}
+        still, reached = list(base), {}
+        for r in range(target.max_repeats):
+            plan = plans.Plan(self.id, self.step, [dataclasses.replace(base[i], repeat=r) for i in still],
+                              self.meta)
+            for status, n in plans.execute(plan, backend, s.store_path, s.out / ".work", hosts,
+                                           progress=shown).items():
+                counts[status] = counts.get(status, 0) + n
+            if r + 1 < planned:
+                continue
+            with Store(s.store_path) as store:
+                reached = target.judge(store.runs(self.id), base, r + 1)
+            still = [i for i in still if not reached[i]["reached"]]
+            if not still:
+                break
+        self.record_precision(base, reached, say)
+        return counts
+
+    def record_precision(self, base: dict[str, plans.Point], reached: dict[str, dict],
+                         say: Callable[[str], Any]) -> None:
+        """Say which points reached the precision and which hit the cap; keep it, with the host's
+        run-to-run noise, in the experiment's meta."""
+        target = self.settings.precision
+        for i, verdict in reached.items():
+            widths = ", ".join(f"±{verdict[m]:.1%} {m}" for m in target.targets if m in verdict)
+            how = "reached" if verdict["reached"] else f"cap of {target.max_repeats} runs hit"
+            say(f"precision {how}: {point_label(base[i].values)}: {widths} after {verdict['runs']} runs")
+        noise = target.noise(reached)
+        with Store(self.settings.store_path) as store:
+            store.update_meta(self.id, precision={"targets": target.targets,
+                                                  "max_repeats": target.max_repeats,
+                                                  "points": {point_label(base[i].values): v
+                                                             for i, v in reached.items()}},
+                              host_noise_cv=noise)
+        if noise:
+            say("host noise (run-to-run CV, median over points): "
+                + ", ".join(f"{m} {v:.1%}" for m, v in noise.items()))
+
+    def account(self) -> stopping.Account:
+        """How many runs are done and left; the work folders of those now in the store go, an
+        interrupted run's are kept for a look."""
+        todo = self.todo()
+        left = {p.key for p in todo}
+        work = self.settings.out / ".work" / self.id
+        for point in self.points:
+            if point.key not in left:
+                shutil.rmtree(work / point.key, ignore_errors=True)
+        return stopping.Account(f"{len(self.points) - len(todo)} of {len(self.points)} runs done, "
+                                f"{len(todo)} left")

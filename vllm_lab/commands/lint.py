@@ -1,0 +1,49 @@
+"""make lint: a scenario's vLLM flags checked against the target vLLM version before anything runs
+(SCENARIO=all: every shipped scenario)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_lab import lint as flag_lint
+from vllm_lab import scenarios
+from vllm_lab.commands.arguments import add_scenario_arguments
+
+
+def lint(args: argparse.Namespace) -> int:
+    """Lint one scenario, or every shipped one with --all; exit 1 on any error."""
+    names = _all_scenario_names() if args.all else [args.scenario]
+    failed = False
+    for name in names:
+        layers = scenarios.load_layers(name, args.hardware, args.overrides)
+        scenario = scenarios.validate(layers)
+        if args.vllm_version:
+            scenario = scenario.model_copy(update={"vllm_version": args.vllm_version})
+        findings = flag_lint.lint(scenario, layers)
+        print(f"{name}: " + (f"{len(findings)} finding(s)" if findings else "ok"))
+        for finding in findings:
+            print(f"  {finding}")
+        # The guide/ templates are kept as the guide wrote them; with --all their findings are
+        # the worked example, not a failure.
+        as_written = args.all and name.startswith("guide/")
+        failed |= not as_written and any(f.severity == "error" for f in findings)
+    return 1 if failed else 0
+
+
+def _all_scenario_names() -> list[str]:
+    guide = sorted((scenarios.SCENARIO_DIR / "guide").glob("*.yaml"))
+    return scenarios.available()["scenarios"] + [f"guide/{p.stem}" for p in guide]
+
+
+def register(sub) -> None:
+    """``lab lint``."""
+    p = sub.add_parser("lint", help="check a scenario's vLLM flags before anything runs")
+    add_scenario_arguments(p)
+    p.add_argument("--all", action="store_true", help="lint every shipped scenario")
+    p.add_argument("--vllm-version", default=None, help="target vLLM version (default: scenario's)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """The command line's lint."""
+    return lint(args)

@@ -1,0 +1,97 @@
+"""The one way a long command stops before its end: the deadline or Ctrl-C, its servers stopped,
+what it finished kept in the store, one sentence with the command that resumes it, and the exit
+status (``EXIT_DEADLINE`` for the deadline, 130 for Ctrl-C).
+
+A command takes its runs inside ``take``: it builds the backend for the command's progress, arms
+the watchdog, and on a stop asks the command for its ``Account`` (what was done, what is left),
+says it, and raises ``Stopped``; ``stoppable`` turns that into the command's exit status. A later
+round of the same command (a ramp's refinement, a search's confirmation) is never started after a
+stop, since the stop leaves the command.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from vllm_lab.backends import Backend
+from vllm_lab.commands.backend import guarded_backend
+from vllm_lab.commands.settings import Settings
+from vllm_lab.deadline import EXIT_DEADLINE, Deadline, DeadlineGuard, DeadlineReached, Watchdog
+from vllm_lab.progress import Progress, tracking
+
+EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """A command stopped before its end, after saying so; ``code`` is its exit status."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Account:
+    """What a stopped command had done, for its sentence: ``done`` ("3 of 4 runs done, 1 left"),
+    what else it ``kept``, and the make variables its resume changes (``TRIALS`` left)."""
+
+    done: str
+    kept: str = ""
+    changes: dict[str, object] = field(default_factory=dict)
+
+
+def stoppable(command: Callable[..., int]) -> Callable[..., int]:
+    """A long command whose stop ends it with the stop's exit status."""
+    @functools.wraps(command)
+    def run(*args, **kwargs) -> int:
+        try:
+            return command(*args, **kwargs)
+        except Stopped as stop:
+            return stop.code
+    return run
+
+
+@contextmanager
+def watched(deadline: Deadline | None, backend: Backend, shown: Progress) -> Iterator[Watchdog]:
+    """The block a long command takes its runs in: the progress drawn, a Watchdog armed for the
+    deadline (disarmed once a DeadlineGuard stops), and the Ctrl-C the watchdog sends raised as
+    DeadlineReached; a Ctrl-C of the user's stays a KeyboardInterrupt."""
+    with Watchdog(deadline, getattr(backend, "margin", 0.0)) as watch, tracking(shown):
+        if isinstance(backend, DeadlineGuard):
+            backend.on_stop = watch.disarm
+        try:
+            yield watch
+        except KeyboardInterrupt:
+            if not watch.fired.is_set():
+                raise
+            raise DeadlineReached("") from None
+
+
+def take(settings: Settings, exp_id: str, shown: Progress, work: Callable[[Backend], T],
+         account: Callable[[], Account]) -> T:
+    """``work(backend)``'s result, its runs taken on the experiment's backend within the deadline;
+    on the deadline or Ctrl-C, the command's ``account()`` said in one sentence, then ``Stopped``."""
+    backend = guarded_backend(settings, exp_id, shown)
+    try:
+        with watched(settings.deadline, backend, shown):
+            return work(backend)
+    except DeadlineReached:
+        _say(f"stopped for DEADLINE={settings.deadline}", settings, exp_id, account())
+        raise Stopped(EXIT_DEADLINE) from None
+    except KeyboardInterrupt:
+        _say("interrupted", settings, exp_id, account())
+        raise Stopped(EXIT_INTERRUPTED) from None
+
+
+def _say(why: str, settings: Settings, exp_id: str, done: Account) -> None:
+    """One line on stderr: why it stopped, what was done, and the command that resumes."""
+    servers = ", servers stopped" if settings.backend != "predict" else ""
+    kept = f"; {done.kept}" if done.kept else ""
+    print(f"lab: {why}: {done.done}{servers}{kept}; resume with: "
+          f"{settings.resume_command(exp_id, **done.changes)}", file=sys.stderr)
