@@ -33,7 +33,7 @@ PARAMS    ?=                          # 2-3 flags with default ladders, e.g. max
 GRID      ?=                          # values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
 #= make tune
 TRIALS    ?=                          # trials this worker runs (default 20; per host with SPREAD=1)
-OBJECTIVE ?=                          # goodput (default) | throughput (subject to the SLO) | pareto (NSGA-II)
+OBJECTIVE ?=                          # goodput (default) | throughput or energy (tokens/J; subject to the SLO) | pareto (NSGA-II)
 SPACE     ?=                          # search space, a name in scenarios/spaces/ or a YAML file (default: per hardware)
 STUDY_STORAGE ?=                      # Optuna storage URL (default: the lab database), e.g. postgresql://host/db
 SEED      ?=                          # sampler seed
