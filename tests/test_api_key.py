@@ -67,6 +67,8 @@ def test_a_key_the_load_generator_does_not_send_is_failed_requests_with_the_hint
     assert m.summary["failed_requests_rate"] == 1.0
 
 
+# Runs this short (8 tokens) are judged on a client lag of a few ms: marked timing, run alone.
+@pytest.mark.timing
 @pytest.mark.parametrize("where", ["scenario", "role", "environment"])
 def test_the_key_from_wherever_the_server_got_it_makes_the_run_ok_and_leaves_no_trace(
         twin, tmp_path, argvs, where):

@@ -15,8 +15,10 @@ from vllm_lab.summary import closed_loop_gaps, summarize
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic.arrivals import InFlightMeter, client_overloaded, planned_arrivals
 
-# Every test here but the InFlightMeter unit tests starts Locust and a server.
+# Every test here but the InFlightMeter unit tests starts Locust and a server. They all read the
+# client's timing to milliseconds (marked timing: make test runs them alone).
 integration = pytest.mark.integration
+pytestmark = pytest.mark.timing
 
 SHORT = Workload(source="synthetic", input=Lengths(mean=20), output=Lengths(mean=10))
 
