@@ -50,6 +50,7 @@ from vllm_lab.traffic.arrivals import (
 )
 from vllm_lab.traffic.shapes import level_at, saturated, stop_reason, waiting_requests
 from vllm_lab.traffic.spec import Load, Workload
+from vllm_lab.traffic.sse import Stream, failure
 from vllm_lab.traffic.workloads import WorkloadGenerator
 
 _CFG = json.loads(Path(os.environ["VLLM_LAB_TRAFFIC_CONFIG"]).read_text())
@@ -410,13 +411,6 @@ def _collect(client_id, data, **_kw):
     TTFT_FEED.extend((now, v) for v in data.get("lab_ttft", ()))
 
 
-def _error_class(exc: BaseException) -> str:
-    name = type(exc).__name__.lower()
-    if isinstance(exc, (TimeoutError, socket.timeout, gevent.Timeout)) or "timeout" in name:
-        return "timeout"
-    return "broken_stream"
-
-
 class LLMUser(FastHttpUser):
     """One OpenAI-API user: a closed-loop client, or an in-flight slot of the open loop."""
 
@@ -488,71 +482,40 @@ class LLMUser(FastHttpUser):
         }
         payload = json.dumps(body)
         st.meter.begin()
-        start = time.perf_counter()
-        ttft, itl, last, reply, usage, done, error = None, [], start, [], {}, False, ""
-        detail = ""
+        stream = Stream(time.perf_counter())
+        error = detail = ""
         try:
             resp = self.client.client.urlopen(
                 self.client._build_url(path), method="POST", payload=payload, headers=headers
             )
             row["http_status"] = resp.status_code
-            raw = resp._response
-            # readline returns as soon as one SSE line is in; read(n) would wait for n bytes.
-            while True:
-                line = raw.readline(b"\n")
-                if not line:
-                    break
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                choices = obj.get("choices")
-                if not choices:
-                    continue
-                c = choices[0]
-                # A chunk carries a token when it has text, even "": a token can decode to nothing
-                # yet (dummy weights, a partial UTF-8 sequence). Chat's first chunk only names
-                # the role, and an empty chunk that only says why the stream ends, carry none.
-                delta = c.get("delta") or {}
-                text = c.get("text") if "text" in c else delta.get("content")
-                if text is not None and "role" not in delta and (text or not c.get("finish_reason")):
-                    if ttft is None:
-                        ttft = now - start
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    row["chunks"] += 1
-                    reply.append(text)
+            stream.read(resp._response)
         except Exception as e:  # noqa: BLE001 - every failure is classified, none escapes
-            code = getattr(e, "code", None) or getattr(getattr(e, "response", None), "status_code", 0)
-            if isinstance(code, int) and code >= 400:
-                error, row["http_status"] = "http_error", code
-            elif ttft is None and not row["http_status"] and not isinstance(e, TimeoutError) \
-                    and "timeout" not in type(e).__name__.lower():
-                error = "http_error"  # never connected or no status line: a transport failure
-            else:
-                error = _error_class(e)
+            error, row["http_status"] = failure(e, stream.ttft, row["http_status"])
             detail = f"{type(e).__name__}: {e}"[:300]
         finally:
             end = time.perf_counter()
             st.meter.end()
-        if not error and not done:
-            error, detail = "broken_stream", "stream ended without [DONE]"
-        n_out = usage.get("completion_tokens") if usage else None
-        if not error and (row["chunks"] == 0 or n_out == 0):
-            error = "empty_output"
+        row["chunks"] = stream.chunks
+        error, detail = stream.verdict(error, detail)
+        self._record(st, row, stream, end, scheduled, sched_lag, error, detail)
+        self.environment.events.request.fire(
+            request_type="POST", name=path, response_time=(end - stream.start) * 1000,
+            response_length=stream.chunks, exception=ClassifiedError(error) if error else None,
+            context={"ttft_s": stream.ttft},
+        )
+        return row, "".join(stream.reply)
+
+    def _record(self, st, row, stream: Stream, end, scheduled, sched_lag, error, detail):
+        """The request's sample row, written; its TTFT handed to the shape's feed."""
+        start, ttft, usage = stream.start, stream.ttft, stream.usage
         e2e = end - start
-        out = n_out if n_out is not None else row["chunks"]
+        n_out = usage.get("completion_tokens") if usage else None
+        out = n_out if n_out is not None else stream.chunks
         row.update(
             scheduled_ts=st.wall(scheduled), start_ts=st.wall(start),
             send_lag_s=max(0.0, start - scheduled), sched_lag_s=sched_lag,
-            ttft_s=ttft, e2e_s=e2e, itl_s=itl,
+            ttft_s=ttft, e2e_s=e2e, itl_s=stream.itl,
             tpot_s=(e2e - ttft) / (out - 1) if ttft is not None and out and out > 1 else None,
             prompt_tokens=usage.get("prompt_tokens"), output_tokens=out,
             status="error" if error else "ok", error=error, error_detail=detail,
@@ -563,8 +526,3 @@ class LLMUser(FastHttpUser):
                 st.ttft_outbox.append(ttft)
             else:
                 TTFT_FEED.append((end, ttft))
-        self.environment.events.request.fire(
-            request_type="POST", name=path, response_time=e2e * 1000, response_length=row["chunks"],
-            exception=ClassifiedError(error) if error else None, context={"ttft_s": ttft},
-        )
-        return row, "".join(reply)

@@ -55,31 +55,10 @@ WAITING, RUNNING, FINISHED = 0, 1, 2
 class _Req:
     """The engine's view of one request (counters are lazy while it decodes in the group)."""
 
-    __slots__ = (
-        "anon",
-        "arrival",
-        "cached_tokens",
-        "cepoch",
-        "eligible",
-        "fepoch",
-        "first_sched",
-        "g0",
-        "hashed",
-        "hashes",
-        "id",
-        "in_group",
-        "n_promoted",
-        "num_computed",
-        "num_prompt",
-        "num_tokens",
-        "preemptions",
-        "queued",
-        "reason",
-        "seed",
-        "state",
-        "t0",
-        "target",
-    )
+    __slots__ = ("anon", "arrival", "cached_tokens", "cepoch", "eligible", "fepoch",
+                 "first_sched", "g0", "hashed", "hashes", "id", "in_group", "n_promoted",
+                 "num_computed", "num_prompt", "num_tokens", "preemptions", "queued", "reason",
+                 "seed", "state", "t0", "target")
 
     def __init__(self, rid, hashes, num_prompt, target, reason, arrival, seed):
         self.id, self.hashes, self.num_prompt = rid, hashes, num_prompt

@@ -130,189 +130,233 @@ def predict(flags: dict[str, Any], profile: Profile, model, requests: Sequence[P
     with ``vllm_lab.summary``, the same code that judges a measured run."""
     if isinstance(arrivals, Open) and arrivals.times is not None:
         requests = list(requests)[:len(arrivals.times)]  # one request per arrival
-    eng = Engine.from_flags(flags, profile, model)
-    # The API server admits each request (its process busy meanwhile), then the rest of the way
-    # to the engine core takes ``lat``; it streams each step's tokens after the GPU made them and
-    # before the next step's: when it falls behind, requests and tokens reach their side late.
-    frontend = Frontend.of(profile.coefficients, flags)
-    lat = Frontend.delay(profile.coefficients)
-    n = len(requests)
-    prompt_n = np.array([len(r.prompt_tokens) if isinstance(r.prompt_tokens, list)
-                         else int(r.prompt_tokens) for r in requests], dtype=np.int64)
-    send = np.full(n, np.nan)
-    first = np.full(n, np.nan)
-    queued = np.full(n, np.nan)                 # engine core: taken in to first scheduled
-    prefill = np.full(n, np.nan)                # engine core: first scheduled to first token
-    engine_in = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
-    # How late the API server handed out each request's first and last token after the GPU made
-    # them: their difference is vLLM's e2e - TTFT - decode time, the stream's own lag.
-    first_lag = np.full(n, np.nan)
-    finish_lag = np.full(n, np.nan)
-    outs = np.zeros(n, dtype=np.int64)
-    cached = np.zeros(n, dtype=np.int64)
-    preempt = np.zeros(n, dtype=np.int64)
-    pending: list[tuple[float, int]] = []       # (time the engine sees it, index)
-    itl_t: list[np.ndarray] = []
-    itl_w: list[np.ndarray] = []
-    step_t: list[float] = []
-    step_w: list[int] = []
-    usage_peak = usage_area = 0.0
-    rng = np.random.default_rng(seed)
-    nxt = 0
-    backlog: list[float] = []                   # open loop: arrival times waiting for a slot
-    in_flight = 0
-    arrival_times = None
-    think = turnaround = 0.0
-    if isinstance(arrivals, Closed):
-        think, turnaround = arrivals.think_time_s, arrivals.turnaround_s
-        for _ in range(min(arrivals.users, n)):
-            send[nxt] = 0.0
-            heapq.heappush(pending, (frontend.admit(0.0, requests[nxt].chat) + lat, nxt))
-            nxt += 1
-    elif arrivals.times is not None:
-        arrival_times = np.asarray(arrivals.times, dtype=float)[:n]
-    else:
-        shape = max(arrivals.burstiness, 1e-6)
-        gaps = rng.gamma(shape, 1.0 / (arrivals.rate * shape), size=n)
-        arrival_times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-    cap = getattr(arrivals, "max_in_flight", None) or math.inf
+    run = _Run(Engine.from_flags(flags, profile, model), profile, flags, requests, arrivals, seed)
+    run.simulate()
+    return run.prediction()
 
-    def send_req(i: int, t: float) -> None:
-        nonlocal in_flight
-        send[i] = t
-        in_flight += 1
-        heapq.heappush(pending, (frontend.admit(t, requests[i].chat) + lat, i))
 
-    def submit(i: int, t: float) -> None:
-        r = requests[i]
-        ids = r.prompt_tokens if isinstance(r.prompt_tokens, list) else []
-        engine_in[i] = t
-        eng.add_request(EngineRequest(i, ids, int(r.output_tokens), ignore_eos=True,
-                                      arrival_time=t, num_prompt_tokens=int(prompt_n[i])))
+class _Run:
+    """One simulated run: the clients, the API server's frontend and the engine on one clock.
 
-    def done(r: FinishedRequest, t: float, made: float) -> None:
-        nonlocal nxt, in_flight
-        i = r.request_id
-        finish[i] = t
-        finish_lag[i] = t - made
-        outs[i] = r.num_output_tokens
-        cached[i] = r.num_cached_tokens
-        preempt[i] = r.num_preemptions
+    The API server admits each request (its process busy meanwhile), then the rest of the way to
+    the engine core takes ``lat``; it streams each step's tokens after the GPU made them and
+    before the next step's: when it falls behind, requests and tokens reach their side late.
+    """
+
+    def __init__(self, eng: Engine, profile: Profile, flags: dict[str, Any],
+                 requests: Sequence[PredictRequest], arrivals: Closed | Open, seed: int):
+        self.eng, self.requests, self.arrivals = eng, requests, arrivals
+        self.frontend = Frontend.of(profile.coefficients, flags)
+        self.lat = Frontend.delay(profile.coefficients)
+        self.n = n = len(requests)
+        self.prompt_n = np.array([len(r.prompt_tokens) if isinstance(r.prompt_tokens, list)
+                                  else int(r.prompt_tokens) for r in requests], dtype=np.int64)
+        self.send = np.full(n, np.nan)
+        self.first = np.full(n, np.nan)
+        self.queued = np.full(n, np.nan)     # engine core: taken in to first scheduled
+        self.prefill = np.full(n, np.nan)    # engine core: first scheduled to first token
+        self.finish = np.full(n, np.nan)
+        # How late the API server handed out each request's first and last token after the GPU
+        # made them: their difference is vLLM's e2e - TTFT - decode time, the stream's own lag.
+        self.first_lag = np.full(n, np.nan)
+        self.finish_lag = np.full(n, np.nan)
+        self.outs = np.zeros(n, dtype=np.int64)
+        self.cached = np.zeros(n, dtype=np.int64)
+        self.preempt = np.zeros(n, dtype=np.int64)
+        self.pending: list[tuple[float, int]] = []   # (time the engine sees it, index)
+        self.itl_t: list[np.ndarray] = []
+        self.itl_w: list[np.ndarray] = []
+        self.step_t: list[float] = []
+        self.step_w: list[int] = []
+        self.usage_peak = self.usage_area = 0.0
+        self.rng = np.random.default_rng(seed)
+        self.nxt = 0                    # closed loop: the next request a user takes
+        self.ai = 0                     # open loop: the next arrival
+        self.backlog: list[int] = []    # open loop: arrivals waiting for a slot
+        self.in_flight = 0
+        self.now = self.last_seen = 0.0
+        self.arrival_times: np.ndarray | None = None
+        self.cap = getattr(arrivals, "max_in_flight", None) or math.inf
         if isinstance(arrivals, Closed):
-            if nxt < n:
-                t_send = t + think + (rng.exponential(turnaround) if turnaround else 0.0)
-                send[nxt] = t_send
-                heapq.heappush(pending, (frontend.admit(t_send, requests[nxt].chat) + lat, nxt))
-                nxt += 1
+            for _ in range(min(arrivals.users, n)):
+                self._take(0.0)
+        elif arrivals.times is not None:
+            self.arrival_times = np.asarray(arrivals.times, dtype=float)[:n]
         else:
-            in_flight -= 1
-            if backlog:
-                backlog.pop(0)
-                send_req(nxt_backlog.pop(0), t)
+            shape = max(arrivals.burstiness, 1e-6)
+            gaps = self.rng.gamma(shape, 1.0 / (arrivals.rate * shape), size=n)
+            self.arrival_times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
 
-    nxt_backlog: list[int] = []
-    last_seen = 0.0
-    now = 0.0
-    ai = 0
-    while True:
-        if arrival_times is not None:
-            while ai < n and arrival_times[ai] <= now:
-                if in_flight < cap:
-                    send_req(ai, float(arrival_times[ai]))
-                else:
-                    backlog.append(float(arrival_times[ai]))
-                    nxt_backlog.append(ai)
-                ai += 1
-        while pending and pending[0][0] <= now:
-            t, i = heapq.heappop(pending)
-            submit(i, t)
-        if not eng.has_unfinished_requests():
-            nexts = [pending[0][0]] if pending else []
-            if arrival_times is not None and ai < n:
-                nexts.append(float(arrival_times[ai]))
-            if not nexts:
-                break
-            now = min(nexts)
-            continue
-        horizon = pending[0][0] if pending else math.inf
-        if arrival_times is not None and ai < n:
-            horizon = min(horizon, float(arrival_times[ai]))
-        run = eng.fast_forward(now, horizon)
-        if run is not None:
-            times, nb = run.step_times, run.batch_size
-            ends = now + np.cumsum(times)
-            if frontend.token_cost_s or frontend.request_cost_s or frontend.chat_cost_s:
-                vis = np.array([frontend.release(e, nb) for e in ends])
+    # --- the clients ------------------------------------------------------------------------
+
+    def _send(self, i: int, t: float) -> None:
+        self.send[i] = t
+        admitted = self.frontend.admit(t, self.requests[i].chat)
+        heapq.heappush(self.pending, (admitted + self.lat, i))
+
+    def _take(self, t: float) -> None:
+        """A closed loop's user sends the next request at ``t``."""
+        self._send(self.nxt, t)
+        self.nxt += 1
+
+    def _open_send(self, i: int, t: float) -> None:
+        self.in_flight += 1
+        self._send(i, t)
+
+    def _arrive(self) -> None:
+        """An open loop's arrivals up to now: sent, or kept until a slot frees."""
+        times = self.arrival_times
+        while self.ai < self.n and times[self.ai] <= self.now:
+            if self.in_flight < self.cap:
+                self._open_send(self.ai, float(times[self.ai]))
             else:
-                vis = ends
-            gaps = np.diff(vis, prepend=max(last_seen, now))
-            seen = last_seen = float(vis[-1])
-            itl_t.append(gaps)
-            itl_w.append(np.full(times.size, nb, dtype=np.int64))
-            usage = eng.kv_cache_usage
-            dur = float(times.sum())
-            now += dur
-            usage_area += usage * dur
-            usage_peak = max(usage_peak, usage)
-            for r in run.finished:
-                done(r, seen, now)
-            continue
-        step = eng.step_summary(now)
+                self.backlog.append(self.ai)
+            self.ai += 1
+
+    def _done(self, r: FinishedRequest, t: float, made: float) -> None:
+        i = r.request_id
+        self.finish[i] = t
+        self.finish_lag[i] = t - made
+        self.outs[i] = r.num_output_tokens
+        self.cached[i] = r.num_cached_tokens
+        self.preempt[i] = r.num_preemptions
+        if isinstance(self.arrivals, Closed):
+            if self.nxt < self.n:
+                turnaround = self.arrivals.turnaround_s
+                delay = self.rng.exponential(turnaround) if turnaround else 0.0
+                self._take(t + self.arrivals.think_time_s + delay)
+        else:
+            self.in_flight -= 1
+            if self.backlog:
+                self._open_send(self.backlog.pop(0), t)
+
+    # --- the clock --------------------------------------------------------------------------
+
+    def _next_event(self) -> float:
+        """When the next request reaches the engine or arrives (inf: none will)."""
+        t = self.pending[0][0] if self.pending else math.inf
+        if self.arrival_times is not None and self.ai < self.n:
+            t = min(t, float(self.arrival_times[self.ai]))
+        return t
+
+    def simulate(self) -> None:
+        eng = self.eng
+        while True:
+            if self.arrival_times is not None:
+                self._arrive()
+            while self.pending and self.pending[0][0] <= self.now:
+                t, i = heapq.heappop(self.pending)
+                self._submit(i, t)
+            horizon = self._next_event()
+            if not eng.has_unfinished_requests():
+                if horizon == math.inf:
+                    return
+                self.now = horizon
+                continue
+            if not self._fast_forward(horizon):
+                self._step(horizon)
+
+    def _submit(self, i: int, t: float) -> None:
+        r = self.requests[i]
+        ids = r.prompt_tokens if isinstance(r.prompt_tokens, list) else []
+        self.eng.add_request(EngineRequest(i, ids, int(r.output_tokens), ignore_eos=True,
+                                           arrival_time=t, num_prompt_tokens=int(self.prompt_n[i])))
+
+    def _account(self, dur: float) -> None:
+        usage = self.eng.kv_cache_usage
+        self.usage_area += usage * dur
+        self.usage_peak = max(self.usage_peak, usage)
+
+    def _fast_forward(self, horizon: float) -> bool:
+        """Pure-decode steps up to ``horizon`` in one go; False where none can be."""
+        run = self.eng.fast_forward(self.now, horizon)
+        if run is None:
+            return False
+        times, nb = run.step_times, run.batch_size
+        ends = self.now + np.cumsum(times)
+        fe = self.frontend
+        if fe.token_cost_s or fe.request_cost_s or fe.chat_cost_s:
+            vis = np.array([fe.release(e, nb) for e in ends])
+        else:
+            vis = ends
+        self.itl_t.append(np.diff(vis, prepend=max(self.last_seen, self.now)))
+        self.itl_w.append(np.full(times.size, nb, dtype=np.int64))
+        seen = self.last_seen = float(vis[-1])
+        dur = float(times.sum())
+        self.now += dur
+        self._account(dur)
+        for r in run.finished:
+            self._done(r, seen, self.now)
+        return True
+
+    def _step(self, horizon: float) -> None:
+        """One engine step (prefill chunks and decodes) and the tokens it streams."""
+        step = self.eng.step_summary(self.now)
         dur = step.duration_s
         if dur <= 0.0:
-            now = horizon if horizon < math.inf else now + 1e-3
-            continue
+            self.now = horizon if horizon < math.inf else self.now + 1e-3
+            return
         ndec = step.num_decode_tokens
         firsts = step.first_token_ids
-        now += dur
-        seen = frontend.release(now, ndec + len(firsts))
+        self.now += dur
+        seen = self.frontend.release(self.now, ndec + len(firsts))
         if ndec:     # a decoder's previous token became visible with the previous step's
-            step_t.append(seen - max(last_seen, now - dur))
-            step_w.append(ndec)
-        last_seen = seen
-        usage = eng.kv_cache_usage
-        usage_area += usage * dur
-        usage_peak = max(usage_peak, usage)
+            self.step_t.append(seen - max(self.last_seen, self.now - dur))
+            self.step_w.append(ndec)
+        self.last_seen = seen
+        self._account(dur)
         for i, (q, sched) in zip(firsts, step.first_scheduled):
-            first[i] = seen
-            first_lag[i] = seen - now
-            queued[i] = sched - q
-            prefill[i] = now - sched
+            self.first[i] = seen
+            self.first_lag[i] = seen - self.now
+            self.queued[i] = sched - q
+            self.prefill[i] = self.now - sched
         for r in step.finished:
-            done(r, seen, now)
+            self._done(r, seen, self.now)
 
-    ok = ~np.isnan(finish)
-    t0 = np.nanmin(send) if n else 0.0
-    duration = float(np.nanmax(finish) - t0) if ok.any() else 0.0
-    ttft = first - send
-    e2e = finish - send
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(outs > 1, (e2e - ttft) / (outs - 1), np.nan)
-    df = pd.DataFrame({"prompt_tokens": prompt_n, "output_tokens": outs, "cached_tokens": cached,
-                       "send_s": send,
-                       "scheduled_s": arrival_times if arrival_times is not None else send,
-                       "first_token_s": first, "finish_s": finish, "ttft_s": ttft,
-                       "tpot_s": tpot, "e2e_s": e2e, "preemptions": preempt,
-                       "queue_s": queued, "prefill_s": prefill,
-                       "stream_lag_s": finish_lag - first_lag})
-    if step_t:
-        itl_t.append(np.array(step_t))
-        itl_w.append(np.array(step_w))
-    itl_v = np.concatenate(itl_t) if itl_t else np.array([])
-    itl_wt = np.concatenate(itl_w) if itl_w else None
-    total_out = int(outs[ok].sum())
-    return Prediction(
-        duration_s=duration, completed=int(ok.sum()),
-        output_throughput=total_out / duration if duration else 0.0,
-        request_throughput=float(ok.sum() / duration) if duration else 0.0,
-        total_token_throughput=(total_out + int(prompt_n[ok].sum())) / duration if duration else 0.0,
-        ttft=_stats(ttft[ok]), tpot=_stats(tpot[ok & ~np.isnan(tpot)]),
-        itl=_stats(itl_v, itl_wt), e2e=_stats(e2e[ok]), num_preemptions=eng.num_preemptions,
-        kv_usage_peak=usage_peak, kv_usage_mean=usage_area / eng.busy_s if eng.busy_s else 0.0,
-        gpu_utilization=eng.busy_s / duration if duration else 0.0,
-        kv_cache_tokens=eng.kv_cache_tokens, requests=df,
-        energy_j=eng.energy_j(t0 + duration))  # the clock starts at the first send, t0 = 0
+    # --- what it measured -------------------------------------------------------------------
+
+    def samples(self) -> pd.DataFrame:
+        ttft = self.first - self.send
+        e2e = self.finish - self.send
+        outs = self.outs
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = np.where(outs > 1, (e2e - ttft) / (outs - 1), np.nan)
+        scheduled = self.arrival_times if self.arrival_times is not None else self.send
+        return pd.DataFrame({
+            "prompt_tokens": self.prompt_n, "output_tokens": outs, "cached_tokens": self.cached,
+            "send_s": self.send, "scheduled_s": scheduled, "first_token_s": self.first,
+            "finish_s": self.finish, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
+            "preemptions": self.preempt, "queue_s": self.queued, "prefill_s": self.prefill,
+            "stream_lag_s": self.finish_lag - self.first_lag})
+
+    def prediction(self) -> Prediction:
+        eng, n = self.eng, self.n
+        df = self.samples()
+        ok = ~np.isnan(self.finish)
+        t0 = np.nanmin(self.send) if n else 0.0
+        duration = float(np.nanmax(self.finish) - t0) if ok.any() else 0.0
+        itl_t, itl_w = list(self.itl_t), list(self.itl_w)
+        if self.step_t:
+            itl_t.append(np.array(self.step_t))
+            itl_w.append(np.array(self.step_w))
+        itl_v = np.concatenate(itl_t) if itl_t else np.array([])
+        itl_wt = np.concatenate(itl_w) if itl_w else None
+        total_out = int(self.outs[ok].sum())
+        tpot = df["tpot_s"].to_numpy()
+
+        def per_s(x: float) -> float:
+            return x / duration if duration else 0.0
+
+        return Prediction(
+            duration_s=duration, completed=int(ok.sum()),
+            output_throughput=per_s(total_out), request_throughput=per_s(float(ok.sum())),
+            total_token_throughput=per_s(total_out + int(self.prompt_n[ok].sum())),
+            ttft=_stats(df["ttft_s"].to_numpy()[ok]), tpot=_stats(tpot[ok & ~np.isnan(tpot)]),
+            itl=_stats(itl_v, itl_wt), e2e=_stats(df["e2e_s"].to_numpy()[ok]),
+            num_preemptions=eng.num_preemptions, kv_usage_peak=self.usage_peak,
+            kv_usage_mean=self.usage_area / eng.busy_s if eng.busy_s else 0.0,
+            gpu_utilization=per_s(eng.busy_s), kv_cache_tokens=eng.kv_cache_tokens, requests=df,
+            energy_j=eng.energy_j(t0 + duration))  # the clock starts at the first send, t0 = 0
 
 
 def bench_serve(flags: dict[str, Any], profile: Profile, model, num_prompts: int,
