@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vllm_lab import scenarios, serving
+from vllm_lab import outdir, scenarios, serving
 from vllm_lab.commands import (
     autotune,
     baseline,
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(problem)
         return args.func(args)
     except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError,
-            serving.InventoryError, serving.InstanceBusy) as e:
+            serving.InventoryError, serving.InstanceBusy, outdir.OutsideOut) as e:
         print(f"lab: {_for_make(str(e), names)}", file=sys.stderr)
         return 2
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as e:

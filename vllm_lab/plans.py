@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from vllm_lab import flags as flagcat
+from vllm_lab import outdir
 from vllm_lab.backends import Backend, Measurement
 from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
@@ -262,6 +262,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     Serve groups are dealt to ``hosts`` round-robin and each host works through its share in its
     own thread; every run is committed as it ends, so Ctrl-C loses only the runs in flight.
     """
+    outdir.inside(workdir.parent, workdir)  # OUT/.work: refused when it is a link out of OUT
     todo = _todo(plan, store_path)
     groups = group_by_server(todo)
     shares = deal(groups, hosts)
@@ -331,7 +332,9 @@ class Taking:
         if self.progress:
             self.progress.point_started(point.values, point.repeat, host)
         refusal = self.refusals[_server(point)]
-        folder = self.workdir / self.plan.experiment_id / point.key
+        # An interrupted attempt's folder is reused: nothing in it may be a link out of OUT.
+        folder = outdir.no_links_within(self.workdir,
+                                        self.workdir / self.plan.experiment_id / point.key)
         m = (Measurement(status=RunStatus.FAILED_START, started=time.time(), ended=time.time(),
                          host=host or "", error=f"refused before launch: {refusal.message}")
              if refusal else self.backend.measure(point.scenario, host, folder))
@@ -376,7 +379,7 @@ WORK_KEEP_S = 7 * 24 * 3600
 def _remove_work(recorded: Sequence[Path], experiment_work: Path) -> None:
     """Remove the work folders of runs now in the store, and the experiment's folder when empty."""
     for folder in recorded:
-        shutil.rmtree(folder, ignore_errors=True)
+        outdir.remove_tree(experiment_work, folder)
     try:
         experiment_work.rmdir()
     except OSError:
@@ -384,14 +387,16 @@ def _remove_work(recorded: Sequence[Path], experiment_work: Path) -> None:
 
 
 def prune_work(workdir: Path, keep_s: float = WORK_KEEP_S) -> None:
-    """Remove experiment work folders under ``workdir`` untouched for ``keep_s`` seconds."""
+    """Remove experiment work folders under ``workdir`` (OUT/.work) untouched for ``keep_s``
+    seconds; OutsideOut when ``workdir`` is a link out of OUT, and a link in it is left alone."""
+    outdir.inside(workdir.parent, workdir)
     if not workdir.is_dir():
         return
     cutoff = time.time() - keep_s
     for folder in workdir.iterdir():
         try:
-            if folder.is_dir() and folder.stat().st_mtime < cutoff:
-                shutil.rmtree(folder, ignore_errors=True)
+            if not folder.is_symlink() and folder.is_dir() and folder.stat().st_mtime < cutoff:
+                outdir.remove_tree(workdir, folder)
         except OSError:
             continue
 

@@ -40,6 +40,7 @@ from typing import Any, Self
 
 import pandas as pd
 
+from vllm_lab import outdir
 from vllm_lab.flags import redact
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.summary import COLUMNS, as_float
@@ -219,10 +220,21 @@ class Store:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreError(f"{folder}: cannot create the reports folder ({e.strerror})") from None
+        # SQLite writes the database and its -wal, -shm and -journal files: a link there would
+        # put the lab's writes outside OUT (the samples are checked when one is written).
+        for name in ("", "-wal", "-shm", "-journal"):
+            self._inside(self.path.with_name(self.path.name + name))
         probe = self.path if self.path.exists() else folder
         if not os.access(probe, os.W_OK):
             raise StoreError(f"{probe}: not writable; the store needs write access "
                              f"(choose another reports folder with OUT=)")
+
+    def _inside(self, path: Path) -> Path:
+        """``path`` inside the store's folder with no link on the way, else StoreError."""
+        try:
+            return outdir.inside(self.path.parent, path)
+        except outdir.OutsideOut as e:
+            raise StoreError(str(e)) from None
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -358,7 +370,8 @@ class Store:
         samples_file = ""
         if samples is not None and len(samples):
             samples_file = f"{run.experiment_id}/{run.run_key}.parquet"
-            target = experiment_dir(self.samples_dir, run.experiment_id) / f"{run.run_key}.parquet"
+            target = self._inside(experiment_dir(self.samples_dir, run.experiment_id)
+                                  / f"{run.run_key}.parquet")
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".tmp{os.getpid()}")
             samples.to_parquet(tmp, index=False)

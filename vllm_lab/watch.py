@@ -23,7 +23,7 @@ from typing import Any
 
 from scipy import stats
 
-from vllm_lab import scenarios
+from vllm_lab import outdir, scenarios
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
 
@@ -85,7 +85,8 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
         store.create_experiment(exp, "watch", scenario.name, {"url": url, "probe": PROBE})
         index = len(store.finished_keys(exp))
         started = time.time()
-        result = run_load(url, model, scenario.workload, scenario.load, workdir / exp / str(index),
+        folder = outdir.no_links_within(workdir.parent, workdir / exp / str(index))  # OUT/.work/...
+        result = run_load(url, model, scenario.workload, scenario.load, folder,
                           seed=index, api_key=api_key)
         ended = time.time()
         summary = RunSummary.of(summarize(result.samples, scenario.slo,
