@@ -192,6 +192,7 @@ def test_predict_backend_records_what_vllm_would_refuse(override, status, says):
 
 
 def test_predict_backend_refuses_a_level_it_cannot_simulate():
-    with pytest.raises(ScenarioError, match="the predictor would simulate 8,000,000,000,000 requests"):
-        PredictBackend.check(_tiny("load.shape.level=1e12"))
+    # A level the schema allows (at most load.shape's 10^6) but the predictor cannot simulate.
+    with pytest.raises(ScenarioError, match="the predictor would simulate 8,000,000 requests"):
+        PredictBackend.check(_tiny("load.shape.level=1000000"))
     assert PredictBackend.check(_tiny("load.mode=open", "load.stop.duration_s=10")) == 20

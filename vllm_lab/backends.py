@@ -387,7 +387,25 @@ class PredictBackend:
             raise ScenarioError(f"load.shape.level={load.shape.level:g}: the predictor would simulate "
                                 f"{count:,} requests, more than its {cls.MAX_REQUESTS:,}; lower the "
                                 f"level (SET=load.shape.level=...) or the duration")
+        cls._check_inputs(scenario)
         return count
+
+    @staticmethod
+    def _check_inputs(scenario: Scenario) -> None:
+        """What the predictor needs beyond the load: a model shape it knows, and requests it can
+        draw (lengths, or a trace); ScenarioError, one sentence, otherwise."""
+        from vllm_lab.models import load_model_shape
+
+        w = scenario.workload
+        if w.source != "trace" and None in w.lengths():
+            raise ScenarioError(f"workload.source {w.source}: the predictor draws requests from "
+                                f"length distributions, which this workload has none of; give "
+                                f"workload.input and workload.output, or measure it live "
+                                f"(BACKEND=twin)")
+        try:
+            load_model_shape(str(scenario.serve["model"]))
+        except ValueError as e:
+            raise ScenarioError(f"serve.model: {e}; the predictor needs a model shape") from None
 
     @staticmethod
     def arrivals(scenario: Scenario):
@@ -410,13 +428,17 @@ class PredictBackend:
         from vllm_lab.twin.profile import load_profile, on_hardware
 
         started = time.time()
-        arrivals = self.arrivals(scenario)
         count = self.check(scenario)
+        arrivals = self.arrivals(scenario)
         if getattr(arrivals, "times", None) is not None:
             count = len(arrivals.times)
         requests = predicted_requests(scenario, count)
         try:
-            profile = on_hardware(load_profile(scenario.hardware.twin_profile), scenario.hardware)
+            profile = load_profile(scenario.hardware.twin_profile)
+        except ValueError as e:  # a profile file that is missing or wrong: the scenario's to fix
+            raise ScenarioError(f"hardware.twin_profile: {e}") from None
+        try:
+            profile = on_hardware(profile, scenario.hardware)
             prediction = predict(scenario.serve, profile,
                                  load_model_shape(str(scenario.serve["model"])), requests, arrivals,
                                  seed=scenario.run.seed)

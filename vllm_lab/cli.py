@@ -278,9 +278,26 @@ def _store_of(args: argparse.Namespace | None) -> Path:
     return store_path(args.out, args.store)
 
 
+# Exit statuses beside 0, 1 (lint errors, a watch regression), 2 (bad input), 75 (DEADLINE) and
+# 130 (Ctrl-C); sysexits.h's numbers, so a script tells the machine's faults from its own.
+EXIT_SOFTWARE = 70  # a bug of the lab
+EXIT_IO = 74        # the disk is full, a file cannot be written
+SENTENCE_CHARS = 1000
+
+
+def _say(message: str) -> None:
+    """One line on stderr: the message's line breaks joined, a long one cut in its middle (it
+    may echo a value; its end says what is allowed)."""
+    text = " ".join(message.splitlines())
+    if len(text) > SENTENCE_CHARS:
+        text = f"{text[:SENTENCE_CHARS * 2 // 3]} … {text[-SENTENCE_CHARS // 3:]}"
+    print(f"lab: {text}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one lab command; a bad input is one sentence on stderr and exit status 2, a long
-    command stopped for its DEADLINE exits deadline.EXIT_DEADLINE (75), Ctrl-C 130.
+    command stopped for its DEADLINE exits deadline.EXIT_DEADLINE (75), Ctrl-C 130, a full disk
+    EXIT_IO (74), a bug of the lab EXIT_SOFTWARE (70), each with one sentence.
 
     ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports.
     """
@@ -300,15 +317,24 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError,
             serving.InventoryError, serving.InstanceBusy, outdir.OutsideOut) as e:
-        print(f"lab: {_for_make(str(e), names)}", file=sys.stderr)
+        _say(_for_make(str(e), names))
         return 2
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as e:
         # Whatever query met it: a damaged, foreign or locked store, named, with what to do.
-        print(f"lab: {_for_make(describe_sqlite_error(_store_of(args), e), names)}", file=sys.stderr)
-        return 2
+        _say(_for_make(describe_sqlite_error(_store_of(args), e), names))
+        return EXIT_IO if "full" in str(e) else 2
     except KeyboardInterrupt:
-        print("lab: interrupted; finished runs are in the store", file=sys.stderr)
+        _say("interrupted; finished runs are in the store")
         return 130
+    except OSError as e:  # the machine's, not the input's: a full disk, a folder taken away
+        _say(f"{e.filename or 'the lab'}: {e.strerror or e}; finished runs are in the store")
+        return EXIT_IO
+    except Exception as e:  # a bug of the lab: still one sentence, the traceback when asked for
+        if os.environ.get("LAB_TRACEBACK"):
+            raise
+        _say(f"internal error ({type(e).__name__}: {str(e)[:200]}); finished runs are in the "
+             f"store; LAB_TRACEBACK=1 shows where it happened (please report it)")
+        return EXIT_SOFTWARE
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 from vllm_lab import flags as flagcat
 from vllm_lab import outdir
 from vllm_lab.backends import Backend, Measurement
+from vllm_lab.inputs import shown
 from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
@@ -69,8 +71,8 @@ def apply_value(scenario: Scenario, param: str, value: Any) -> Scenario:
     except ValidationError as e:  # pydantic's many lines, said in one sentence
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ScenarioError(f"PARAM={param} with value {value!r}: not a valid scenario value "
-                            f"({where}: {first['msg']})") from None
+        raise ScenarioError(f"PARAM={param} with value {shown(value, param)}: not a valid "
+                            f"scenario value ({where}: {first['msg']})") from None
 
 
 def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
@@ -78,6 +80,11 @@ def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
     key (load.shape.level); else ScenarioError. Without this the predictor, which ignores flags
     it does not model, would "measure" an unknown flag as identical figures."""
     name = param.removeprefix("serve.")
+    if any(flagcat.is_secret(part) for part in param.split(".")):
+        # Its values would be on the command line, in the plan's meta and in every label.
+        raise ScenarioError(f"{variable}={param}: a secret is not swept; give it once in the "
+                            f"scenario file, VLLM_API_KEY in the environment, or vllm_api_key "
+                            f"in the inventory's ansible-vault")
     if not is_serve_flag(name):
         if param.split(".")[0] not in Scenario.model_fields:
             raise ScenarioError(f"{variable}={param}: not a vLLM flag nor a scenario key; write a "
@@ -111,7 +118,8 @@ def parse_values(param: str, text: str) -> list[Any]:
                 out.append(raw)
         except ValueError:
             allowed = flag.describe_range() if flag else "a number"
-            raise ScenarioError(f"VALUES: {raw!r} is not a value of {param} ({allowed})") from None
+            raise ScenarioError(f"VALUES: {shown(raw, param)} is not a value of {param} "
+                                f"({allowed})") from None
     if not out:
         raise ScenarioError("VALUES is empty; give comma-separated values, e.g. VALUES=8,16,32")
     return out
@@ -173,13 +181,27 @@ def _length_ladder(scenario: Scenario) -> list[int]:
     return [v for v in (2048, 4096, 8192, 16384, 32768, 131072) if v <= longest]
 
 
+# Runs one plan may hold: far past any real experiment (a week of 60 s runs), so REPEATS=10**9 or
+# a GRID of three 1000-value ladders is one sentence before a list of a billion points is built.
+MAX_RUNS = 10_000
+
+
+def check_size(runs: int, what: str) -> None:
+    """ScenarioError when a plan of ``runs`` runs (``what`` says how it was asked for) is too big."""
+    if runs > MAX_RUNS:
+        raise ScenarioError(f"{what}: {runs:,} runs, more than a plan may hold ({MAX_RUNS:,}); "
+                            f"ask for fewer values or repeats")
+
+
 def baseline_points(scenario: Scenario, repeats: int = 3) -> list[Point]:
     """vLLM's defaults on the scenario's traffic, repeated."""
+    check_size(repeats, f"REPEATS={repeats}")
     return [Point(scenario, {}, r) for r in range(repeats)]
 
 
 def sweep_points(scenario: Scenario, param: str, values: Sequence[Any], repeats: int = 1) -> list[Point]:
     """One flag (or load parameter) over ``values``, each repeated; serve values grouped together."""
+    check_size(len(values) * repeats, f"{len(values)} values of {param}, {repeats} repeat(s) each")
     return [Point(apply_value(scenario, param, v), {param: v}, r)
             for v in values for r in range(repeats)]
 
@@ -195,6 +217,9 @@ def sweep_plan(scenario: Scenario, param: str, values_text: str | None,
 
 def grid_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: int = 1) -> list[Point]:
     """Every combination of several parameters' values."""
+    check_size(math.prod(len(v) for v in grid.values()) * repeats,
+               f"a grid of {' x '.join(str(len(v)) for v in grid.values())} values, "
+               f"{repeats} repeat(s) each")
     points = [Point(scenario, {}, 0)]
     for param, values in grid.items():
         points = [Point(apply_value(p.scenario, param, v), {**p.values, param: v}, 0)
@@ -263,6 +288,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     own thread; every run is committed as it ends, so Ctrl-C loses only the runs in flight.
     """
     outdir.inside(workdir.parent, workdir)  # OUT/.work: refused when it is a link out of OUT
+    check_inputs(plan.points)
     todo = _todo(plan, store_path)
     groups = group_by_server(todo)
     shares = deal(groups, hosts)
@@ -279,6 +305,26 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
         _in_threads(taking, {h: shares[h] for h in busy})
     _remove_work(taking.recorded, workdir / plan.experiment_id)
     return taking.counts
+
+
+_CHECKED: set[str] = set()  # workloads this process has built once: a search's trials reuse one
+
+
+def check_inputs(points: Sequence[Point]) -> None:
+    """Every distinct workload of the points built once (its file's records, its tokenizer, its
+    trace) before anything is recorded or started: a file the load cannot be made of is one
+    sentence (ScenarioError), not a plan of runs whose load generators all fail alike."""
+    from vllm_lab.traffic.workloads import check_workload  # Locust stays out of plain imports
+
+    for point in points:
+        key = point.scenario.workload.model_dump_json() + point.scenario.load.model_dump_json()
+        if key in _CHECKED:
+            continue
+        try:
+            check_workload(point.scenario.workload, point.scenario.load)
+        except ValueError as e:  # WorkloadError, TraceError, InputError: one sentence each
+            raise ScenarioError(str(e)) from None
+        _CHECKED.add(key)
 
 
 def _todo(plan: Plan, store_path: Path) -> list[Point]:

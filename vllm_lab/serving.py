@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from vllm_lab.inputs import InputError, load_yaml, read_bytes, read_text
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -439,9 +441,16 @@ def check_inventory(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_serv
     path = Path(inventory)
     if not path.exists():
         raise InventoryError(f"{path}: no such inventory file (INVENTORY=path/to/inventory.yml)")
-    if path.is_file() and path.suffix in (".yml", ".yaml"):
+    if not path.is_dir() and path.suffix not in (".yml", ".yaml"):
+        try:  # an INI inventory, Ansible's to read: only a regular file of a sane size
+            read_bytes(path, what="inventory file")
+        except InputError as e:
+            raise InventoryError(str(e)) from None
+    if not path.is_dir() and path.suffix in (".yml", ".yaml"):
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(read_text(path, what="inventory file"), str(path))
+        except InputError as e:
+            raise InventoryError(str(e)) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""

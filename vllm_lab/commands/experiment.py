@@ -71,6 +71,7 @@ class Experiment:
         Ctrl-C) raises ``stopping.Stopped`` after saying how many runs are left."""
         from vllm_lab import reports
         s = self.settings
+        plans.check_inputs(self.points)  # a workload file that cannot be read: before any start
         if s.backend == "predict":
             for point in self.points:
                 PredictBackend.check(point.scenario)  # every point, before the first is taken
