@@ -342,7 +342,9 @@ class Store:
     # -- writing ---------------------------------------------------------------------------
     def create_experiment(self, experiment_id: str, step: str, scenario_name: str,
                           meta: dict[str, Any] | None = None) -> str:
-        """Record an experiment (idempotent: an existing one with this id is kept, for resume)."""
+        """Record an experiment (idempotent: an existing one with this id is kept, for resume);
+        StoreError when the id is another step's experiment (a sweep's runs never go into a
+        baseline's)."""
         if step not in STEPS:
             raise StoreError(f"step {step!r} is not one of {', '.join(STEPS)}")
         check_experiment_name(experiment_id)
@@ -350,6 +352,11 @@ class Store:
             conn.execute("INSERT OR IGNORE INTO experiments VALUES (?, ?, ?, ?, ?)",
                          (experiment_id, step, scenario_name, time.time(),
                           json.dumps(redact(meta or {}), default=str)))
+            kept = conn.execute("SELECT step FROM experiments WHERE id=?", (experiment_id,)).fetchone()
+        if kept[0] != step:
+            raise StoreError(f"EXPERIMENT={experiment_id} is a {kept[0]} experiment; a {step} does "
+                             f"not add its runs to it: leave EXPERIMENT out for a new experiment, "
+                             f"or name another")
         return experiment_id
 
     def update_meta(self, experiment_id: str, **fields: Any) -> None:
@@ -374,8 +381,13 @@ class Store:
                                   / f"{run.run_key}.parquet")
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".tmp{os.getpid()}")
-            samples.to_parquet(tmp, index=False)
-            os.replace(tmp, target)
+            try:
+                samples.to_parquet(tmp, index=False)
+                os.replace(tmp, target)
+            except OSError as e:  # a full disk: no half file left, no row written
+                tmp.unlink(missing_ok=True)
+                raise OSError(e.errno, f"{e.strerror or e} while writing run {run.run_key}'s "
+                                       f"samples; that run is not recorded", str(target)) from None
         figures = run.summary.record()
         summary = {k: v for k, v in figures.items() if k not in SUMMARY_COLUMNS}
         columns = ["experiment_id", "run_key", "step", "scenario_name", "scenario_json", "point_json",
