@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from vllm_lab import audit, serving
+from vllm_lab import audit, serving, shutdown
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
@@ -145,6 +145,10 @@ class LiveBackend:
         self._starting: set[str | None] = set()
         self._workers: list | None = None  # the inventory's remote load generators, read once
         self.live_host = live_host  # LIVE=1: Locust's web UI on this address for each run
+        # Instances claimed (provisioning claims them all) and not yet given back by a stop of
+        # every host: given back at exit, whatever ended the command.
+        self.holding = False
+        shutdown.on_exit(self.close_all)
 
     # -- server lifecycle ----------------------------------------------------------------------
     def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
@@ -206,11 +210,24 @@ class LiveBackend:
         """Stop the host's server if this backend started one, and give its instances back."""
         self._stop(host, release=True)
 
+    def close_all(self) -> None:
+        """Stop every server this backend still runs and give the instances back (at exit: a
+        command that ended by an error, or by a signal, leaves no server behind)."""
+        for host in {*self._running, *self._starting}:
+            self.close(host)
+        if self.holding:
+            self.holding = False
+            serving.stop(self.inventory, experiment=self.experiment, release=True)
+
     def _stop(self, host: str | None, release: bool) -> None:
         started = self._running.pop(host, None) is not None
         if started or host in self._starting:
             self._starting.discard(host)
-            serving.stop(self.inventory, limit=host, experiment=self.experiment, release=release)
+            with shutdown.shielded():  # a signal now waits until the server is stopped
+                serving.stop(self.inventory, limit=host, experiment=self.experiment,
+                             release=release)
+            if release and host is None:
+                self.holding = False  # every host's instances are given back
 
     # -- one run -------------------------------------------------------------------------------
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:

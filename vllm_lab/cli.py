@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vllm_lab import outdir, scenarios, serving
+from vllm_lab import outdir, scenarios, serving, shutdown
 from vllm_lab.commands import (
     autotune,
     baseline,
@@ -296,8 +296,9 @@ def _say(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one lab command; a bad input is one sentence on stderr and exit status 2, a long
-    command stopped for its DEADLINE exits deadline.EXIT_DEADLINE (75), Ctrl-C 130, a full disk
-    EXIT_IO (74), a bug of the lab EXIT_SOFTWARE (70), each with one sentence.
+    command stopped for its DEADLINE exits deadline.EXIT_DEADLINE (75), Ctrl-C 130, SIGTERM 143,
+    SIGHUP 129, a full disk EXIT_IO (74), a bug of the lab EXIT_SOFTWARE (70), each with one
+    sentence.
 
     ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports.
     """
@@ -314,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         problem = _ansible_verbosity_problem(args)
         if problem:
             raise UsageError(problem)
-        return args.func(args)
+        with shutdown.handling():  # SIGTERM and SIGHUP stop it as Ctrl-C does
+            return args.func(args)
     except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError,
             serving.InventoryError, serving.InstanceBusy, outdir.OutsideOut) as e:
         _say(_for_make(str(e), names))
@@ -323,9 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         # Whatever query met it: a damaged, foreign or locked store, named, with what to do.
         _say(_for_make(describe_sqlite_error(_store_of(args), e), names))
         return EXIT_IO if "full" in str(e) else 2
-    except KeyboardInterrupt:
-        _say("interrupted; finished runs are in the store")
-        return 130
+    except KeyboardInterrupt as stop:
+        why = f"stopped by {stop.name}" if isinstance(stop, shutdown.Terminated) else "interrupted"
+        _say(f"{why}; finished runs are in the store")
+        return shutdown.exit_code(stop)
     except OSError as e:  # the machine's, not the input's: a full disk, a folder taken away
         _say(f"{e.filename or 'the lab'}: {e.strerror or e}; finished runs are in the store")
         return EXIT_IO

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -234,15 +235,42 @@ def run_playbook(playbook: str, *, inventory: Path, extra_vars: dict | None = No
                    # An inventory Ansible cannot parse fails the play instead of running on no host.
                    ANSIBLE_INVENTORY_UNPARSED_FAILED="1")
         log.debug("running %s", " ".join(cmd))
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
-    out = scrub(proc.stdout, secrets)
+        returncode, stdout = _run_group(cmd, env, timeout)
+    out = scrub(stdout, secrets)
     unreachable = _unreachable_reasons(out)
     recap = parse_recap(out)
     for host, counts in recap.items():
         if counts.get("unreachable") and host not in unreachable:
             unreachable[host] = "unreachable"
-    return PlaybookRun(proc.returncode, out, recap, unreachable)
+    return PlaybookRun(returncode, out, recap, unreachable)
+
+
+def _run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int, str]:
+    """Run ``cmd`` in a session of its own (a terminal's Ctrl-C reaches the lab alone, which
+    decides, so a stop playbook is never cut short by it); its return code and output. When the
+    lab is interrupted meanwhile, or ``timeout`` passes, its whole process group is stopped."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except BaseException:  # KeyboardInterrupt (a stop signal) or the timeout
+        _kill_group(proc)
+        raise
+    return proc.returncode, stdout
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group we started, SIGKILL after 10 s."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.communicate(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _unreachable_reasons(stdout: str) -> dict[str, str]:
