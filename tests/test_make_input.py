@@ -343,3 +343,26 @@ def test_make_provision_stop_teardown_on_a_private_host(tmp_path):
     out = make("teardown", f"INVENTORY={inv}")
     assert out.returncode == 0, out.stdout + out.stderr
     assert not venv.exists() and not (tmp_path / "host/serve").exists()
+
+
+# -- the lab's exit status through make (scripts/lab-make) ------------------------------------
+def lab_make(*args: str) -> subprocess.CompletedProcess:
+    """`scripts/lab-make -s ARGS`, as cron or CI would run it."""
+    return subprocess.run([str(REPO / "scripts/lab-make"), "-s", *args, f"LAB_PYTHON={sys.executable}"],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+@pytest.mark.integration
+def test_lab_make_exits_with_the_labs_status_where_make_exits_2(tmp_path):
+    lint = ["lint", "SET=serve.no-such-flag=1"]
+    assert make(*lint).returncode == 2  # make's own status for any failed recipe
+    assert lab_make(*lint).returncode == 1, lab_make(*lint).stderr  # the lab's: a lint error
+    deadline = ["sweep", "BACKEND=predict", "HARDWARE=cpu-demo", "PARAM=max-num-seqs", "VALUES=8,16",
+                "DEADLINE=2s", f"OUT={tmp_path}"]
+    stopped = lab_make(*deadline)
+    assert stopped.returncode == 75, stopped.stderr
+    assert "stopped for DEADLINE=2s" in stopped.stderr
+    # A failure of make's own (a variable the target needs) keeps make's status.
+    assert lab_make("sweep", f"OUT={tmp_path}").returncode == 2
+    assert lab_make("lint").returncode == 0

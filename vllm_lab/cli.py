@@ -300,9 +300,30 @@ def main(argv: list[str] | None = None) -> int:
     SIGHUP 129, a full disk EXIT_IO (74), a bug of the lab EXIT_SOFTWARE (70), each with one
     sentence.
 
-    ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports.
+    ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports, and
+    writes its status to the file LAB_EXIT_FILE names (scripts/lab-make's): make itself exits 2
+    for any failed recipe, so a watch's regression (1) or a DEADLINE (75) reaches cron or CI only
+    that way.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    code = _main(argv)
+    if argv[:1] == ["make"] and os.environ.get(EXIT_FILE):
+        _record_exit(Path(os.environ[EXIT_FILE]), code)
+    return code
+
+
+EXIT_FILE = "LAB_EXIT_FILE"
+
+
+def _record_exit(path: Path, code: int) -> None:
+    """Write ``code`` to the wrapper's file; a file that cannot be written loses only the code."""
+    try:
+        path.write_text(f"{code}\n")
+    except OSError as e:
+        _say(f"{path}: {e.strerror or e}: the exit status {code} was not recorded ({EXIT_FILE})")
+
+
+def _main(argv: list[str]) -> int:
     names: dict[str, str] = {}
     args = None
     try:
