@@ -9,6 +9,7 @@ live figures; nobody listens by default.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -27,8 +28,10 @@ from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
 from vllm_lab.summary import request_failures, summarize
+from vllm_lab.traffic.runner import TrafficError
 
 log = logging.getLogger(__name__)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the machine's fault, not the run's
 
 # How a failed start is recorded, by its cause.
 START_STATUS = {"oom": RunStatus.OOM, "refused-flag": RunStatus.FAILED_START,
@@ -268,10 +271,28 @@ class LiveBackend:
         return m
 
     def measure_on(self, scenario: Scenario, instance: serving.Instance, workdir: Path) -> Measurement:
-        """Run the scenario's load on a running instance (sized, audited, re-run once if limited)."""
+        """Run the scenario's load on a running instance (sized, audited, re-run once if limited).
+
+        A load generator that fails (Locust killed or hung, a workload file it cannot read, a
+        load-generator host gone) measured nothing of the server: the run is ``crashed`` with
+        that cause, so the plan goes on and a resume measures it again. A full disk is not a
+        run's fault: it ends the command (OSError, exit 74).
+        """
+        started = time.time()
+        try:
+            return self._measure_load(scenario, instance, workdir, started)
+        except (TrafficError, OSError) as e:
+            if isinstance(e, OSError) and e.errno in DISK_FULL:
+                raise
+            log.warning("%s: the load generator failed: %s", instance.url, e)
+            cause = e if isinstance(e, TrafficError) else f"{type(e).__name__}: {e}"
+            return Measurement(status=RunStatus.CRASHED, started=started, ended=time.time(),
+                               host=instance.host, error=f"load generator failed: {cause}"[:4000])
+
+    def _measure_load(self, scenario: Scenario, instance: serving.Instance, workdir: Path,
+                      started: float) -> Measurement:
         workers = self._load_generators()
         procs = self.processes or self._plan(scenario, workers)
-        started = time.time()
         result, figures = self._run(scenario, instance, workdir, workers, procs)
         summary = RunSummary.of(figures)
         failures = request_failures(result.samples)
