@@ -246,7 +246,7 @@ def run_playbook(playbook: str, *, inventory: Path, extra_vars: dict | None = No
 
 
 def _run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int, str]:
-    """Run ``cmd`` in a session of its own (a terminal's Ctrl-C reaches the lab alone, which
+    """Run ``cmd`` in a process group of its own (a terminal's Ctrl-C reaches the lab alone, which
     decides, so a stop playbook is never cut short by it); its return code and output. When the
     lab is interrupted meanwhile, or ``timeout`` passes, its whole process group is stopped."""
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
