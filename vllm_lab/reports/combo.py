@@ -20,7 +20,7 @@ import pandas as pd
 from vllm_lab import search
 from vllm_lab.analysis.points import best_point, pareto_front, point_table
 from vllm_lab.analysis.search import best_configs, importances, trials_frame, tune_study
-from vllm_lab.reports import page, sweep
+from vllm_lab.reports import page, sweep, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
 from vllm_lab.reports.scenario_files import write_scenario_file
@@ -196,6 +196,7 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     imp_path = importance_figure(imp, ctx, folder)
     figures += [imp_path] if imp_path else []
     figures.append(pareto_figure(table, params, ctx, folder))
+    figures += [f for f in [traffic.trace_figure(runs, folder, ctx.caption)] if f]
     configs = best_configs(study, 1, meta["objective"])
     best = None
     if configs:
