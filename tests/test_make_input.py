@@ -366,3 +366,36 @@ def test_lab_make_exits_with_the_labs_status_where_make_exits_2(tmp_path):
     # A failure of make's own (a variable the target needs) keeps make's status.
     assert lab_make("sweep", f"OUT={tmp_path}").returncode == 2
     assert lab_make("lint").returncode == 0
+
+
+@pytest.mark.integration
+def test_a_signal_to_lab_make_stops_the_lab_once_with_its_status(tmp_path):
+    """cron or CI ends a job with SIGTERM to the process it started: the wrapper hands it to make
+    and the lab, and exits with the lab's 143."""
+    import json
+    import signal
+
+    cmd = [str(REPO / "scripts/lab-make"), "-s", "sweep", "BACKEND=predict", "HARDWARE=cpu-demo",
+           "PARAM=max-num-seqs", "VALUES=8,16,32,64,128,256", "DURATION=600", "REPEATS=5", f"OUT={tmp_path}",
+           f"LAB_PYTHON={sys.executable}"]
+    wrapper = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    beat = tmp_path / ".work/status.json"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (beat.exists() and beat.read_text().strip()):
+            assert wrapper.poll() is None, wrapper.communicate()
+            time.sleep(0.1)
+        wrapper.send_signal(signal.SIGTERM)
+        _, err = wrapper.communicate(timeout=60)
+    finally:
+        if wrapper.poll() is None:  # make runs in a group of its own: stop it by that group
+            from tests.support.processes import process_table
+            for fields in process_table().values():
+                if int(fields[1]) == wrapper.pid and int(fields[2]) != os.getpgrp():
+                    os.killpg(int(fields[2]), signal.SIGKILL)
+            wrapper.kill()
+            wrapper.wait()
+    assert wrapper.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "noted" not in err and "stopping the servers first" not in err
+    assert json.loads(beat.read_text())["state"] == "interrupted"
