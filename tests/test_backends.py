@@ -15,7 +15,7 @@ from vllm_lab.backends import START_STATUS, LiveBackend, PredictBackend, predict
 from vllm_lab.scenarios import ScenarioError
 from vllm_lab.summary import closed_loop_gaps
 from vllm_lab.traffic.arrivals import planned_arrivals
-from vllm_lab.traffic.runner import LoadResult
+from vllm_lab.traffic.runner import LoadResult, TrafficError
 
 URL = "http://127.0.0.1:8000"
 
@@ -192,6 +192,38 @@ def test_predict_backend_records_what_vllm_would_refuse(override, status, says):
 
 
 def test_predict_backend_refuses_a_level_it_cannot_simulate():
-    with pytest.raises(ScenarioError, match="the predictor would simulate 8,000,000,000,000 requests"):
-        PredictBackend.check(_tiny("load.shape.level=1e12"))
+    # A level the schema allows (at most load.shape's 10^6) but the predictor cannot simulate.
+    with pytest.raises(ScenarioError, match="the predictor would simulate 8,000,000 requests"):
+        PredictBackend.check(_tiny("load.shape.level=1000000"))
     assert PredictBackend.check(_tiny("load.mode=open", "load.stop.duration_s=10")) == 20
+
+
+class FailingLoad(Scripted):
+    """A backend whose load generator fails the way the test says."""
+
+    def __init__(self, error: Exception):
+        super().__init__(limited_with=set())
+        self.error = error
+
+    def _run(self, scenario, instance, workdir, workers, processes):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [
+    TrafficError("locust exited with -9 and wrote no samples; output tail:\nKilled"),
+    PermissionError(13, "Permission denied", "/data/prompts.jsonl"),
+], ids=["locust-killed", "workload-unreadable"])
+def test_a_failed_load_generator_is_a_crashed_run_with_its_cause(tmp_path, health, error):
+    s = scenarios.resolve("default")
+    m = FailingLoad(error).measure_on(s, _instance(), tmp_path)
+    assert m.status == "crashed" and m.error.startswith("load generator failed: ")
+    assert ("exited with -9" in m.error) if isinstance(error, TrafficError) else \
+        ("PermissionError" in m.error and "prompts.jsonl" in m.error)
+
+
+def test_a_full_disk_during_a_run_ends_the_command():
+    import errno
+
+    with pytest.raises(OSError, match="No space"):
+        FailingLoad(OSError(errno.ENOSPC, "No space left on device")).measure_on(
+            scenarios.resolve("default"), _instance(), Path("/nonexistent"))

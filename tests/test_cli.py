@@ -107,3 +107,43 @@ def test_a_predicted_baseline_is_recorded_and_reported(capsys, tmp_path):
     assert code == 0 and out.endswith("cli-baseline: 0 finding(s) over 2 run(s)\n")
     code, _, err = run(capsys, "findings", "--out", str(tmp_path), "--experiment", "other")
     assert code == 2 and "other" in sentence(err)
+
+
+def test_a_full_disk_is_exit_74_in_one_sentence_and_leaves_no_half_file(tmp_path, capsys, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    import pandas as pd
+
+    from vllm_lab.backends import PredictBackend
+
+    def full(self, path, *args, **kwargs):
+        Path(path).write_bytes(b"PAR1 half a file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", full)
+    monkeypatch.setattr(PredictBackend, "MAX_REQUESTS", 64)
+    rc = cli.main(["sweep", "--backend", "predict", "--hardware", "cpu-demo", "--out", str(tmp_path),
+                   "--param", "max-num-seqs", "--values", "8", "--repeats", "1", "--experiment", "full",
+                   "--set", "load.shape.level=2"])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_IO and err.count("\n") == 1 and "No space left on device" in err, err
+    assert "that run is not recorded" in err and "Traceback" not in err
+    assert not list(tmp_path.rglob("*.tmp*"))
+    assert len(Store(tmp_path / "lab.db").runs("full")) == 0
+
+
+def test_two_commands_in_the_same_second_get_two_experiment_ids(tmp_path, monkeypatch):
+    import time
+
+    from vllm_lab import scenarios
+    from vllm_lab.commands.naming import experiment_id
+    from vllm_lab.commands.settings import Settings
+
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "-20261201-120000")  # one second
+    scenario = scenarios.resolve("default", "cpu-demo")
+    settings = Settings(backend="predict", out=tmp_path)
+    ids = [experiment_id(settings, "sweep", scenario, "max-num-seqs") for _ in range(3)]
+    assert ids == ["sweep-default-max-num-seqs-20261201-120000",
+                   "sweep-default-max-num-seqs-20261201-120000-2",
+                   "sweep-default-max-num-seqs-20261201-120000-3"]

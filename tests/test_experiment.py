@@ -192,14 +192,10 @@ def test_watchdog_stops_a_run_that_outlasts_its_estimate():
     assert not watch.fired.is_set()
 
 
-def test_watched_block_turns_the_watchdog_interrupt_into_deadline_reached(tmp_path):
-    from vllm_lab import progress
-
-    shown = progress.Progress("sweep", "w", "predict", tmp_path)
-    with pytest.raises(DeadlineReached), \
-            watched(Deadline(time.time() + 0.3, "test"), object(), shown):
+def test_watched_block_turns_the_watchdog_interrupt_into_deadline_reached():
+    with pytest.raises(DeadlineReached), watched(Deadline(time.time() + 0.3, "test"), object()):
         time.sleep(10)  # a run still going at the deadline
-    with pytest.raises(KeyboardInterrupt), watched(None, object(), shown):
+    with pytest.raises(KeyboardInterrupt), watched(None, object()):
         raise KeyboardInterrupt  # the user's Ctrl-C stays one
 
 

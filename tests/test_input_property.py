@@ -121,3 +121,52 @@ def test_any_scenario_document_gives_a_result_or_one_sentence(doc, target):
         rc, err = run_lab([target, "--scenario", str(path)], {})
         assert_clean_or_one_sentence(rc, err)
         assert files_under(root) == before
+
+
+# Overrides (SET=, --set) built from the schema's own paths and hostile values: what the YAML
+# reader makes of each value (numbers, NaN, nesting, aliases) must end in a result or a sentence.
+PATHS = ["serve.max-num-seqs", "serve.model", "serve.api-key", "serve.tensor-parallel-size",
+         "load.shape.level", "load.stop.duration_s", "load.mode", "load.request_timeout_s",
+         "workload.source", "workload.path", "workload.input", "slo.ttft.threshold_ms", "run.repeats",
+         "run.seed", "hardware.gpus", "nope.key", "serve", "load", ""]
+VALUES = ["1", "0", "-1", "1e400", ".nan", "-.inf", "null", "[]", "{}", "[1, [2, [3]]]", "&a [*a]",
+          '{"dist": "fixed", "mean": 64}', "x" * 200, "../../x", "/dev/zero", "'", '"', "{", "true"]
+overrides = st.lists(st.tuples(st.sampled_from(PATHS), st.sampled_from(["=", "", "=="]),
+                               st.one_of(st.sampled_from(VALUES), words)).map("".join), max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(sets=overrides, target=st.sampled_from(["show", "lint"]))
+def test_any_overrides_give_a_result_or_one_sentence(sets, target):
+    with sandbox() as (root, _out):
+        before = files_under(root)
+        rc, err = run_lab([target, "--hardware", "cpu-demo", *[x for s in sets for x in ("--set", s)]], {})
+        assert_clean_or_one_sentence(rc, err)
+        assert files_under(root) == before  # show and lint write nothing at all
+
+
+# A workload file (workload.path) as it may come: text lines, JSON of any shape, bytes that are
+# no UTF-8; a sweep on the predictor reads it before anything runs.
+records = st.one_of(st.dictionaries(st.sampled_from(["prompt", "output_tokens", "input_tokens", "text",
+                                                     "conversations", "timestamp"]), scalars, max_size=3),
+                    scalars)
+workload_bytes = st.one_of(
+    st.lists(records, max_size=4).map(lambda rs: "\n".join(yaml.safe_dump(r, default_flow_style=True).strip()
+                                                          for r in rs).encode()),
+    st.binary(max_size=64))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(content=workload_bytes, source=st.sampled_from(["jsonl-file", "sharegpt-file"]))
+def test_any_workload_file_gives_a_result_or_one_sentence(content, source):
+    with sandbox() as (root, out), mock.patch.object(PredictBackend, "MAX_REQUESTS", 64):
+        path = root / "prompts.jsonl"
+        path.write_bytes(content)
+        before = files_under(root)
+        rc, err = run_lab(["sweep", "--backend", "predict", "--hardware", "cpu-demo", "--out", str(out),
+                           "--param", "max-num-seqs", "--values", "8", "--repeats", "1",
+                           "--set", f"workload.source={source}", "--set", f"workload.path={path}",
+                           "--set", "load.shape.level=2"], {})
+        assert_clean_or_one_sentence(rc, err)
+        outside = {p for p in files_under(root) - before if out not in p.parents}
+        assert not outside, f"written outside OUT: {outside}"

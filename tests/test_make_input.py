@@ -206,7 +206,8 @@ def test_store_and_pdf_errors_name_what_make_passes(tmp_path, monkeypatch):
     (["REPEATS=-2"], "REPEATS='-2' is not allowed: a whole number, 1 or more"),
     (["REPEATS=0"], "REPEATS='0' is not allowed: a whole number, 1 or more"),
     (["DURATION=soon"], "DURATION='soon' is not allowed"),
-    (["SET=load.shape.level=1e12"], "the predictor would simulate 8,000,000,000,000 requests"),
+    # Load levels are bounded in the schema now: refused before the predictor is asked.
+    (["SET=load.shape.level=1e12"], "load.shape.level: Input should be less than or equal to 1000000"),
     (["ANSIBLE_VERBOSITY=3", "BACKEND=twin"], "ANSIBLE_VERBOSITY='3'"),
 ])
 def test_bad_numbers_and_settings_are_sentences(tmp_path, variables, says):
@@ -343,3 +344,59 @@ def test_make_provision_stop_teardown_on_a_private_host(tmp_path):
     out = make("teardown", f"INVENTORY={inv}")
     assert out.returncode == 0, out.stdout + out.stderr
     assert not venv.exists() and not (tmp_path / "host/serve").exists()
+
+
+# -- the lab's exit status through make (scripts/lab-make) ------------------------------------
+def lab_make(*args: str) -> subprocess.CompletedProcess:
+    """`scripts/lab-make -s ARGS`, as cron or CI would run it."""
+    return subprocess.run([str(REPO / "scripts/lab-make"), "-s", *args, f"LAB_PYTHON={sys.executable}"],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+@pytest.mark.integration
+def test_lab_make_exits_with_the_labs_status_where_make_exits_2(tmp_path):
+    lint = ["lint", "SET=serve.no-such-flag=1"]
+    assert make(*lint).returncode == 2  # make's own status for any failed recipe
+    assert lab_make(*lint).returncode == 1, lab_make(*lint).stderr  # the lab's: a lint error
+    deadline = ["sweep", "BACKEND=predict", "HARDWARE=cpu-demo", "PARAM=max-num-seqs", "VALUES=8,16",
+                "DEADLINE=2s", f"OUT={tmp_path}"]
+    stopped = lab_make(*deadline)
+    assert stopped.returncode == 75, stopped.stderr
+    assert "lab: stopped for DEADLINE=" in stopped.stderr and "0 of 2 runs done" in stopped.stderr
+    # A failure of make's own (a variable the target needs) keeps make's status.
+    assert lab_make("sweep", f"OUT={tmp_path}").returncode == 2
+    assert lab_make("lint").returncode == 0
+
+
+@pytest.mark.integration
+def test_a_signal_to_lab_make_stops_the_lab_once_with_its_status(tmp_path):
+    """cron or CI ends a job with SIGTERM to the process it started: the wrapper hands it to make
+    and the lab, and exits with the lab's 143."""
+    import json
+    import signal
+
+    cmd = [str(REPO / "scripts/lab-make"), "-s", "sweep", "BACKEND=predict", "HARDWARE=cpu-demo",
+           "PARAM=max-num-seqs", "VALUES=8,16,32,64,128,256", "DURATION=600", "REPEATS=5", f"OUT={tmp_path}",
+           f"LAB_PYTHON={sys.executable}"]
+    wrapper = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    beat = tmp_path / ".work/status.json"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (beat.exists() and beat.read_text().strip()):
+            assert wrapper.poll() is None, wrapper.communicate()
+            time.sleep(0.1)
+        wrapper.send_signal(signal.SIGTERM)
+        _, err = wrapper.communicate(timeout=60)
+    finally:
+        if wrapper.poll() is None:  # make runs in a group of its own: stop it by that group
+            from tests.support.processes import process_table
+            for fields in process_table().values():
+                if int(fields[1]) == wrapper.pid and int(fields[2]) != os.getpgrp():
+                    os.killpg(int(fields[2]), signal.SIGKILL)
+            wrapper.kill()
+            wrapper.wait()
+    assert wrapper.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "noted" not in err and "stopping the servers first" not in err
+    assert json.loads(beat.read_text())["state"] == "interrupted"

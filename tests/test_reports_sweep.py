@@ -8,7 +8,7 @@ import pytest
 
 from vllm_lab import reports as report
 from vllm_lab import scenarios
-from vllm_lab.store import RunRecord, Store, run_identity
+from vllm_lab.store import RunRecord, Store, StoreError, run_identity
 
 T0 = 1_790_000_000.0
 FIGURES = {"output_throughput": 1000.0, "request_throughput": 4.0, "goodput": 3.0, "slo_attainment": 0.9,
@@ -112,7 +112,7 @@ def test_a_baseline_report_is_a_table_with_its_spread(store_path, tmp_path):
 
 
 def test_an_experiment_without_runs_is_refused(store_path, tmp_path):
-    with pytest.raises(ValueError, match="experiment not-yet has no runs yet"):
+    with pytest.raises(StoreError, match="experiment not-yet has no runs yet"):
         report.build(store_path, "not-yet", tmp_path)
 
 

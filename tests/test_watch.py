@@ -68,3 +68,51 @@ def test_probe_on_slower_flags_is_flagged_and_same_flags_are_not(tmp_path):
     flags = runs["summary"].map(lambda s: s.get("regression")).tolist()
     assert flags[3:] == [False, True]
     assert "output_throughput" in runs.iloc[-1]["summary"]["regressed_metrics"]
+
+
+def test_a_probe_past_the_failed_requests_threshold_is_failed_requests():
+    from vllm_lab.summary import RequestFailures
+
+    assert watch._probe_status(RequestFailures(100, 1, "HTTP 500", 1, ""), 0.05)[0] == "ok"
+    status, error = watch._probe_status(RequestFailures(100, 10, "HTTP 500", 10, ""), 0.05)
+    assert status == "failed-requests" and error.startswith("10 of 100 requests failed")
+    assert watch._probe_status(RequestFailures(40, 40, "HTTP 400", 40, ""), 0.05)[0] == "crashed"
+    assert watch._probe_status(RequestFailures(0, 0, "", 0, ""), 0.05)[0] == "crashed"
+
+
+def test_a_failing_probe_is_a_regression_whatever_its_figures():
+    verdict = watch.judge(_runs([1000.0, 1010.0, 990.0]), {"output_throughput": 1000.0},
+                          "10 of 100 requests failed (10%); most: HTTP 500 (10)")
+    assert verdict.regressed == ["failed_requests"]
+    assert verdict.lines[0].startswith("failed requests: 10 of 100") and "REGRESSION" in verdict.lines[0]
+
+
+@pytest.mark.integration
+def test_failed_requests_are_a_regression_and_a_failing_baseline_is_refused(tmp_path):
+    """The probe asks 64 + 32 tokens: a twin redeployed with a 64-token context refuses them all."""
+    from tests.support.processes import TwinProcess
+
+    store = tmp_path / "lab.db"
+    short = ["load.stop.duration_s=4"]
+    good = TwinProcess(tmp_path)
+    try:
+        assert not watch.run_schedule(store, url=good.url, baseline=True, repeats=2,
+                                      probe_overrides=short, workdir=tmp_path / "work", echo=print)
+    finally:
+        good.stop()
+    failing = TwinProcess(tmp_path, "--max-model-len", "64", port=good.port)
+    try:
+        lines: list[str] = []
+        assert watch.run_schedule(store, url=failing.url, probe_overrides=short,
+                                  workdir=tmp_path / "work", echo=lines.append)
+        assert "REGRESSION in failed_requests" in lines[0] and "HTTP 400" in lines[1], lines
+        with pytest.raises(watch.WatchError, match="baseline probe 1 of 2 is crashed .*HTTP 400.*"
+                                                    "the one before is kept"):
+            watch.run_schedule(store, url=failing.url, baseline=True, repeats=2,
+                               probe_overrides=short, workdir=tmp_path / "work", echo=print)
+    finally:
+        failing.stop()
+    runs = Store(store).runs()
+    roles = runs["point"].map(lambda p: p["role"]).tolist()
+    assert roles == ["baseline"] * 2 + ["probe"] * 2 + ["refused-baseline"]
+    assert list(runs["status"]) == ["ok", "ok", "ok", "crashed", "crashed"]

@@ -9,6 +9,7 @@ live figures; nobody listens by default.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -22,13 +23,15 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from vllm_lab import audit, serving
+from vllm_lab import audit, serving, shutdown
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
 from vllm_lab.summary import request_failures, summarize
+from vllm_lab.traffic.runner import TrafficError
 
 log = logging.getLogger(__name__)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the machine's fault, not the run's
 
 # How a failed start is recorded, by its cause.
 START_STATUS = {"oom": RunStatus.OOM, "refused-flag": RunStatus.FAILED_START,
@@ -145,6 +148,10 @@ class LiveBackend:
         self._starting: set[str | None] = set()
         self._workers: list | None = None  # the inventory's remote load generators, read once
         self.live_host = live_host  # LIVE=1: Locust's web UI on this address for each run
+        # Instances claimed (provisioning claims them all) and not yet given back by a stop of
+        # every host: given back at exit, whatever ended the command.
+        self.holding = False
+        shutdown.on_exit(self.close_all)
 
     # -- server lifecycle ----------------------------------------------------------------------
     def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
@@ -206,11 +213,24 @@ class LiveBackend:
         """Stop the host's server if this backend started one, and give its instances back."""
         self._stop(host, release=True)
 
+    def close_all(self) -> None:
+        """Stop every server this backend still runs and give the instances back (at exit: a
+        command that ended by an error, or by a signal, leaves no server behind)."""
+        for host in {*self._running, *self._starting}:
+            self.close(host)
+        if self.holding:
+            self.holding = False
+            serving.stop(self.inventory, experiment=self.experiment, release=True)
+
     def _stop(self, host: str | None, release: bool) -> None:
         started = self._running.pop(host, None) is not None
         if started or host in self._starting:
             self._starting.discard(host)
-            serving.stop(self.inventory, limit=host, experiment=self.experiment, release=release)
+            with shutdown.shielded():  # a signal now waits until the server is stopped
+                serving.stop(self.inventory, limit=host, experiment=self.experiment,
+                             release=release)
+            if release and host is None:
+                self.holding = False  # every host's instances are given back
 
     # -- one run -------------------------------------------------------------------------------
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
@@ -251,10 +271,28 @@ class LiveBackend:
         return m
 
     def measure_on(self, scenario: Scenario, instance: serving.Instance, workdir: Path) -> Measurement:
-        """Run the scenario's load on a running instance (sized, audited, re-run once if limited)."""
+        """Run the scenario's load on a running instance (sized, audited, re-run once if limited).
+
+        A load generator that fails (Locust killed or hung, a workload file it cannot read, a
+        load-generator host gone) measured nothing of the server: the run is ``crashed`` with
+        that cause, so the plan goes on and a resume measures it again. A full disk is not a
+        run's fault: it ends the command (OSError, exit 74).
+        """
+        started = time.time()
+        try:
+            return self._measure_load(scenario, instance, workdir, started)
+        except (TrafficError, OSError) as e:
+            if isinstance(e, OSError) and e.errno in DISK_FULL:
+                raise
+            log.warning("%s: the load generator failed: %s", instance.url, e)
+            cause = e if isinstance(e, TrafficError) else f"{type(e).__name__}: {e}"
+            return Measurement(status=RunStatus.CRASHED, started=started, ended=time.time(),
+                               host=instance.host, error=f"load generator failed: {cause}"[:4000])
+
+    def _measure_load(self, scenario: Scenario, instance: serving.Instance, workdir: Path,
+                      started: float) -> Measurement:
         workers = self._load_generators()
         procs = self.processes or self._plan(scenario, workers)
-        started = time.time()
         result, figures = self._run(scenario, instance, workdir, workers, procs)
         summary = RunSummary.of(figures)
         failures = request_failures(result.samples)
@@ -387,7 +425,25 @@ class PredictBackend:
             raise ScenarioError(f"load.shape.level={load.shape.level:g}: the predictor would simulate "
                                 f"{count:,} requests, more than its {cls.MAX_REQUESTS:,}; lower the "
                                 f"level (SET=load.shape.level=...) or the duration")
+        cls._check_inputs(scenario)
         return count
+
+    @staticmethod
+    def _check_inputs(scenario: Scenario) -> None:
+        """What the predictor needs beyond the load: a model shape it knows, and requests it can
+        draw (lengths, or a trace); ScenarioError, one sentence, otherwise."""
+        from vllm_lab.models import load_model_shape
+
+        w = scenario.workload
+        if w.source != "trace" and None in w.lengths():
+            raise ScenarioError(f"workload.source {w.source}: the predictor draws requests from "
+                                f"length distributions, which this workload has none of; give "
+                                f"workload.input and workload.output, or measure it live "
+                                f"(BACKEND=twin)")
+        try:
+            load_model_shape(str(scenario.serve["model"]))
+        except ValueError as e:
+            raise ScenarioError(f"serve.model: {e}; the predictor needs a model shape") from None
 
     @staticmethod
     def arrivals(scenario: Scenario):
@@ -410,13 +466,17 @@ class PredictBackend:
         from vllm_lab.twin.profile import load_profile, on_hardware
 
         started = time.time()
-        arrivals = self.arrivals(scenario)
         count = self.check(scenario)
+        arrivals = self.arrivals(scenario)
         if getattr(arrivals, "times", None) is not None:
             count = len(arrivals.times)
         requests = predicted_requests(scenario, count)
         try:
-            profile = on_hardware(load_profile(scenario.hardware.twin_profile), scenario.hardware)
+            profile = load_profile(scenario.hardware.twin_profile)
+        except ValueError as e:  # a profile file that is missing or wrong: the scenario's to fix
+            raise ScenarioError(f"hardware.twin_profile: {e}") from None
+        try:
+            profile = on_hardware(profile, scenario.hardware)
             prediction = predict(scenario.serve, profile,
                                  load_model_shape(str(scenario.serve["model"])), requests, arrivals,
                                  seed=scenario.run.seed)

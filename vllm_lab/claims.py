@@ -20,6 +20,7 @@ from typing import Any
 from vllm_lab import flags as flagcat
 from vllm_lab import lint as lint_mod
 from vllm_lab import stats
+from vllm_lab.inputs import shown
 from vllm_lab.plans import Point
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, deep_merge, read_yaml, scenario_path
@@ -530,17 +531,20 @@ def parse_selection(text: str | None) -> list[int]:
     """CLAIMS="1,3,5-8" as claim numbers (all nine when empty)."""
     if not text:
         return list(range(1, 10))
-    out: list[int] = []
+    out: set[int] = set()
     for part in (p.strip() for p in text.split(",") if p.strip()):
         lo, _, hi = part.partition("-")
         try:
-            out += list(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"CLAIMS: {part!r} is not a claim number or range (1-9), e.g. CLAIMS=1,3,5-8") from None
-    bad = [n for n in out if not 1 <= n <= 9]
-    if bad:
-        raise ValueError(f"CLAIMS: {bad[0]} is not a claim; the guide's claims are numbered 1-9")
-    return sorted(set(out))
+            raise ValueError(f"CLAIMS: {shown(part)} is not a claim number or range (1-9), "
+                             f"e.g. CLAIMS=1,3,5-8") from None
+        # Checked before the range is expanded: CLAIMS=1-100000000 is one sentence, not 4 GB.
+        bad = next((n for n in (first, last) if not 1 <= n <= 9), None)
+        if bad is not None:
+            raise ValueError(f"CLAIMS: {bad} is not a claim; the guide's claims are numbered 1-9")
+        out.update(range(first, last + 1))
+    return sorted(out)
 
 
 def points(base: Scenario, selected: Sequence[int], repeats: int = 1) -> list[Point]:

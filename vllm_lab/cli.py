@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vllm_lab import scenarios, serving
+from vllm_lab import outdir, scenarios, serving, shutdown
 from vllm_lab.commands import (
     autotune,
     baseline,
@@ -278,13 +278,52 @@ def _store_of(args: argparse.Namespace | None) -> Path:
     return store_path(args.out, args.store)
 
 
+# Exit statuses beside 0, 1 (lint errors, a watch regression), 2 (bad input), 75 (DEADLINE) and
+# 130 (Ctrl-C); sysexits.h's numbers, so a script tells the machine's faults from its own.
+EXIT_SOFTWARE = 70  # a bug of the lab
+EXIT_IO = 74        # the disk is full, a file cannot be written
+SENTENCE_CHARS = 1000
+
+
+def _say(message: str) -> None:
+    """One line on stderr: the message's line breaks joined, a long one cut in its middle (it
+    may echo a value; its end says what is allowed)."""
+    text = " ".join(message.splitlines())
+    if len(text) > SENTENCE_CHARS:
+        text = f"{text[:SENTENCE_CHARS * 2 // 3]} … {text[-SENTENCE_CHARS // 3:]}"
+    print(f"lab: {text}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one lab command; a bad input is one sentence on stderr and exit status 2, a long
-    command stopped for its DEADLINE exits deadline.EXIT_DEADLINE (75), Ctrl-C 130.
+    command stopped for its DEADLINE exits deadline.EXIT_DEADLINE (75), Ctrl-C 130, SIGTERM 143,
+    SIGHUP 129, a full disk EXIT_IO (74), a bug of the lab EXIT_SOFTWARE (70), each with one
+    sentence.
 
-    ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports.
+    ``lab make TARGET`` takes its inputs from the LAB_MAKE_* variables the Makefile exports, and
+    writes its status to the file LAB_EXIT_FILE names (scripts/lab-make's): make itself exits 2
+    for any failed recipe, so a watch's regression (1) or a DEADLINE (75) reaches cron or CI only
+    that way.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    code = _main(argv)
+    if argv[:1] == ["make"] and os.environ.get(EXIT_FILE):
+        _record_exit(Path(os.environ[EXIT_FILE]), code)
+    return code
+
+
+EXIT_FILE = "LAB_EXIT_FILE"
+
+
+def _record_exit(path: Path, code: int) -> None:
+    """Write ``code`` to the wrapper's file; a file that cannot be written loses only the code."""
+    try:
+        path.write_text(f"{code}\n")
+    except OSError as e:
+        _say(f"{path}: {e.strerror or e}: the exit status {code} was not recorded ({EXIT_FILE})")
+
+
+def _main(argv: list[str]) -> int:
     names: dict[str, str] = {}
     args = None
     try:
@@ -297,18 +336,29 @@ def main(argv: list[str] | None = None) -> int:
         problem = _ansible_verbosity_problem(args)
         if problem:
             raise UsageError(problem)
-        return args.func(args)
+        with shutdown.handling():  # SIGTERM and SIGHUP stop it as Ctrl-C does
+            return args.func(args)
     except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError,
-            serving.InventoryError, serving.InstanceBusy) as e:
-        print(f"lab: {_for_make(str(e), names)}", file=sys.stderr)
+            serving.InventoryError, serving.InstanceBusy, outdir.OutsideOut) as e:
+        _say(_for_make(str(e), names))
         return 2
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as e:
         # Whatever query met it: a damaged, foreign or locked store, named, with what to do.
-        print(f"lab: {_for_make(describe_sqlite_error(_store_of(args), e), names)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("lab: interrupted; finished runs are in the store", file=sys.stderr)
-        return 130
+        _say(_for_make(describe_sqlite_error(_store_of(args), e), names))
+        return EXIT_IO if "full" in str(e) else 2
+    except KeyboardInterrupt as stop:
+        why = f"stopped by {stop.name}" if isinstance(stop, shutdown.Terminated) else "interrupted"
+        _say(f"{why}; finished runs are in the store")
+        return shutdown.exit_code(stop)
+    except OSError as e:  # the machine's, not the input's: a full disk, a folder taken away
+        _say(f"{e.filename or 'the lab'}: {e.strerror or e}; finished runs are in the store")
+        return EXIT_IO
+    except Exception as e:  # a bug of the lab: still one sentence, the traceback when asked for
+        if os.environ.get("LAB_TRACEBACK"):
+            raise
+        _say(f"internal error ({type(e).__name__}: {str(e)[:200]}); finished runs are in the "
+             f"store; LAB_TRACEBACK=1 shows where it happened (please report it)")
+        return EXIT_SOFTWARE
 
 
 if __name__ == "__main__":

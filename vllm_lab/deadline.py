@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Self
 
+from vllm_lab import shutdown
 from vllm_lab.backends import Backend, Measurement
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import LEFT_OUT, RunStatus, Store
@@ -208,7 +209,7 @@ class Watchdog:
             # ignored, and then the watchdog's signal would do nothing: take it as Ctrl-C again.
             if (threading.current_thread() is threading.main_thread()
                     and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
-                self._ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+                self._ignored = signal.signal(signal.SIGINT, shutdown.on_signal)
             self._timer.daemon = True
             self._timer.start()
         return self

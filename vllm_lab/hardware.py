@@ -20,7 +20,7 @@ DTYPES = ("bf16", "fp16", "fp32", "fp8")
 class Hardware(BaseModel):
     """One GPU model and how many of them a host has; the twin computes step times from these."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(description="Human name, printed on every report figure.")
     gpu: str | None = Field(None, description="Short key, e.g. h200 (a preset's; a profile has none).")

@@ -8,10 +8,12 @@ warnings are printed and the run goes on. The target vLLM version is a setting (
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_lab.flags import FLAGS, Flag, changes_for, real_vllm_flag_names
+from vllm_lab.inputs import shown
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
 from vllm_lab.scenarios import Scenario, origin
 
@@ -84,7 +86,7 @@ def _check_name_and_value(key, value, names, changes, version, where) -> list[Fi
 
 
 def _value_problem(flag: Flag, value: Any) -> str | None:
-    """Why ``value`` is not allowed for ``flag``, or None."""
+    """Why ``value`` is not allowed for ``flag``, or None (a secret's value is never shown)."""
     if flag.kind == "bool":
         ok = isinstance(value, bool)
     elif flag.kind == "int":
@@ -93,14 +95,16 @@ def _value_problem(flag: Flag, value: Any) -> str | None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     else:
         ok = isinstance(value, str)
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        ok = False  # .inf or .nan compare as in range, and no server takes them
     if not ok:
-        return f"{value!r} is not allowed: must be {flag.describe_range()}"
+        return f"{shown(value, flag.name)} is not allowed: must be {flag.describe_range()}"
     if flag.choices is not None and value not in flag.choices:
-        return f"{value!r} is not allowed: must be {flag.describe_range()}"
+        return f"{shown(value, flag.name)} is not allowed: must be {flag.describe_range()}"
     if flag.min is not None and (value <= flag.min if flag.min_exclusive else value < flag.min):
-        return f"{value!r} is out of range: must be {flag.describe_range()}"
+        return f"{shown(value, flag.name)} is out of range: must be {flag.describe_range()}"
     if flag.max is not None and value > flag.max:
-        return f"{value!r} is out of range: must be {flag.describe_range()}"
+        return f"{shown(value, flag.name)} is out of range: must be {flag.describe_range()}"
     return None
 
 

@@ -13,6 +13,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_lab.inputs import load_json, read_text
+
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1,
                "fp8_e4m3": 1, "fp8_e5m2": 1}
 
@@ -98,7 +100,12 @@ def load_model_shape(model: str) -> ModelShape:
     """Return the shape of ``model``: a folder with config.json, or a known name or alias."""
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
-        return ModelShape.from_config(path.name, json.loads((path / "config.json").read_text()))
+        config = load_json(read_text(path / "config.json", what="model config"), str(path))
+        try:
+            return ModelShape.from_config(path.name, config)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"model {model!r}: its config.json has no usable model shape "
+                             f"({type(e).__name__}: {str(e)[:80]})") from None
     key = model.lower()
     key = _ALIASES.get(key, _ALIASES.get(path.name.lower(), key))
     if key in KNOWN_SHAPES:

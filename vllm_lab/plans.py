@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import shutil
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +24,9 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from vllm_lab import flags as flagcat
+from vllm_lab import outdir
 from vllm_lab.backends import Backend, Measurement
+from vllm_lab.inputs import shown
 from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
@@ -69,8 +71,8 @@ def apply_value(scenario: Scenario, param: str, value: Any) -> Scenario:
     except ValidationError as e:  # pydantic's many lines, said in one sentence
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ScenarioError(f"PARAM={param} with value {value!r}: not a valid scenario value "
-                            f"({where}: {first['msg']})") from None
+        raise ScenarioError(f"PARAM={param} with value {shown(value, param)}: not a valid "
+                            f"scenario value ({where}: {first['msg']})") from None
 
 
 def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
@@ -78,6 +80,11 @@ def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
     key (load.shape.level); else ScenarioError. Without this the predictor, which ignores flags
     it does not model, would "measure" an unknown flag as identical figures."""
     name = param.removeprefix("serve.")
+    if any(flagcat.is_secret(part) for part in param.split(".")):
+        # Its values would be on the command line, in the plan's meta and in every label.
+        raise ScenarioError(f"{variable}={param}: a secret is not swept; give it once in the "
+                            f"scenario file, VLLM_API_KEY in the environment, or vllm_api_key "
+                            f"in the inventory's ansible-vault")
     if not is_serve_flag(name):
         if param.split(".")[0] not in Scenario.model_fields:
             raise ScenarioError(f"{variable}={param}: not a vLLM flag nor a scenario key; write a "
@@ -111,7 +118,8 @@ def parse_values(param: str, text: str) -> list[Any]:
                 out.append(raw)
         except ValueError:
             allowed = flag.describe_range() if flag else "a number"
-            raise ScenarioError(f"VALUES: {raw!r} is not a value of {param} ({allowed})") from None
+            raise ScenarioError(f"VALUES: {shown(raw, param)} is not a value of {param} "
+                                f"({allowed})") from None
     if not out:
         raise ScenarioError("VALUES is empty; give comma-separated values, e.g. VALUES=8,16,32")
     return out
@@ -173,13 +181,27 @@ def _length_ladder(scenario: Scenario) -> list[int]:
     return [v for v in (2048, 4096, 8192, 16384, 32768, 131072) if v <= longest]
 
 
+# Runs one plan may hold: far past any real experiment (a week of 60 s runs), so REPEATS=10**9 or
+# a GRID of three 1000-value ladders is one sentence before a list of a billion points is built.
+MAX_RUNS = 10_000
+
+
+def check_size(runs: int, what: str) -> None:
+    """ScenarioError when a plan of ``runs`` runs (``what`` says how it was asked for) is too big."""
+    if runs > MAX_RUNS:
+        raise ScenarioError(f"{what}: {runs:,} runs, more than a plan may hold ({MAX_RUNS:,}); "
+                            f"ask for fewer values or repeats")
+
+
 def baseline_points(scenario: Scenario, repeats: int = 3) -> list[Point]:
     """vLLM's defaults on the scenario's traffic, repeated."""
+    check_size(repeats, f"REPEATS={repeats}")
     return [Point(scenario, {}, r) for r in range(repeats)]
 
 
 def sweep_points(scenario: Scenario, param: str, values: Sequence[Any], repeats: int = 1) -> list[Point]:
     """One flag (or load parameter) over ``values``, each repeated; serve values grouped together."""
+    check_size(len(values) * repeats, f"{len(values)} values of {param}, {repeats} repeat(s) each")
     return [Point(apply_value(scenario, param, v), {param: v}, r)
             for v in values for r in range(repeats)]
 
@@ -195,6 +217,9 @@ def sweep_plan(scenario: Scenario, param: str, values_text: str | None,
 
 def grid_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: int = 1) -> list[Point]:
     """Every combination of several parameters' values."""
+    check_size(math.prod(len(v) for v in grid.values()) * repeats,
+               f"a grid of {' x '.join(str(len(v)) for v in grid.values())} values, "
+               f"{repeats} repeat(s) each")
     points = [Point(scenario, {}, 0)]
     for param, values in grid.items():
         points = [Point(apply_value(p.scenario, param, v), {**p.values, param: v}, 0)
@@ -262,6 +287,8 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     Serve groups are dealt to ``hosts`` round-robin and each host works through its share in its
     own thread; every run is committed as it ends, so Ctrl-C loses only the runs in flight.
     """
+    outdir.inside(workdir.parent, workdir)  # OUT/.work: refused when it is a link out of OUT
+    check_inputs(plan.points)
     todo = _todo(plan, store_path)
     groups = group_by_server(todo)
     shares = deal(groups, hosts)
@@ -278,6 +305,26 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
         _in_threads(taking, {h: shares[h] for h in busy})
     _remove_work(taking.recorded, workdir / plan.experiment_id)
     return taking.counts
+
+
+_CHECKED: set[str] = set()  # workloads this process has built once: a search's trials reuse one
+
+
+def check_inputs(points: Sequence[Point]) -> None:
+    """Every distinct workload of the points built once (its file's records, its tokenizer, its
+    trace) before anything is recorded or started: a file the load cannot be made of is one
+    sentence (ScenarioError), not a plan of runs whose load generators all fail alike."""
+    from vllm_lab.traffic.workloads import check_workload  # Locust stays out of plain imports
+
+    for point in points:
+        key = point.scenario.workload.model_dump_json() + point.scenario.load.model_dump_json()
+        if key in _CHECKED:
+            continue
+        try:
+            check_workload(point.scenario.workload, point.scenario.load)
+        except ValueError as e:  # WorkloadError, TraceError, InputError: one sentence each
+            raise ScenarioError(str(e)) from None
+        _CHECKED.add(key)
 
 
 def _todo(plan: Plan, store_path: Path) -> list[Point]:
@@ -331,7 +378,9 @@ class Taking:
         if self.progress:
             self.progress.point_started(point.values, point.repeat, host)
         refusal = self.refusals[_server(point)]
-        folder = self.workdir / self.plan.experiment_id / point.key
+        # An interrupted attempt's folder is reused: nothing in it may be a link out of OUT.
+        folder = outdir.no_links_within(self.workdir,
+                                        self.workdir / self.plan.experiment_id / point.key)
         m = (Measurement(status=RunStatus.FAILED_START, started=time.time(), ended=time.time(),
                          host=host or "", error=f"refused before launch: {refusal.message}")
              if refusal else self.backend.measure(point.scenario, host, folder))
@@ -376,7 +425,7 @@ WORK_KEEP_S = 7 * 24 * 3600
 def _remove_work(recorded: Sequence[Path], experiment_work: Path) -> None:
     """Remove the work folders of runs now in the store, and the experiment's folder when empty."""
     for folder in recorded:
-        shutil.rmtree(folder, ignore_errors=True)
+        outdir.remove_tree(experiment_work, folder)
     try:
         experiment_work.rmdir()
     except OSError:
@@ -384,14 +433,16 @@ def _remove_work(recorded: Sequence[Path], experiment_work: Path) -> None:
 
 
 def prune_work(workdir: Path, keep_s: float = WORK_KEEP_S) -> None:
-    """Remove experiment work folders under ``workdir`` untouched for ``keep_s`` seconds."""
+    """Remove experiment work folders under ``workdir`` (OUT/.work) untouched for ``keep_s``
+    seconds; OutsideOut when ``workdir`` is a link out of OUT, and a link in it is left alone."""
+    outdir.inside(workdir.parent, workdir)
     if not workdir.is_dir():
         return
     cutoff = time.time() - keep_s
     for folder in workdir.iterdir():
         try:
-            if folder.is_dir() and folder.stat().st_mtime < cutoff:
-                shutil.rmtree(folder, ignore_errors=True)
+            if not folder.is_symlink() and folder.is_dir() and folder.stat().st_mtime < cutoff:
+                outdir.remove_tree(workdir, folder)
         except OSError:
             continue
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from vllm_lab import outdir
 from vllm_lab.analysis.points import best_point, point_table
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import RunStatus
@@ -111,7 +112,8 @@ class Progress:
                  plain: bool | None = None, noun: str = "point"):
         self.step, self.experiment, self.backend, self.noun = step, experiment, backend, noun
         self.stream = stream
-        self.work = Path(out) / ".work" if out is not None else None
+        self.out = Path(out) if out is not None else None
+        self.work = Path(out) / outdir.WORK if out is not None else None
         self.plain = (not fancy(stream)) if plain is None and stream is not None else bool(plain)
         self.window_s = window_s
         self.started = time.time()
@@ -327,7 +329,8 @@ class Progress:
         if self.run_times:
             mine["run_s"] = self._run_s()
         known[self.backend] = mine
-        _write_atomic(path, known)
+        with contextlib.suppress(OSError, outdir.OutsideOut):  # a pace not kept costs an estimate
+            _write_atomic(self.out, path, known)
 
     # -- output ------------------------------------------------------------------------------
     def _name(self, f: _InFlight) -> str:
@@ -419,15 +422,19 @@ class Progress:
                            "figures": f.figures} for f in self.flight.values()],
             "last": self.results[-1][0] + ": " + self.results[-1][1] if self.results else "",
         }
-        with contextlib.suppress(OSError):
-            _write_atomic(self.work / STATUS_FILE, body)
+        with contextlib.suppress(OSError, outdir.OutsideOut):  # a full disk must not end the run
+            _write_atomic(self.out, self.work / STATUS_FILE, body)
 
 
-def _write_atomic(path: Path, body: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(json.dumps(body, default=str))
-    tmp.replace(path)  # a reader never sees half a file
+def _write_atomic(out: Path, path: Path, body: dict) -> None:
+    """Write ``path`` (inside OUT, checked) whole or not at all."""
+    outdir.make_folder(out, path.parent)
+    tmp = outdir.inside(out, path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}"))
+    try:
+        tmp.write_text(json.dumps(body, default=str))
+        tmp.replace(outdir.inside(out, path))  # a reader never sees half a file
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from vllm_lab import hardware
 from vllm_lab.flags import DEFAULT_VLLM_VERSION, is_secret
+from vllm_lab.inputs import InputError, load_yaml, read_text, shown
 from vllm_lab.traffic.spec import Load, Workload
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
@@ -32,7 +33,7 @@ class ScenarioError(Exception):
 class Strict(BaseModel):
     """Base of every configuration model: a misspelled key is an error, never a silent default."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Hardware(hardware.Hardware):
@@ -112,15 +113,12 @@ class Scenario(Strict):
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Read one YAML mapping, or raise ScenarioError naming the file and line."""
+    """Read one YAML mapping, or raise ScenarioError naming the file and line: a regular UTF-8 file
+    of a bounded size, whose aliases cannot expand it past ``inputs.MAX_VALUES`` values."""
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ScenarioError(f"{_display(path)}: no such scenario file") from None
-    except OSError as e:
-        raise ScenarioError(f"{_display(path)}: cannot be read ({e.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
+        data = load_yaml(read_text(path, what="scenario file"), _display(path))
+    except InputError as e:
+        raise ScenarioError(str(e).replace(str(path), _display(path), 1)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -145,17 +143,29 @@ def deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
+def _holds_secret(value: Any) -> bool:
+    """Whether a value (a mapping given whole, ``serve={"api-key": ...}``) holds a secret key."""
+    if isinstance(value, dict):
+        return any(is_secret(k) or _holds_secret(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_secret(v) for v in value)
+    return False
+
+
 def parse_override(text: str) -> dict[str, Any]:
     """'serve.max-num-seqs=128' -> {'serve': {'max-num-seqs': 128}} (the value read as YAML)."""
     path, sep, raw = text.partition("=")
     if not sep or not path.strip():
-        raise ScenarioError(f"override {text!r}: write section.key=value, e.g. serve.max-num-seqs=128")
+        raise ScenarioError(f"override {shown(text)}: write section.key=value, e.g. "
+                            f"serve.max-num-seqs=128")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw, f"override {path.strip()}") if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    except InputError as e:
+        raise ScenarioError(str(e)) from None
     keys = path.strip().split(".")
-    if is_secret(keys[-1]):
+    if is_secret(keys[-1]) or _holds_secret(value):
         # A command line shows in ps and the shell's history.
         raise ScenarioError(f"override {path.strip()}: a secret is not taken on the command line; put "
                             f"it in the scenario file, VLLM_API_KEY in the environment, or "
@@ -240,7 +250,7 @@ def _explain(err: ValidationError, layers: list[tuple[str, dict]]) -> str:
         return f"{source}: unknown key {key}{hint}; allowed here: {', '.join(allowed)}"
     if first["type"] == "missing":
         return f"{source}: key {key} is required"
-    return f"{source}: key {key}: {first['msg']} (got {first.get('input')!r})"
+    return f"{source}: key {key}: {first['msg']} (got {shown(first.get('input'), key)})"
 
 
 def load_layers(scenario: str | Path = "default", hardware: str | Path | None = None,
@@ -252,7 +262,7 @@ def load_layers(scenario: str | Path = "default", hardware: str | Path | None = 
     preset = sdata.pop("hardware_preset", None)
     if preset is not None and not isinstance(preset, str):
         raise ScenarioError(f"{_display(spath)}: key hardware_preset must be a preset name, "
-                            f"e.g. h200 (got {preset!r})")
+                            f"e.g. h200 (got {shown(preset)})")
     hw_name = hardware or preset or DEFAULT_HARDWARE
     hpath = hardware_path(hw_name, folder)
     layers = [(_display(hpath), read_yaml(hpath)), (_display(spath), sdata)]

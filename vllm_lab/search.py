@@ -71,7 +71,7 @@ def combo_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: in
 class ParamRange(BaseModel):
     """One searched parameter: a numeric range (low..high, optionally log or stepped) or choices."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     low: float | None = None
     high: float | None = None
@@ -97,7 +97,7 @@ class SearchSpace(BaseModel):
     the values of flags the predictor cannot rank, to try live on the best configuration
     (``measure:``, e.g. ``{api-server-count: [4]}``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     space: dict[str, ParamRange]
     measure: dict[str, list[Any]] = Field(default_factory=dict)

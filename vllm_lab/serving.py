@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from vllm_lab.inputs import InputError, load_yaml, read_bytes, read_text
 
 log = logging.getLogger(__name__)
 
@@ -232,15 +235,42 @@ def run_playbook(playbook: str, *, inventory: Path, extra_vars: dict | None = No
                    # An inventory Ansible cannot parse fails the play instead of running on no host.
                    ANSIBLE_INVENTORY_UNPARSED_FAILED="1")
         log.debug("running %s", " ".join(cmd))
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
-    out = scrub(proc.stdout, secrets)
+        returncode, stdout = _run_group(cmd, env, timeout)
+    out = scrub(stdout, secrets)
     unreachable = _unreachable_reasons(out)
     recap = parse_recap(out)
     for host, counts in recap.items():
         if counts.get("unreachable") and host not in unreachable:
             unreachable[host] = "unreachable"
-    return PlaybookRun(proc.returncode, out, recap, unreachable)
+    return PlaybookRun(returncode, out, recap, unreachable)
+
+
+def _run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int, str]:
+    """Run ``cmd`` in a process group of its own (a terminal's Ctrl-C reaches the lab alone, which
+    decides, so a stop playbook is never cut short by it); its return code and output. When the
+    lab is interrupted meanwhile, or ``timeout`` passes, its whole process group is stopped."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except BaseException:  # KeyboardInterrupt (a stop signal) or the timeout
+        _kill_group(proc)
+        raise
+    return proc.returncode, stdout
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group we started, SIGKILL after 10 s."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.communicate(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _unreachable_reasons(stdout: str) -> dict[str, str]:
@@ -439,9 +469,16 @@ def check_inventory(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_serv
     path = Path(inventory)
     if not path.exists():
         raise InventoryError(f"{path}: no such inventory file (INVENTORY=path/to/inventory.yml)")
-    if path.is_file() and path.suffix in (".yml", ".yaml"):
+    if not path.is_dir() and path.suffix not in (".yml", ".yaml"):
+        try:  # an INI inventory, Ansible's to read: only a regular file of a sane size
+            read_bytes(path, what="inventory file")
+        except InputError as e:
+            raise InventoryError(str(e)) from None
+    if not path.is_dir() and path.suffix in (".yml", ".yaml"):
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(read_text(path, what="inventory file"), str(path))
+        except InputError as e:
+            raise InventoryError(str(e)) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""

@@ -40,6 +40,7 @@ from typing import Any, Self
 
 import pandas as pd
 
+from vllm_lab import outdir
 from vllm_lab.flags import redact
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.summary import COLUMNS, as_float
@@ -219,10 +220,21 @@ class Store:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreError(f"{folder}: cannot create the reports folder ({e.strerror})") from None
+        # SQLite writes the database and its -wal, -shm and -journal files: a link there would
+        # put the lab's writes outside OUT (the samples are checked when one is written).
+        for name in ("", "-wal", "-shm", "-journal"):
+            self._inside(self.path.with_name(self.path.name + name))
         probe = self.path if self.path.exists() else folder
         if not os.access(probe, os.W_OK):
             raise StoreError(f"{probe}: not writable; the store needs write access "
                              f"(choose another reports folder with OUT=)")
+
+    def _inside(self, path: Path) -> Path:
+        """``path`` inside the store's folder with no link on the way, else StoreError."""
+        try:
+            return outdir.inside(self.path.parent, path)
+        except outdir.OutsideOut as e:
+            raise StoreError(str(e)) from None
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -330,7 +342,9 @@ class Store:
     # -- writing ---------------------------------------------------------------------------
     def create_experiment(self, experiment_id: str, step: str, scenario_name: str,
                           meta: dict[str, Any] | None = None) -> str:
-        """Record an experiment (idempotent: an existing one with this id is kept, for resume)."""
+        """Record an experiment (idempotent: an existing one with this id is kept, for resume);
+        StoreError when the id is another step's experiment (a sweep's runs never go into a
+        baseline's)."""
         if step not in STEPS:
             raise StoreError(f"step {step!r} is not one of {', '.join(STEPS)}")
         check_experiment_name(experiment_id)
@@ -338,6 +352,11 @@ class Store:
             conn.execute("INSERT OR IGNORE INTO experiments VALUES (?, ?, ?, ?, ?)",
                          (experiment_id, step, scenario_name, time.time(),
                           json.dumps(redact(meta or {}), default=str)))
+            kept = conn.execute("SELECT step FROM experiments WHERE id=?", (experiment_id,)).fetchone()
+        if kept[0] != step:
+            raise StoreError(f"EXPERIMENT={experiment_id} is a {kept[0]} experiment; a {step} does "
+                             f"not add its runs to it: leave EXPERIMENT out for a new experiment, "
+                             f"or name another")
         return experiment_id
 
     def update_meta(self, experiment_id: str, **fields: Any) -> None:
@@ -358,11 +377,17 @@ class Store:
         samples_file = ""
         if samples is not None and len(samples):
             samples_file = f"{run.experiment_id}/{run.run_key}.parquet"
-            target = experiment_dir(self.samples_dir, run.experiment_id) / f"{run.run_key}.parquet"
+            target = self._inside(experiment_dir(self.samples_dir, run.experiment_id)
+                                  / f"{run.run_key}.parquet")
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".tmp{os.getpid()}")
-            samples.to_parquet(tmp, index=False)
-            os.replace(tmp, target)
+            try:
+                samples.to_parquet(tmp, index=False)
+                os.replace(tmp, target)
+            except OSError as e:  # a full disk: no half file left, no row written
+                tmp.unlink(missing_ok=True)
+                raise OSError(e.errno, f"{e.strerror or e} while writing run {run.run_key}'s "
+                                       f"samples; that run is not recorded", str(target)) from None
         figures = run.summary.record()
         summary = {k: v for k, v in figures.items() if k not in SUMMARY_COLUMNS}
         columns = ["experiment_id", "run_key", "step", "scenario_name", "scenario_json", "point_json",

@@ -6,6 +6,11 @@ time). A later probe is a regression when a metric is worse than the baseline's 
 prediction interval: mean ± t(0.99, n-1) · sd · sqrt(1 + 1/n), so the run-to-run spread the
 baseline showed sets the bar, not a fixed percentage. The sd is floored at a small share of the
 mean (``SD_FLOOR``) because three identical repeats would otherwise flag any difference at all.
+
+Failed requests are judged as a measured run's are (``load.failed_requests_threshold``, timeouts
+aside): a probe past it is ``failed-requests`` and a regression whatever its latencies, and a
+baseline with such a probe is refused (a deployment that fails is no reference), the one before
+it kept.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from typing import Any
 
 from scipy import stats
 
-from vllm_lab import scenarios
+from vllm_lab import outdir, scenarios
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
 
 # metric -> +1 when higher is better, -1 when lower is better.
 METRICS = {"output_throughput": +1, "ttft_p50": -1, "tpot_p50": -1, "e2e_p50": -1}
 CONFIDENCE = 0.99
+NEW_BASELINE = "new-baseline"  # a baseline's probes until all of them passed
 SD_FLOOR = 0.01  # share of the mean: the probe's own measurement resolution
 # The probe: short fixed-length requests from a few users, so it costs the deployment little.
 PROBE = ["workload.source=synthetic", 'workload.input={"dist": "fixed", "mean": 64}',
@@ -73,9 +79,9 @@ def probe_scenario(model: str, hardware: str | None = None, overrides: list[str]
 
 
 def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | None = None,
-          overrides: list[str] | None = None, api_key: str | None = None) -> RunSummary:
-    """Run one probe against ``url``, store it (step watch, point {"role": role}); its summary."""
-    from vllm_lab.summary import summarize
+          overrides: list[str] | None = None, api_key: str | None = None) -> RunRecord:
+    """Run one probe against ``url``, store it (step watch, point {"role": role}); its record."""
+    from vllm_lab.summary import request_failures, summarize
     from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
 
     model = served_model(url, api_key)
@@ -83,28 +89,43 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
     exp = experiment_id(url)
     with Store(store_path) as store:
         store.create_experiment(exp, "watch", scenario.name, {"url": url, "probe": PROBE})
-        index = len(store.finished_keys(exp))
+        index = len(store.runs(exp))  # every probe its own run, a crashed one too
         started = time.time()
-        result = run_load(url, model, scenario.workload, scenario.load, workdir / exp / str(index),
+        folder = outdir.no_links_within(workdir.parent, workdir / exp / str(index))  # OUT/.work/...
+        result = run_load(url, model, scenario.workload, scenario.load, folder,
                           seed=index, api_key=api_key)
         ended = time.time()
         summary = RunSummary.of(summarize(result.samples, scenario.slo,
                                           server_metrics=result.server_metrics, load=scenario.load))
-        ok = len(result.samples) and (summary.errors or 0) < len(result.samples)
+        failures = request_failures(result.samples)
+        summary.update(failures.as_summary())
+        status, error = _probe_status(failures, scenario.load.failed_requests_threshold)
         record = RunRecord(
             experiment_id=exp, run_key=run_identity({**scenario.to_record(), "url": url}, index),
             step="watch", scenario_name=scenario.name, scenario=scenario.to_record(),
-            status=RunStatus.OK if ok else RunStatus.CRASHED, started=started, ended=ended,
+            status=status, started=started, ended=ended,
             point={"role": role}, repeat=index, host=url, gpu_model=scenario.hardware.name,
             vllm_version=scenario.vllm_version, backend="live", summary=summary,
-            error="" if ok else "no request of the probe succeeded")
+            error=error)
         if role == "probe":
-            verdict = judge(store.runs(exp), summary)
+            verdict = judge(store.runs(exp), summary, error)
             summary.regression = bool(verdict.regressed)
             summary.regressed_metrics = verdict.regressed
             record.summary = summary
         store.record_run(record, result.samples, result.server_metrics)
-        return summary
+        return record
+
+
+def _probe_status(failures, threshold: float) -> tuple[RunStatus, str]:
+    """How a probe ended: ``crashed`` when nothing was served, ``failed-requests`` past the
+    threshold (a measured run's rule), else ``ok``."""
+    if failures.requests == 0 or failures.failed == failures.requests:
+        return RunStatus.CRASHED, "no request of the probe succeeded" + (
+            f": {failures.message()}" if failures.requests else "")
+    if failures.rate > threshold:
+        return RunStatus.FAILED_REQUESTS, (f"{failures.message()} (threshold {threshold:.0%}: "
+                                           f"load.failed_requests_threshold)")
+    return RunStatus.OK, ""
 
 
 def bound(values: list[float], direction: int) -> float:
@@ -117,14 +138,18 @@ def bound(values: list[float], direction: int) -> float:
     return mean - direction * t * sd * math.sqrt(1 + 1 / n)
 
 
-def judge(runs, summary: Mapping[str, Any]) -> Verdict:
-    """Compare a probe's summary with the baseline probes of ``runs`` (a watch experiment's rows)."""
+def judge(runs, summary: Mapping[str, Any], failed: str = "") -> Verdict:
+    """Compare a probe's summary with the baseline probes of ``runs`` (a watch experiment's rows);
+    ``failed``, why the probe's requests failed: a regression whatever its figures say."""
     summary = RunSummary.of(summary)
     base = runs[(runs["point"].map(lambda p: p.get("role")) == "baseline") & (runs["status"] == "ok")]
     if len(base) < 2:
         raise WatchError("the deployment has fewer than 2 baseline probes; record one with "
                          "make watch BASELINE=1")
     regressed, lines = [], []
+    if failed:
+        regressed.append("failed_requests")
+        lines.append(f"failed requests: {failed} REGRESSION")
     for metric, direction in METRICS.items():
         values = [float(v) for v in base[metric].dropna()]
         value = summary.figure(metric)
@@ -168,18 +193,13 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
     exp = experiment_id(url)
     with Store(store_path) as store:
         runs = store.runs(exp)
-    have = int((runs["point"].map(lambda p: p.get("role")) == "baseline").sum()) if len(runs) else 0
+    have = int(((runs["point"].map(lambda p: p.get("role")) == "baseline")
+                & (runs["status"] == "ok")).sum()) if len(runs) else 0
     if new_baseline or have < 2:
-        if new_baseline and len(runs):
-            _retire_baseline(store_path, exp)
-        echo(f"{url}: recording a baseline of {repeats} probes")
-        for i in range(repeats):
-            s = probe(url, store_path, "baseline", workdir, hardware, overrides)
-            echo(f"  baseline {i + 1}/{repeats}: {s.output_throughput or 0:.0f} tok/s, "
-                 f"TTFT p50 {(s.ttft_p50 or 0) * 1000:.0f} ms")
-    s = probe(url, store_path, "probe", workdir, hardware, overrides)
+        _record_baseline(url, store_path, exp, repeats, overrides, hardware, workdir, echo)
+    record = probe(url, store_path, "probe", workdir, hardware, overrides)
     with Store(store_path) as store:
-        verdict = judge(store.runs(exp), s)
+        verdict = judge(store.runs(exp), record.summary, record.error)
     echo(f"{url}: probe {'REGRESSION in ' + ', '.join(verdict.regressed) if verdict.regressed else 'ok'}"
          f" (against {verdict.baseline_runs} baseline probes)")
     for line in verdict.lines:
@@ -187,7 +207,22 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
     return bool(verdict.regressed)
 
 
-def _retire_baseline(store_path: Path, exp: str) -> None:
-    """A new baseline replaces the old one: old baseline rows become role 'old-baseline'."""
+def _record_baseline(url, store_path, exp, repeats, overrides, hardware, workdir, echo) -> None:
+    """``repeats`` probes as the new baseline; the old one is retired (role ``old-baseline``) only
+    once every new probe passed, and a failing one ends the watch with a WatchError: its probes
+    become ``refused-baseline`` and the old baseline stays."""
+    echo(f"{url}: recording a baseline of {repeats} probes")
+    for i in range(repeats):
+        record = probe(url, store_path, NEW_BASELINE, workdir, hardware, overrides)
+        if record.status != RunStatus.OK:
+            with Store(store_path) as store:
+                store.relabel_points(exp, {"role": NEW_BASELINE}, {"role": "refused-baseline"})
+            raise WatchError(f"{url}: baseline probe {i + 1} of {repeats} is {record.status} "
+                             f"({record.error.splitlines()[0]}); a baseline is not taken while the "
+                             f"deployment fails, the one before is kept")
+        s = record.summary
+        echo(f"  baseline {i + 1}/{repeats}: {s.output_throughput or 0:.0f} tok/s, "
+             f"TTFT p50 {(s.ttft_p50 or 0) * 1000:.0f} ms")
     with Store(store_path) as store:
         store.relabel_points(exp, {"role": "baseline"}, {"role": "old-baseline"})
+        store.relabel_points(exp, {"role": NEW_BASELINE}, {"role": "baseline"})

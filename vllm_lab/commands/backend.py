@@ -20,15 +20,20 @@ def make_backend(settings: Settings, experiment: str = "", hooks: RunHooks = QUI
     serving.check_inventory(settings.inventory)  # a bad inventory is refused before anything runs
     # Idempotent: on a provisioned host this changes nothing and takes a few seconds. It claims
     # the instances first: another lab process's are refused (InstanceBusy) before any change.
+    backend = LiveBackend(settings.backend, settings.inventory,
+                          api_key=os.environ.get("VLLM_API_KEY") or None,
+                          processes=settings.loadgen_processes, experiment=experiment,
+                          live_host=settings.live_host, hooks=hooks)
     print(f"provisioning {settings.inventory} (playbooks/provision.yml)", flush=True)
     try:
         serving.provision(settings.inventory, experiment=experiment)
     except RuntimeError as e:
         raise StoreError(f"{settings.inventory}: hosts could not be provisioned: {e}") from None
-    return LiveBackend(settings.backend, settings.inventory,
-                       api_key=os.environ.get("VLLM_API_KEY") or None,
-                       processes=settings.loadgen_processes, experiment=experiment,
-                       live_host=settings.live_host, hooks=hooks)
+    except KeyboardInterrupt:
+        backend.holding = True  # it may have claimed instances before the stop: given back at exit
+        raise
+    backend.holding = True
+    return backend
 
 
 def guarded_backend(settings: Settings, exp_id: str, hooks: RunHooks = QUIET) -> Backend:

@@ -9,13 +9,12 @@ Resume is the store's: a point already recorded is not taken again (``store.fini
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_lab import lint as lint_mod
-from vllm_lab import plans
+from vllm_lab import outdir, plans
 from vllm_lab.backends import Backend, PredictBackend
 from vllm_lab.commands import stopping
 from vllm_lab.commands.naming import experiment_id
@@ -72,6 +71,7 @@ class Experiment:
         Ctrl-C) raises ``stopping.Stopped`` after saying how many runs are left."""
         from vllm_lab import reports
         s = self.settings
+        plans.check_inputs(self.points)  # a workload file that cannot be read: before any start
         if s.backend == "predict":
             for point in self.points:
                 PredictBackend.check(point.scenario)  # every point, before the first is taken
@@ -147,9 +147,9 @@ class Experiment:
         interrupted run's are kept for a look."""
         todo = self.todo()
         left = {p.key for p in todo}
-        work = self.settings.out / ".work" / self.id
+        work = outdir.work_folder(self.settings.out) / self.id
         for point in self.points:
             if point.key not in left:
-                shutil.rmtree(work / point.key, ignore_errors=True)
+                outdir.remove_tree(work.parent, work / point.key)
         return stopping.Account(f"{len(self.points) - len(todo)} of {len(self.points)} runs done, "
                                 f"{len(todo)} left")

@@ -7,6 +7,7 @@ import re
 import time
 from pathlib import Path
 
+from vllm_lab import outdir
 from vllm_lab.commands.settings import Settings
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store, StoreError, check_experiment_name
@@ -37,7 +38,7 @@ def experiment_id(settings: Settings, step: str, scenario: Scenario, param: str 
         if settings.resume:
             raise StoreError(f"{settings.store_path}: nothing to resume for {name[:-_STAMP]}; "
                              f"run without RESUME=1")
-        return check_experiment_name(name)
+        return _claimed(settings, name, set())
     with Store(settings.store_path) as store:
         if settings.resume:
             newest = store.newest_experiment(name[:-_STAMP] + "-")
@@ -46,10 +47,24 @@ def experiment_id(settings: Settings, step: str, scenario: Scenario, param: str 
                                  f"run without RESUME=1")
             return newest
         taken = set(store.experiments()["id"])
+    return _claimed(settings, name, taken)
+
+
+def _claimed(settings: Settings, name: str, taken: set[str]) -> str:
+    """``name``, or ``name-2``, ``name-3``, ...: the first one not in the store whose work folder
+    this process could make. Making a folder is atomic, so two commands started in the same
+    second on one OUT get two ids, however close their store reads were."""
+    work = outdir.make_folder(settings.out, outdir.work_folder(settings.out))
     unique, n = name, 2
-    while unique in taken:
+    while True:
+        check_experiment_name(unique)
+        if unique not in taken:
+            try:
+                (work / unique).mkdir()
+                return unique
+            except FileExistsError:
+                pass
         unique, n = f"{name}-{n}", n + 1
-    return check_experiment_name(unique)
 
 
 def newest_experiment(path: Path) -> str:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from vllm_lab import shutdown
 from vllm_lab.backends import Backend
 from vllm_lab.commands.backend import guarded_backend
 from vllm_lab.commands.settings import Settings
@@ -58,13 +59,17 @@ def stoppable(command: Callable[..., int]) -> Callable[..., int]:
 
 
 @contextmanager
-def watched(deadline: Deadline | None, backend: Backend, shown: Progress) -> Iterator[Watchdog]:
-    """The block a long command takes its runs in: the progress drawn, a Watchdog armed for the
-    deadline (disarmed once a DeadlineGuard stops), and the Ctrl-C the watchdog sends raised as
-    DeadlineReached; a Ctrl-C of the user's stays a KeyboardInterrupt."""
-    with Watchdog(deadline, getattr(backend, "margin", 0.0)) as watch, tracking(shown):
+def watched(deadline: Deadline | None, backend: Backend) -> Iterator[Watchdog]:
+    """The block a long command takes its runs in: a Watchdog armed for the deadline (disarmed
+    once a DeadlineGuard stops, and the lab then stopping: no signal cuts its servers' stop
+    short), and the Ctrl-C the watchdog sends raised as DeadlineReached; a Ctrl-C, SIGTERM or
+    SIGHUP of the user's stays a KeyboardInterrupt."""
+    with Watchdog(deadline, getattr(backend, "margin", 0.0)) as watch:
         if isinstance(backend, DeadlineGuard):
-            backend.on_stop = watch.disarm
+            def stop() -> None:
+                watch.disarm()
+                shutdown.begin_stop()
+            backend.on_stop = stop
         try:
             yield watch
         except KeyboardInterrupt:
@@ -76,17 +81,21 @@ def watched(deadline: Deadline | None, backend: Backend, shown: Progress) -> Ite
 def take(settings: Settings, exp_id: str, shown: Progress, work: Callable[[Backend], T],
          account: Callable[[], Account]) -> T:
     """``work(backend)``'s result, its runs taken on the experiment's backend within the deadline;
-    on the deadline or Ctrl-C, the command's ``account()`` said in one sentence, then ``Stopped``."""
-    backend = guarded_backend(settings, exp_id, shown)
+    on the deadline, Ctrl-C, SIGTERM or SIGHUP, the command's ``account()`` said in one sentence,
+    then ``Stopped``. The progress is finished however it ends (provisioning included), so the
+    heartbeat never says "running" for a command that is gone."""
     try:
-        with watched(settings.deadline, backend, shown):
-            return work(backend)
+        with tracking(shown):
+            backend = guarded_backend(settings, exp_id, shown)
+            with watched(settings.deadline, backend):
+                return work(backend)
     except DeadlineReached:
         _say(f"stopped for DEADLINE={settings.deadline}", settings, exp_id, account())
         raise Stopped(EXIT_DEADLINE) from None
-    except KeyboardInterrupt:
-        _say("interrupted", settings, exp_id, account())
-        raise Stopped(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as stop:
+        why = f"stopped by {stop.name}" if isinstance(stop, shutdown.Terminated) else "interrupted"
+        _say(why, settings, exp_id, account())
+        raise Stopped(shutdown.exit_code(stop)) from None
 
 
 def _say(why: str, settings: Settings, exp_id: str, done: Account) -> None:

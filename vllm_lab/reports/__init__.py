@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on lab machines; before any report module imports pyplot
 import pandas as pd
 
-from vllm_lab import search
+from vllm_lab import outdir, search
 from vllm_lab.analysis.autotune import STEP as AUTOTUNE
 from vllm_lab.analysis.autotune import load_record
 from vllm_lab.reports import autotune, claims, combo, stress, sweep
@@ -45,10 +45,12 @@ def build(store_path: Path, experiment_id: str, out_root: Path) -> Path:
     with Store(store_path) as store:
         exp = _experiment(store, experiment_id)
         runs = store.runs(experiment_id)
-        folder = experiment_dir(out_root, experiment_id)
-        folder.mkdir(parents=True, exist_ok=True)
         if runs.empty and exp["step"] != AUTOTUNE:  # an autotune's runs are its candidates'
-            raise ValueError(f"experiment {experiment_id} has no runs yet")
+            raise StoreError(f"{store_path}: experiment {experiment_id} has no runs yet, so no "
+                             f"report; make report takes an experiment with runs (make status "
+                             f"names the newest)")
+        folder = outdir.make_folder(out_root, experiment_dir(out_root, experiment_id))
+        outdir.no_links_within(out_root, folder)  # its files are written one by one
         return BUILDERS.get(exp["step"], sweep.build)(store, exp, runs, folder)
 
 

@@ -129,6 +129,24 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0, drain_s: float = 
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _stop_run(proc: subprocess.Popen, worker_procs: list[subprocess.Popen],
+              request_timeout_s: float) -> None:
+    """Stop a run's Locust master and workers, each by its process group.
+
+    A graceful stop waits up to the request timeout for the requests in flight (Locust's
+    --stop-timeout); the workers get as long to finish them and write their samples. The master
+    tells its workers to quit; a worker writes its samples' summary on the way out, so it gets
+    time to finish (a remote one ends its ssh session) before being stopped.
+    """
+    drain_s = request_timeout_s + 15 if proc.poll() is not None else 0.0
+    _stop_group(proc, drain_s=drain_s)
+    deadline = time.monotonic() + max(drain_s, 15)
+    for w in worker_procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.wait(max(0.1, deadline - time.monotonic()))
+        _stop_group(w)
+
+
 @dataclass(frozen=True)
 class WorkerHost:
     """A load-generator host: where Locust workers run, how to reach it, which Python runs them."""
@@ -458,21 +476,20 @@ def run_load(
             worker_procs.append(subprocess.Popen(
                 _worker_cmd(h, _master_address(h), port, where, processes), env=env, stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
-        # The shape stops the run; this limit only catches a hung Locust.
-        rc = _wait(proc, load.stop.duration_s + 90, samples_dir, on_progress)
+        # The shape stops the run, and Locust's graceful stop gives the requests in flight up to
+        # the request timeout (--stop-timeout); this limit only catches a hung Locust.
+        rc = _wait(proc, load.stop.duration_s + load.request_timeout_s + 60, samples_dir,
+                   on_progress)
     finally:
-        # A graceful stop waits up to the request timeout for the requests in flight (Locust's
-        # --stop-timeout); the workers get as long to finish them and write their samples.
-        drain_s = load.request_timeout_s + 15 if proc.poll() is not None else 0.0
-        _stop_group(proc, drain_s=drain_s)
-        # The master tells its workers to quit; a worker writes its samples' summary on the way
-        # out, so it gets time to finish (a remote one ends its ssh session) before being stopped.
-        deadline = time.monotonic() + max(drain_s, 15)
-        for w in worker_procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.wait(max(0.1, deadline - time.monotonic()))
-            _stop_group(w)
-        log.close()
+        try:
+            _stop_run(proc, worker_procs, load.request_timeout_s)
+        except KeyboardInterrupt:
+            # A stop signal during the drain: the run is not recorded, so nothing waits for it.
+            for p in (proc, *worker_procs):
+                _stop_group(p, grace_s=2.0)
+            raise
+        finally:
+            log.close()
     metrics = scraper.stop() if scraper else frame([])
     _fetch_remote_samples(hosts, out_dir, run_tag)
     return _result(out_dir, rc, metrics, load, workload)

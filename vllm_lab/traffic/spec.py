@@ -11,9 +11,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+# Bounds past any real load: a typo (1e15 users, a run of 1e300 s) is refused, not attempted.
+MAX_LEVEL = 1_000_000
+MAX_SECONDS = 30 * 24 * 3600
+MAX_REQUESTS = 1_000_000_000
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Lengths(_Strict):
@@ -122,7 +127,8 @@ class Shape(_Strict):
     """How the load level (users for a closed loop, requests/s for an open loop) moves over time."""
 
     kind: Literal["constant", "ramp", "step", "spike", "soak"] = "constant"
-    level: float = Field(8, gt=0, description="users (closed) or requests/s (open); the peak")
+    level: float = Field(8, gt=0, le=MAX_LEVEL,
+                         description="users (closed) or requests/s (open); the peak")
     start_level: float = Field(1, ge=0, description="ramp and step: the level at t=0")
     steps: int = Field(5, ge=1, description="step: how many equal steps up to `level`")
     step_s: float = Field(30, gt=0, description="step: seconds per step")
@@ -135,8 +141,8 @@ class Shape(_Strict):
 class Stop(_Strict):
     """When a run ends: the first of duration, request count, error rate and saturation."""
 
-    duration_s: float = Field(60, gt=0)
-    max_requests: int | None = Field(None, ge=1)
+    duration_s: float = Field(60, gt=0, le=MAX_SECONDS)
+    max_requests: int | None = Field(None, ge=1, le=MAX_REQUESTS)
     max_error_rate: float | None = Field(None, gt=0, le=1, description="fraction of failures")
     min_requests_for_error_rate: int = Field(20, ge=1)
     saturation: bool = Field(False, description="stop when TTFT and the server queue grow unbounded")
@@ -168,10 +174,12 @@ class Load(_Strict):
         1.0, gt=0, description="gamma shape as in `vllm bench serve` (1 = Poisson, <1 burstier)"
     )
     think_time_s: float = Field(0.0, ge=0, description="closed loop: pause between requests")
-    max_in_flight: int = Field(256, ge=1, description="open loop: cap on concurrent requests")
+    max_in_flight: int = Field(256, ge=1, le=MAX_LEVEL,
+                               description="open loop: cap on concurrent requests")
     shape: Shape = Field(default_factory=Shape)
     stop: Stop = Field(default_factory=Stop)
-    request_timeout_s: float = Field(120, gt=0, description="no byte for this long: a timeout")
+    request_timeout_s: float = Field(120, gt=0, le=MAX_SECONDS,
+                                     description="no byte for this long: a timeout")
     max_schedule_lag_s: float = Field(
         0.010, gt=0, description="client lag p99 above this marks the run client_overloaded"
     )

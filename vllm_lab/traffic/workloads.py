@@ -6,7 +6,6 @@ request sequence at every sweep point and on every worker, whatever the number o
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_lab.inputs import CONFIG_BYTES, DATA_BYTES, InputError, load_json, read_text, shown
 from vllm_lab.traffic.spec import Lengths, Workload
 
 # Common English words that GPT-2/Llama-3-style BPE vocabularies hold as one token each with
@@ -42,6 +42,10 @@ APPROXIMATION = "1 token per common English word; file texts: 1 token per 4 char
 # File records whose tokens a load generator counts before the run when it does not know how many
 # requests it will send (a run with a duration): more are counted as they are needed.
 PRECOUNTED = 4096
+
+
+class WorkloadError(ValueError):
+    """A workload file or tokenizer the load cannot be built from; one sentence naming it."""
 
 
 @dataclass
@@ -94,7 +98,13 @@ class PromptBuilder:
                 raise FileNotFoundError(f"workload.tokenizer: {path} does not exist")
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(path))
+            try:
+                self.tokenizer = Tokenizer.from_str(read_text(path, CONFIG_BYTES * 64, "tokenizer"))
+            except InputError as e:
+                raise WorkloadError(f"workload.tokenizer: {e}") from None
+            except Exception as e:  # noqa: BLE001  the tokenizers library raises a bare Exception
+                raise WorkloadError(f"workload.tokenizer: {path}: not a tokenizer.json the "
+                                    f"tokenizers library can read ({str(e)[:120]})") from None
             self.approximation = None
 
     def count(self, text: str) -> int:
@@ -152,30 +162,73 @@ class PromptBuilder:
         return text
 
 
+def _read(path: Path) -> str:
+    try:
+        return read_text(path, DATA_BYTES, "workload file")
+    except InputError as e:
+        raise WorkloadError(f"workload.path: {e}") from None
+
+
 def _load_sharegpt(path: Path) -> list[tuple[str, str | None]]:
-    data = json.loads(Path(path).read_text())
+    """A ShareGPT-format file's first two turns of each conversation (the prompt, the reply)."""
+    text = _read(path)
+    try:
+        data = load_json(text, str(path))
+    except ValueError as e:  # a truncated or broken file, or one nested past reading
+        raise WorkloadError(f"workload.path: {path}: not a ShareGPT JSON file ({e})") from None
+    if not isinstance(data, list):
+        raise WorkloadError(f"workload.path: {path}: a ShareGPT file is a JSON list of "
+                            f"conversations, not a {type(data).__name__}")
     pairs = []
     for item in data:
-        conv = item.get("conversations") or item.get("conversation") or []
-        if len(conv) >= 2 and conv[0].get("value"):
-            pairs.append((conv[0]["value"], conv[1].get("value") or ""))
+        if not isinstance(item, dict):
+            continue
+        conv = item.get("conversations") or item.get("conversation")
+        if not isinstance(conv, list) or len(conv) < 2 or not all(isinstance(c, dict)
+                                                                  for c in conv[:2]):
+            continue
+        prompt, reply = conv[0].get("value"), conv[1].get("value")
+        if isinstance(prompt, str) and prompt and isinstance(reply, (str, type(None))):
+            pairs.append((prompt, reply or ""))
     if not pairs:
-        raise ValueError(f"workload.path: {path} holds no conversations with two turns")
+        raise WorkloadError(f"workload.path: {path} holds no conversations with two turns of text")
     return pairs
 
 
 def _load_jsonl(path: Path) -> list[tuple[str, int | None]]:
+    """A JSONL file's prompts, one JSON object a line: "prompt" (text), "output_tokens" (optional)."""
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(_read(path).splitlines(), 1):
         if not line.strip():
             continue
-        obj = json.loads(line)
-        if "prompt" not in obj:
-            raise ValueError(f"workload.path: {path} line {n} has no 'prompt' key")
-        rows.append((obj["prompt"], obj.get("output_tokens")))
+        try:
+            obj = load_json(line, f"{path} line {n}")
+        except ValueError as e:
+            raise WorkloadError(f"workload.path: {path} line {n}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise WorkloadError(f"workload.path: {path} line {n} has no 'prompt' key (each line "
+                                f"is an object with a 'prompt')")
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise WorkloadError(f"workload.path: {path} line {n}: 'prompt' must be text, not "
+                                f"{shown(prompt)}")
+        out = obj.get("output_tokens")
+        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 1):
+            raise WorkloadError(f"workload.path: {path} line {n}: 'output_tokens' must be a whole "
+                                f"number of 1 or more")
+        rows.append((prompt, out))
     if not rows:
-        raise ValueError(f"workload.path: {path} holds no prompts")
+        raise WorkloadError(f"workload.path: {path} holds no prompts")
     return rows
+
+
+def check_workload(workload: Workload, load=None) -> None:
+    """Build what the load generators will build from ``workload`` (its file's records, its
+    tokenizer, its trace, the first request), so a file the load cannot be made of is one
+    sentence before any server starts (WorkloadError, or the trace's TraceError), not a run
+    whose load generator fails."""
+    if workload.source in ("sharegpt-file", "jsonl-file", "trace") or workload.tokenizer:
+        WorkloadGenerator(workload, 0, load).prepare(upto=1).request(0)
 
 
 class WorkloadGenerator:

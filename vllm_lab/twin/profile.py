@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vllm_lab.hardware import Hardware
+from vllm_lab.inputs import load_yaml, read_text
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 # What a profile's GPU leaves out: an eight-GPU host with an NVLink-class interconnect.
@@ -128,7 +129,10 @@ def load_profile(name_or_path: str | Path) -> Profile:
     if not path.is_file():
         raise ValueError(f"twin profile {name_or_path!r}: no such file and not a shipped profile "
                          f"(shipped: {', '.join(available_profiles())})")
-    data = yaml.safe_load(path.read_text())
+    try:  # a profile may be any file a scenario names: read within bounds (InputError)
+        data = load_yaml(read_text(path, what="twin profile"), str(path))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: broken YAML ({str(e).splitlines()[0]})") from None
     try:
         return Profile.model_validate(data)
     except ValidationError as exc:

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from vllm_lab import outdir
 from vllm_lab.analysis.quarterly import (
     all_findings,
     baseline_comparison,
@@ -70,8 +71,8 @@ def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True,
     now = now.join(sample_figures(store_path, now))
     say(f"{period.name}: {len(now)} runs of {now['experiment_id'].nunique()} experiments read "
         f"({len(before)} of the period before)")
-    folder = out_root / "quarterly" / period.name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = outdir.make_folder(out_root, out_root / "quarterly" / period.name)
+    outdir.no_links_within(out_root, folder)  # its files are written one by one
     text = caption(now, period)
     points = point_means(now)
     cmp = baseline_comparison(now, before)
