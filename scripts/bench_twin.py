@@ -59,7 +59,7 @@ def held_out_prediction(flags, profile, model, users: int, requests: int, whole_
     The closed loop's users come back after the turnaround the run's client measured (these lab
     runs predate the lab's fix: 10-16 ms), and the figures are the mean over ``seeds`` runs of
     the predictor: with identical requests the TTFT p50 of one run jumps between batches."""
-    from vllm_lab.backends import _prediction_samples
+    from vllm_lab.prediction import prediction_samples
     from vllm_lab.scenarios import Slo
     from vllm_lab.summary import summarize
 
@@ -67,7 +67,7 @@ def held_out_prediction(flags, profile, model, users: int, requests: int, whole_
     for seed in range(seeds):
         p = predict(flags, profile, model, [PredictRequest(512, 128)] * requests,
                     Closed(users, turnaround_s=turnaround_s), seed=seed)
-        s = summarize(_prediction_samples(p.requests), Slo(),
+        s = summarize(prediction_samples(p.requests), Slo(),
                       duration_s=p.duration_s if whole_run else None)
         s["queue_mean"] = float(p.requests["queue_s"].mean())
         runs.append(s)

@@ -137,8 +137,8 @@ def test_the_predictor_replays_a_trace_at_its_times_and_hits_its_shared_blocks()
     assert np.allclose(np.sort(m.samples.scheduled_ts), [r.t_s / 2 for r in rows])
     assert m.summary["window_reason"].endswith("to the last scheduled arrival")
     # The conversations' earlier turns are in the prefix cache: far less prefill than prompt.
-    from vllm_lab.backends import predicted_requests
     from vllm_lab.models import load_model_shape
+    from vllm_lab.prediction import predicted_requests
     from vllm_lab.twin.predictor import Open, predict
     from vllm_lab.twin.profile import load_profile
 

@@ -20,10 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import pandas as pd
 
 from vllm_lab import audit, serving, shutdown
+from vllm_lab.prediction import (
+    modelled_energy,
+    predicted_arrivals,
+    predicted_requests,
+    prediction_samples,
+)
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
@@ -413,7 +418,7 @@ class PredictBackend:
         """The requests the scenario's run predicts, or ScenarioError when there are too many."""
         load = scenario.load
         if load.mode == "replay":
-            count = len(PredictBackend.arrivals(scenario).times)
+            count = len(predicted_arrivals(scenario).times)
         elif load.stop.max_requests is not None:
             count = load.stop.max_requests
         elif load.mode == "closed":
@@ -445,19 +450,6 @@ class PredictBackend:
         except ValueError as e:
             raise ScenarioError(f"serve.model: {e}; the predictor needs a model shape") from None
 
-    @staticmethod
-    def arrivals(scenario: Scenario):
-        """The predictor's arrivals for the scenario's load: its users, or its live schedule."""
-        from vllm_lab.traffic.arrivals import planned_arrivals
-        from vllm_lab.twin.predictor import Closed, Open
-
-        load = scenario.load
-        if load.mode == "closed":
-            return Closed(users=int(load.shape.level), think_time_s=load.think_time_s)
-        times = np.fromiter(planned_arrivals(load, scenario.run.seed, scenario.workload), dtype=float)
-        return Open(rate=load.shape.level, burstiness=load.burstiness,
-                    max_in_flight=load.max_in_flight, times=times)
-
     def measure(self, scenario: Scenario, host: str | None, workdir: Path) -> Measurement:
         """Predict the run the scenario describes."""
         from vllm_lab.models import load_model_shape
@@ -467,7 +459,7 @@ class PredictBackend:
 
         started = time.time()
         count = self.check(scenario)
-        arrivals = self.arrivals(scenario)
+        arrivals = predicted_arrivals(scenario)
         if getattr(arrivals, "times", None) is not None:
             count = len(arrivals.times)
         requests = predicted_requests(scenario, count)
@@ -483,7 +475,7 @@ class PredictBackend:
         except EngineStartError as e:
             return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
                                ended=time.time(), host="predictor", error=f"{e.cause}: {e}")
-        samples = _prediction_samples(prediction.requests)
+        samples = prediction_samples(prediction.requests)
         summary = summarize(samples, scenario.slo, load=scenario.load)
         summary.update(itl_p50=prediction.itl["p50"], itl_p90=prediction.itl["p90"],
                        itl_p99=prediction.itl["p99"], kv_usage_mean=prediction.kv_usage_mean,
@@ -491,25 +483,12 @@ class PredictBackend:
                        preemptions=float(prediction.num_preemptions),
                        gpu_util_mean=prediction.gpu_utilization * 100,
                        kv_cache_tokens=prediction.kv_cache_tokens)
-        summary.update(_modelled_energy(prediction))
+        summary.update(modelled_energy(prediction))
         return Measurement(status="ok", started=started, ended=time.time(), host="predictor",
                            summary=summary, samples=samples)
 
     def close(self, host: str | None) -> None:
         """Nothing runs between predictions."""
-
-
-def _modelled_energy(p) -> dict[str, Any]:
-    """The predicted run's energy figures, from the twin's power model (named as a model)."""
-    if not p.duration_s or p.energy_j <= 0:
-        return {}
-    out_tokens = float(p.requests["output_tokens"].sum())
-    out: dict[str, Any] = {"energy_j": p.energy_j, "power_mean_w": p.energy_j / p.duration_s,
-                           "energy_source": "the twin's power model"}
-    if out_tokens:
-        out.update(joules_per_output_token=p.energy_j / out_tokens,
-                   output_tokens_per_joule=out_tokens / p.energy_j)
-    return out
 
 
 def twin_prediction(scenario: Scenario) -> dict[str, Any]:
@@ -528,81 +507,3 @@ def twin_prediction(scenario: Scenario) -> dict[str, Any]:
     except (ValueError, OSError, ScenarioError) as e:  # an unknown model shape or profile: said so
         return {**record, "predicted": False, "status": "failed-start", "error": str(e), "summary": {}}
     return {**record, "status": m.status, "error": m.error, "summary": m.summary.record()}
-
-
-def predicted_requests(scenario: Scenario, count: int):
-    """The scenario's workload as predictor requests: same lengths and prefix sharing, no text."""
-    import numpy as np
-
-    from vllm_lab.traffic.workloads import sample_lengths
-    from vllm_lab.twin.predictor import PredictRequest
-
-    if scenario.workload.source == "trace":
-        return _trace_requests(scenario, count)
-    rng = np.random.default_rng(scenario.run.seed)
-    lin, lout = scenario.workload.lengths()
-    if lin is None or lout is None:
-        raise ValueError(f"workload source {scenario.workload.source!r} has no length "
-                         f"distribution the predictor can use; give input: and output: lengths")
-    prompts, outputs = sample_lengths(lin, rng, count), sample_lengths(lout, rng, count)
-    shared = int(scenario.workload.shared_prefix_ratio * lin.mean)
-    chat = scenario.workload.api == "chat"
-    if not shared:
-        return [PredictRequest(int(p), int(o), chat) for p, o in zip(prompts, outputs)]
-    # Token ids only matter for prefix caching: a common system prompt, then unique tokens. The
-    # drawn length is the whole prompt, prefix included, as the live workload builds it
-    # (`WorkloadGenerator._turn`: the user's text is the rest, at least one token).
-    groups = scenario.workload.prefix_groups
-    prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
-    out = []
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
-        rest = max(1, int(p) - shared)
-        unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest))
-        out.append(PredictRequest(prefix[i % groups] + unique, int(o), chat))
-    return out
-
-
-def _trace_requests(scenario: Scenario, count: int):
-    """A trace's requests as the predictor's, in order (cycled for a longer run): their lengths,
-    and token ids that share what the trace says they share (Mooncake blocks, a prefix id), so the
-    prefix cache meets what production did."""
-    from vllm_lab.traffic.traces import MOONCAKE_BLOCK_TOKENS as B
-    from vllm_lab.traffic.traces import trace_requests
-    from vllm_lab.twin.predictor import PredictRequest
-
-    rows = trace_requests(scenario.workload, scenario.load)
-    chat = scenario.workload.api == "chat"
-    ids: dict = {}
-
-    def shared(key, n: int) -> list[int]:
-        base = ids.setdefault(key, 2_000_000_000 + len(ids) * 1_000_000)
-        return list(range(base, base + n))
-
-    out = []
-    for i in range(count):
-        r = rows[i % len(rows)]
-        if r.blocks:
-            tokens = [t for h in r.blocks for t in shared(("block", h), B)][:r.prompt_tokens]
-        elif r.prefix is not None and r.prefix_tokens:
-            first = 10_000_000 + i * 100_000
-            unique = range(first, first + r.prompt_tokens - r.prefix_tokens)
-            tokens = shared(("prefix", r.prefix), r.prefix_tokens) + list(unique)
-        else:
-            out.append(PredictRequest(r.prompt_tokens, r.output_tokens, chat))
-            continue
-        out.append(PredictRequest(tokens, r.output_tokens, chat))
-    return out
-
-
-def _prediction_samples(df: pd.DataFrame) -> pd.DataFrame:
-    """The predictor's per-request frame in the traffic layer's sample columns."""
-    done = df["finish_s"].notna()
-    return pd.DataFrame({
-        "request_id": [f"p-{i}" for i in range(len(df))],
-        "start_ts": df["send_s"], "scheduled_ts": df["scheduled_s"],
-        "ttft_s": df["ttft_s"], "tpot_s": df["tpot_s"],
-        "e2e_s": df["e2e_s"], "itl_s": [[] for _ in range(len(df))],
-        "prompt_tokens": df["prompt_tokens"], "output_tokens": df["output_tokens"],
-        "status": ["ok" if d else "error" for d in done],
-        "error": ["" if d else "not finished" for d in done],
-    })

@@ -410,76 +410,111 @@ def run_load(
     from every worker's host. on_progress(requests=, tok_s=, errors=) hears the figures so far
     every few seconds (web_url= once when web_host serves Locust's web UI for the run).
     """
+    out_dir = _fresh_out_dir(out_dir)
+    hosts = [WorkerHost.of(h) for h in workers_hosts or []]
+    config = {
+        "base_url": base_url, "model": model, "seed": seed, "out_dir": str(out_dir),
+        "num_workers": len(hosts) * processes if hosts else processes,
+        # One process, or the processes Locust forks here, share the request pool's memory;
+        # workers started on their own (hosts) ask the master for each request.
+        "shared_pool": not hosts,
+        "workload": workload.model_dump(mode="json"), "load": load.model_dump(mode="json"),
+    }
+    cfg = _write_config(out_dir, config)
+    run_tag = f"{out_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    env = {**os.environ, "VLLM_LAB_TRAFFIC_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *_ui(web_host, on_progress),
+           "--host", base_url, "--csv", str(out_dir / "locust"),
+           "--logfile", str(out_dir / "locust.log"),
+           "--only-summary", "--stop-timeout", str(int(load.request_timeout_s))]
+    port = _free_port()
+    cmd += _distribution(hosts, processes, config["num_workers"], port)
+    if hosts:
+        # A remote worker's copy holds the key (0600 under umask 077, removed after the run):
+        # through ssh's command line it would show in ps on both ends.
+        _copy_to_remote(hosts, {**config, "api_key": api_key}, run_tag)
+    scraper = Scraper(base_url, scrape_interval_s).start() if scrape_metrics else None
+    rc = _run_locust(cmd, env, out_dir, load, hosts,
+                     lambda h: _worker_popen_args(h, cfg, run_tag, port, processes), on_progress)
+    metrics = scraper.stop() if scraper else frame([])
+    _fetch_remote_samples(hosts, out_dir, run_tag)
+    return _result(out_dir, rc, metrics, load, workload)
+
+
+def _fresh_out_dir(out_dir: Path) -> Path:
+    """The run's folder, its samples folder empty and no stop reason of an earlier run left."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_dir = out_dir / "samples"
     shutil.rmtree(samples_dir, ignore_errors=True)
     samples_dir.mkdir()
     (out_dir / "stop_reason.json").unlink(missing_ok=True)
-    hosts = [WorkerHost.of(h) for h in workers_hosts or []]
-    num_workers = len(hosts) * processes if hosts else processes
-    cfg = out_dir / "traffic_config.json"
-    config = {
-        "base_url": base_url, "model": model, "seed": seed,
-        "out_dir": str(out_dir), "num_workers": num_workers,
-        # One process, or the processes Locust forks here, share the request pool's memory;
-        # workers started on their own (hosts) ask the master for each request.
-        "shared_pool": not hosts,
-        "workload": workload.model_dump(mode="json"), "load": load.model_dump(mode="json"),
-    }
+    return out_dir
+
+
+def _write_config(out_dir: Path, config: dict) -> Path:
     # The config stays beside the samples, so it holds no key: local Locust processes get the key
     # in their environment (never in argv, which ps shows to every user).
+    cfg = out_dir / "traffic_config.json"
     fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump(config, fh)
-    run_tag = f"{out_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
-    env = {**os.environ, "VLLM_LAB_TRAFFIC_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
-    env.pop(API_KEY_ENV, None)
-    if api_key:
-        env[API_KEY_ENV] = api_key
-    if web_host:
-        # LIVE=1: the same run, started at once, with Locust's web UI to watch it; it quits when
-        # the shape ends the run, as a headless one does.
-        web_port = _free_port()
-        ui = ["--autostart", "--autoquit", "0", "--web-host", web_host, "--web-port", str(web_port)]
-        shown = "127.0.0.1" if web_host in ("0.0.0.0", "::", "*") else web_host
-        if on_progress:
-            on_progress(web_url=f"http://{'[' + shown + ']' if ':' in shown else shown}:{web_port}/")
-    else:
-        ui = ["--headless"]
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *ui, "--host", base_url,
-           "--csv", str(out_dir / "locust"), "--logfile", str(out_dir / "locust.log"),
-           "--only-summary", "--stop-timeout", str(int(load.request_timeout_s))]
-    worker_procs: list[subprocess.Popen] = []
+    return cfg
+
+
+def _ui(web_host: str | None, on_progress: Callable[..., None] | None) -> list[str]:
+    """Locust's options for headless, or for its web UI (LIVE=1: the same run, started at once,
+    with Locust's web UI to watch it; it quits when the shape ends the run, as a headless one does)."""
+    if not web_host:
+        return ["--headless"]
+    web_port = _free_port()
+    shown = "127.0.0.1" if web_host in ("0.0.0.0", "::", "*") else web_host
+    if on_progress:
+        on_progress(web_url=f"http://{'[' + shown + ']' if ':' in shown else shown}:{web_port}/")
+    return ["--autostart", "--autoquit", "0", "--web-host", web_host, "--web-port", str(web_port)]
+
+
+def _distribution(hosts: list[WorkerHost], processes: int, num_workers: int, port: int) -> list[str]:
+    """Locust's options for a master of workers on hosts, for processes forked here, or none."""
     if hosts:
-        port = _free_port()
         bind = "127.0.0.1" if all(h.local for h in hosts) else "0.0.0.0"
-        cmd += ["--master", "--expect-workers", str(num_workers), "--master-bind-host", bind,
+        return ["--master", "--expect-workers", str(num_workers), "--master-bind-host", bind,
                 "--master-bind-port", str(port), "--expect-workers-max-wait", "60"]
-        # A remote worker's copy holds the key (0600 under umask 077, removed after the run):
-        # through ssh's command line it would show in ps on both ends.
-        _copy_to_remote(hosts, {**config, "api_key": api_key}, run_tag)
-    elif processes > 1:
+    if processes > 1:
         # Its own port for the forked workers to report to, not Locust's fixed 5557: two runs on
         # one machine (two checkouts, a test suite on every core) would meet on it.
-        port = _free_port()
-        cmd += ["--processes", str(processes), "--master-bind-host", "127.0.0.1",
+        return ["--processes", str(processes), "--master-bind-host", "127.0.0.1",
                 "--master-bind-port", str(port), "--master-host", "127.0.0.1",
                 "--master-port", str(port)]
-    scraper = Scraper(base_url, scrape_interval_s).start() if scrape_metrics else None
+    return []
+
+
+def _worker_popen_args(h: WorkerHost, cfg: Path, run_tag: str, port: int, processes: int) -> list[str]:
+    where = cfg if h.local else PurePosixPath(_remote_dir(h, run_tag), cfg.name)
+    return _worker_cmd(h, _master_address(h), port, where, processes)
+
+
+def _run_locust(cmd: list[str], env: dict, out_dir: Path, load: Load, hosts: list[WorkerHost],
+                worker_cmd: Callable[[WorkerHost], list[str]],
+                on_progress: Callable[..., None] | None) -> int:
+    """Locust (and its workers on hosts) from start to stop, each in its own process group; its
+    exit code."""
+    worker_procs: list[subprocess.Popen] = []
     log = open(out_dir / "locust.stdout", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         for h in hosts:
-            where = cfg if h.local else PurePosixPath(_remote_dir(h, run_tag), cfg.name)
             worker_procs.append(subprocess.Popen(
-                _worker_cmd(h, _master_address(h), port, where, processes), env=env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+                worker_cmd(h), env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True))
         # The shape stops the run, and Locust's graceful stop gives the requests in flight up to
         # the request timeout (--stop-timeout); this limit only catches a hung Locust.
-        rc = _wait(proc, load.stop.duration_s + load.request_timeout_s + 60, samples_dir,
-                   on_progress)
+        return _wait(proc, load.stop.duration_s + load.request_timeout_s + 60, out_dir / "samples",
+                     on_progress)
     finally:
         try:
             _stop_run(proc, worker_procs, load.request_timeout_s)
@@ -490,9 +525,6 @@ def run_load(
             raise
         finally:
             log.close()
-    metrics = scraper.stop() if scraper else frame([])
-    _fetch_remote_samples(hosts, out_dir, run_tag)
-    return _result(out_dir, rc, metrics, load, workload)
 
 
 def _result(out_dir: Path, rc: int, metrics: pd.DataFrame, load: Load, workload) -> LoadResult:

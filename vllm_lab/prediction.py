@@ -1,0 +1,117 @@
+"""A scenario as the twin's predictor takes it, and the predictor's run as the lab's: the
+workload's requests (their lengths and the prefixes they share, a trace's included) and the load's
+arrivals in, per-request samples and the modelled energy out. ``backends.PredictBackend`` runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vllm_lab.scenarios import Scenario
+
+
+def predicted_arrivals(scenario: Scenario):
+    """The predictor's arrivals for the scenario's load: its users, or its live schedule."""
+    from vllm_lab.traffic.arrivals import planned_arrivals
+    from vllm_lab.twin.predictor import Closed, Open
+
+    load = scenario.load
+    if load.mode == "closed":
+        return Closed(users=int(load.shape.level), think_time_s=load.think_time_s)
+    times = np.fromiter(planned_arrivals(load, scenario.run.seed, scenario.workload), dtype=float)
+    return Open(rate=load.shape.level, burstiness=load.burstiness,
+                max_in_flight=load.max_in_flight, times=times)
+
+
+def modelled_energy(p) -> dict[str, Any]:
+    """The predicted run's energy figures, from the twin's power model (named as a model)."""
+    if not p.duration_s or p.energy_j <= 0:
+        return {}
+    out_tokens = float(p.requests["output_tokens"].sum())
+    out: dict[str, Any] = {"energy_j": p.energy_j, "power_mean_w": p.energy_j / p.duration_s,
+                           "energy_source": "the twin's power model"}
+    if out_tokens:
+        out.update(joules_per_output_token=p.energy_j / out_tokens,
+                   output_tokens_per_joule=out_tokens / p.energy_j)
+    return out
+
+
+def predicted_requests(scenario: Scenario, count: int):
+    """The scenario's workload as predictor requests: same lengths and prefix sharing, no text."""
+    import numpy as np
+
+    from vllm_lab.traffic.workloads import sample_lengths
+    from vllm_lab.twin.predictor import PredictRequest
+
+    if scenario.workload.source == "trace":
+        return trace_predict_requests(scenario, count)
+    rng = np.random.default_rng(scenario.run.seed)
+    lin, lout = scenario.workload.lengths()
+    if lin is None or lout is None:
+        raise ValueError(f"workload source {scenario.workload.source!r} has no length "
+                         f"distribution the predictor can use; give input: and output: lengths")
+    prompts, outputs = sample_lengths(lin, rng, count), sample_lengths(lout, rng, count)
+    shared = int(scenario.workload.shared_prefix_ratio * lin.mean)
+    chat = scenario.workload.api == "chat"
+    if not shared:
+        return [PredictRequest(int(p), int(o), chat) for p, o in zip(prompts, outputs)]
+    # Token ids only matter for prefix caching: a common system prompt, then unique tokens. The
+    # drawn length is the whole prompt, prefix included, as the live workload builds it
+    # (`WorkloadGenerator._turn`: the user's text is the rest, at least one token).
+    groups = scenario.workload.prefix_groups
+    prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
+    out = []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        rest = max(1, int(p) - shared)
+        unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest))
+        out.append(PredictRequest(prefix[i % groups] + unique, int(o), chat))
+    return out
+
+
+def trace_predict_requests(scenario: Scenario, count: int):
+    """A trace's requests as the predictor's, in order (cycled for a longer run): their lengths,
+    and token ids that share what the trace says they share (Mooncake blocks, a prefix id), so the
+    prefix cache meets what production did."""
+    from vllm_lab.traffic.traces import MOONCAKE_BLOCK_TOKENS as B
+    from vllm_lab.traffic.traces import trace_requests
+    from vllm_lab.twin.predictor import PredictRequest
+
+    rows = trace_requests(scenario.workload, scenario.load)
+    chat = scenario.workload.api == "chat"
+    ids: dict = {}
+
+    def shared(key, n: int) -> list[int]:
+        base = ids.setdefault(key, 2_000_000_000 + len(ids) * 1_000_000)
+        return list(range(base, base + n))
+
+    out = []
+    for i in range(count):
+        r = rows[i % len(rows)]
+        if r.blocks:
+            tokens = [t for h in r.blocks for t in shared(("block", h), B)][:r.prompt_tokens]
+        elif r.prefix is not None and r.prefix_tokens:
+            first = 10_000_000 + i * 100_000
+            unique = range(first, first + r.prompt_tokens - r.prefix_tokens)
+            tokens = shared(("prefix", r.prefix), r.prefix_tokens) + list(unique)
+        else:
+            out.append(PredictRequest(r.prompt_tokens, r.output_tokens, chat))
+            continue
+        out.append(PredictRequest(tokens, r.output_tokens, chat))
+    return out
+
+
+def prediction_samples(df: pd.DataFrame) -> pd.DataFrame:
+    """The predictor's per-request frame in the traffic layer's sample columns."""
+    done = df["finish_s"].notna()
+    return pd.DataFrame({
+        "request_id": [f"p-{i}" for i in range(len(df))],
+        "start_ts": df["send_s"], "scheduled_ts": df["scheduled_s"],
+        "ttft_s": df["ttft_s"], "tpot_s": df["tpot_s"],
+        "e2e_s": df["e2e_s"], "itl_s": [[] for _ in range(len(df))],
+        "prompt_tokens": df["prompt_tokens"], "output_tokens": df["output_tokens"],
+        "status": ["ok" if d else "error" for d in done],
+        "error": ["" if d else "not finished" for d in done],
+    })
