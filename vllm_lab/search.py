@@ -286,13 +286,16 @@ class TuneSettings:
     storage: str = ""
     seed: int | None = None
     startup_trials: int = 4
+    plan: dict[str, Any] | None = None  # the command's recorded plan (commands.plan_record)
 
 
 def tune_meta(settings: TuneSettings) -> dict[str, Any]:
-    """The experiment's meta: what the report needs to find the study and label its axes."""
+    """The experiment's meta: what the report needs to find the study and label its axes, and
+    the plan a resume restores."""
     return {"params": list(settings.space.space), "objective": settings.objective,
             "space": {k: v.model_dump(exclude_none=True) for k, v in settings.space.space.items()},
-            "study": settings.experiment_id, "storage": settings.storage}
+            "study": settings.experiment_id, "storage": settings.storage,
+            **({"made_by": settings.plan} if settings.plan else {})}
 
 
 def run_trials(scenario: Scenario, settings: TuneSettings, backend: Backend, store_path: Path,

@@ -46,6 +46,8 @@ def combo(settings: Settings, source: Source, params_text: str | None, grid_text
     grid = search.parse_grid(grid_text, params_text, scenario)
     points = search.combo_points(scenario, grid, settings.repeats or scenario.run.repeats)
     lint_notes(points)
+    settings = settings.planned(grid=" ".join(f"{k}={','.join(str(v) for v in vs)}"
+                                              for k, vs in grid.items()))  # the ladders taken
     return Experiment.build(settings, "combo", scenario, points, {"params": list(grid), "grid": grid},
                             "-".join(grid)).run()
 

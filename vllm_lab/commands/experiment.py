@@ -19,6 +19,7 @@ from vllm_lab import plans
 from vllm_lab.backends import Backend, PredictBackend
 from vllm_lab.commands import stopping
 from vllm_lab.commands.naming import experiment_id
+from vllm_lab.commands.plan_record import META_KEY
 from vllm_lab.commands.settings import Settings
 from vllm_lab.progress import Progress, closing_table, point_label
 from vllm_lab.scenarios import Scenario
@@ -57,7 +58,10 @@ class Experiment:
     @classmethod
     def build(cls, settings: Settings, step: str, scenario: Scenario, points: list[plans.Point],
               meta: dict[str, Any], param: str | None = None) -> Experiment:
-        """The experiment for these points, its id named (or found, to resume) in the store."""
+        """The experiment for these points, its id named (or found, to resume) in the store; its
+        meta keeps the plan it was made with (``plan_record``), so a resume cannot mix two."""
+        if settings.plan is not None:
+            meta = {**meta, META_KEY: settings.plan}
         return cls(experiment_id(settings, step, scenario, param), step, scenario, points, meta, settings)
 
     def todo(self) -> list[plans.Point]:

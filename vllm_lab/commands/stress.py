@@ -54,6 +54,7 @@ def stress(settings: Settings, source: Source, shape: str, levels_text: str | No
     levels = staircase.staircase_levels(scenario, plans.parse_values("load.shape.level", levels_text)
                                         if levels_text else None)
     meta = {"shape": shape, "params": ["load.shape.level"]}
+    settings = settings.planned(levels=",".join(f"{v:g}" for v in levels))  # the staircase taken
     fixed = dataclasses.replace(settings, experiment=experiment_id(settings, "stress", scenario, shape))
 
     def read_levels():

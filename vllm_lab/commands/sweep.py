@@ -38,6 +38,7 @@ def sweep(settings: Settings, source: Source, param: str, values_text: str | Non
     scenario = source.resolve_checked()
     values, points = plans.sweep_plan(scenario, param, values_text, settings.repeats or scenario.run.repeats)
     lint_notes(points)
+    settings = settings.planned(values=",".join(str(v) for v in values))  # the ladder taken
     return Experiment.build(settings, "sweep", scenario, points, {"param": param, "values": values},
                             param).run()
 

@@ -63,7 +63,7 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
     exp_id = experiment_id(settings, "tune", scenario)
     study = search.TuneSettings(exp_id, space, options.objective, options.trials,
                                 search.storage_url(options.study_storage, settings.store_path),
-                                options.seed, options.startup_trials)
+                                options.seed, options.startup_trials, settings.plan)
     hosts = settings.hosts()
     print(f"tune: study {exp_id}, {options.trials} trial(s) per host on {len(hosts)} host(s), backend "
           f"{settings.backend}, objective {search.objective_label(options.objective)}, space "
