@@ -48,7 +48,8 @@ def test_a_resume_without_the_variables_restores_the_plan(monkeypatch, tmp_path,
                           "SET=load.shape.level=4 BACKEND=predict VALUES=16,32\n")
     with Store(tmp_path / "lab.db") as store:
         runs = store.runs("a100")
-    assert len(runs) == 2 and set(runs["gpu_model"]) == {"NVIDIA A100 80GB"}
+    # 16, 32 and vLLM's default on an A100 (256), the sweep's reference
+    assert len(runs) == 3 and set(runs["gpu_model"]) == {"NVIDIA A100 80GB"}
     assert {json.loads(s)["load"]["stop"]["duration_s"] for s in runs["scenario_json"]} == {10}
 
 
@@ -73,7 +74,7 @@ def test_a_variable_that_contradicts_the_plan_is_refused_in_one_sentence(
     assert err.startswith(f"lab: EXPERIMENT=a100 was planned with {planned}, and {variable}={value} "
                           f"contradicts it: leave {variable} out") and err.count("\n") == 1
     with Store(tmp_path / "lab.db") as store:
-        assert len(store.runs("a100")) == 2  # nothing was measured into it
+        assert len(store.runs("a100")) == 3  # nothing was measured into it
 
 
 def test_the_resume_command_names_the_restored_plan():

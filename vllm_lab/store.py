@@ -75,6 +75,9 @@ STATUSES = tuple(RunStatus)
 LEFT_OUT = (RunStatus.CLIENT_LIMITED, RunStatus.FAILED_REQUESTS, RunStatus.UNSTEADY,
             RunStatus.UNAUDITED)
 RETRIED_ON_RESUME = (RunStatus.CRASHED, RunStatus.TIMEOUT, RunStatus.UNREACHABLE)
+# Backends whose repeats read the same figures (the predictor, from one seed): a figure of theirs
+# has no run-to-run noise, and nothing is judged against a noise they do not have.
+DETERMINISTIC_BACKENDS = ("predict",)
 # How long a writer waits for another process's transaction before it gives up with a sentence.
 LOCK_TIMEOUT_S = 30.0
 

@@ -83,7 +83,7 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
                             lambda backend: run(scenario, space, backend, tuned, progress=shown),
                             account)
     print(f"autotune: {summary['verdict']}")
-    print(f"report: {experiment_dir(settings.out, exp_id) / 'report.md'}")
+    print(f"report: {experiment_dir(settings.out, exp_id) / 'index.html'}")
     return 0
 
 

@@ -31,6 +31,12 @@ def _identity(point: plans.Point) -> str:
     return dataclasses.replace(point, repeat=0).key
 
 
+def counted(counts: dict[str, int]) -> str:
+    """Runs by status as a person says it: "4 ok, 1 unsteady"."""
+    return ", ".join(f"{n} {status}" for status, n in counts.items()) or \
+        "none (all were already recorded)"
+
+
 def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print) -> None:
     """A value vLLM would refuse is still a data point: it is measured (and recorded as refused).
     Each distinct scenario is linted once, however many repeats it has."""
@@ -72,21 +78,30 @@ class Experiment:
         return [p for p in self.points if p.key not in done]
 
     def run(self, say: Callable[[str], Any] = print) -> int:
-        """Take the points not yet recorded and build the report (0); a stop (the deadline,
-        Ctrl-C) raises ``stopping.Stopped`` after saying how many runs are left."""
-        from vllm_lab import reports
+        """Take the points not yet recorded, build the report and say its results (0); a stop
+        (the deadline, Ctrl-C) raises ``stopping.Stopped`` after saying how many runs are left."""
+        return self.finish(self.take_all(say), say)
+
+    def take_all(self, say: Callable[[str], Any] = print) -> dict[str, int]:
+        """Take the points not yet recorded: the runs taken, by status."""
         s = self.settings
         if s.backend == "predict":
             for point in self.points:
                 PredictBackend.check(point.scenario)  # every point, before the first is taken
         shown = Progress(self.step, self.id, s.backend, s.out,
                          window_s=self.points[0].scenario.load.stop.duration_s)
-        counts = stopping.take(s, self.id, shown, lambda backend: self.take(backend, shown, say),
-                               self.account)
+        return stopping.take(s, self.id, shown, lambda backend: self.take(backend, shown, say),
+                             self.account)
+
+    def finish(self, counts: dict[str, int], say: Callable[[str], Any] = print) -> int:
+        """Build the report, then say the runs taken, the closing table and headline the page
+        has, and where the page is (0)."""
+        from vllm_lab import reports
+        from vllm_lab.reports.console import results
+        s = self.settings
         index = reports.build(s.store_path, self.id, s.out)
-        say(f"runs taken now: {counts or 'none (all were already recorded)'}")
-        with Store(s.store_path) as store:
-            closing_table(store.runs(self.id))
+        say(f"runs taken now: {counted(counts)}")
+        closing_table(results(s.store_path, self.id))
         say(f"report: {index}")
         return 0
 

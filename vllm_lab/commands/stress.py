@@ -61,13 +61,19 @@ def stress(settings: Settings, source: Source, shape: str, levels_text: str | No
         with Store(fixed.store_path) as store:
             return levels_table(store, fixed.experiment, store.runs(fixed.experiment))
 
+    counts: dict[str, int] = {}
+
     def take(points: list[plans.Point]) -> int:
-        return Experiment.build(fixed, "stress", scenario, points, meta, shape).run()
+        for status, n in Experiment.build(fixed, "stress", scenario, points, meta, shape).take_all().items():
+            counts[status] = counts.get(status, 0) + n
+        return 0
 
     # A ramp zooms into the knee in the same experiment; a step keeps its levels. A stop (the
-    # deadline, Ctrl-C) leaves the command: no later round starts, nor says anything.
-    return staircase.run_staircase(scenario, levels, refine if shape == "ramp" else 0, take,
-                                   read_levels, settings.repeats or scenario.run.repeats)
+    # deadline, Ctrl-C) leaves the command: no later round starts, nor says anything. The report
+    # and its results are said once, after the last round.
+    staircase.run_staircase(scenario, levels, refine if shape == "ramp" else 0, take, read_levels,
+                            settings.repeats or scenario.run.repeats)
+    return Experiment(fixed.experiment, "stress", scenario, [], meta, fixed).finish(counts)
 
 
 def register(sub) -> None:
