@@ -33,7 +33,7 @@ PARAMS    ?=                          # 2-3 flags with default ladders, e.g. max
 GRID      ?=                          # values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
 #= make tune
 TRIALS    ?=                          # trials this worker runs (default 20; per host with SPREAD=1)
-OBJECTIVE ?=                          # goodput (default) | throughput (subject to the SLO) | pareto (NSGA-II)
+OBJECTIVE ?=                          # goodput (default) | throughput or energy (tokens/J; subject to the SLO) | pareto (NSGA-II)
 SPACE     ?=                          # search space, a name in scenarios/spaces/ or a YAML file (default: per hardware)
 STUDY_STORAGE ?=                      # Optuna storage URL (default: the lab database), e.g. postgresql://host/db
 SEED      ?=                          # sampler seed
@@ -182,12 +182,15 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 
 ##@ Development
 .PHONY: test test-fast check clean bench
+# Both run on a pytest-xdist worker per CPU. make test hands each worker whole test files (a file's
+# module fixtures start once), the longest first (tests/conftest.py orders them); test-fast's tests
+# are short and fixture-light, so they are dealt out one by one.
 test: venv ## Every test (about 13 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
-	@LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q --durations=15
+	@LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: venv ## The tests that start no process (seconds; no set-up needed)
-	@"$$LAB_MAKE_PY" -m pytest -q -m "not integration"
+	@"$$LAB_MAKE_PY" -m pytest -q -n auto --dist load -m "not integration"
 
 check: venv ## Static checks: ruff on the package, ansible-lint on the playbooks
 	@$(VENV)/bin/ruff check vllm_lab scripts tests

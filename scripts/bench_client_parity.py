@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import math
+import statistics
 import subprocess
 import sys
 import threading
@@ -467,8 +468,27 @@ def _case_of(row: dict) -> tuple[str, float]:
     return row.get("case", "closed"), float(row.get("level") or row["users"])
 
 
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return float(statistics.median(vals)) if vals else None
+
+
+def _figure(run: dict, metric: str) -> tuple[float | None, float | None]:
+    """One run's figure for ``metric`` and the server's view of it (None: it has none)."""
+    server_key = {"ttft_p50": "server_ttft_p50", "ttft_p99": "server_ttft_p99",
+                  "tpot_p50": "server_tpot_p50"}
+    if metric == "output_throughput":  # the lab's on the bench's definition, to compare one thing
+        key = "bench_def_output_throughput" if run["run"] == "lab" else metric
+        return run["figures"].get(key), None
+    if metric == "output_throughput_window":  # against the server: the bench has no window
+        return (run["figures"]["output_throughput"] if run["run"] == "lab" else None,
+                run.get("server_output_throughput"))
+    return run["figures"].get(metric), run["server"].get(server_key[metric])
+
+
 def write_csv(args) -> Path:
-    """parity.csv: per case and metric, the first `lab` run, the `bench` run, the server's view.
+    """parity.csv: per case and metric, the median over the `lab` runs and over the `bench` runs
+    (repeats: --runs bench+lab+bench+lab+...), their counts and spreads, the server's view.
 
     output_throughput is on the bench's definition for both (output tokens over its clock: first
     send, or an open loop's schedule zero, to last reply), so the two clients are compared on one
@@ -477,28 +497,26 @@ def write_csv(args) -> Path:
     """
     rows = [json.loads(x) for x in (args.out / "runs.jsonl").read_text().splitlines() if x.strip()]
     out = []
-    server_key = {"ttft_p50": "server_ttft_p50", "ttft_p99": "server_ttft_p99",
-                  "tpot_p50": "server_tpot_p50"}
     for case in sorted({_case_of(r) for r in rows}, key=lambda c: (c[0] != "closed", c)):
-        lab = next((r for r in rows if _case_of(r) == case and r["run"] == "lab"), None)
-        ref = next((r for r in rows if _case_of(r) == case and r["run"] == "bench"), None)
+        lab = [r for r in rows if _case_of(r) == case and r["run"] == "lab"]
+        ref = [r for r in rows if _case_of(r) == case and r["run"] == "bench"]
         if not lab or not ref:
             continue
         name, level = case
         for m in (*METRICS, "output_throughput_window"):
-            if m == "output_throughput":
-                a, b = lab["figures"]["bench_def_output_throughput"], ref["figures"][m]
-                srv = None
-            elif m == "output_throughput_window":  # against the server: the bench has no window
-                a, b, srv = lab["figures"]["output_throughput"], None, lab["server_output_throughput"]
-            else:
-                a, b = lab["figures"][m], ref["figures"][m]
-                srv = lab["server"].get(server_key[m])
+            a_runs = [_figure(r, m)[0] for r in lab]
+            b = None if m == "output_throughput_window" else _median([_figure(r, m)[0] for r in ref])
+            a, srv = _median(a_runs), _median([_figure(r, m)[1] for r in lab])
             against = b if b is not None else srv
+            spread = [v for v in a_runs if v is not None]
             out.append({"case": name, "users_or_rate": level, "metric": m, "lab": a,
                         "vllm_bench": b, "server": srv,
-                        "diff": a / against - 1 if against else math.nan})
-    cols = ["case", "users_or_rate", "metric", "lab", "vllm_bench", "server", "diff"]
+                        "diff": a / against - 1 if a is not None and against else math.nan,
+                        "lab_runs": len(lab), "bench_runs": len(ref),
+                        "lab_min": min(spread) if spread else None,
+                        "lab_max": max(spread) if spread else None})
+    cols = ["case", "users_or_rate", "metric", "lab", "vllm_bench", "server", "diff", "lab_runs",
+            "bench_runs", "lab_min", "lab_max"]
     df = pd.DataFrame(out, columns=cols)
     path = args.out / "parity.csv"
     df.to_csv(path, index=False, float_format="%.6g")

@@ -10,7 +10,8 @@
 #
 # PHASE: start (vLLM with its defaults), parity-a (closed loops of 1-512 users), parity-b (1024
 #        users, a ShareGPT-format file at 64 and 256 users, Poisson at two rates, gamma with
-#        burstiness 0.5, chat at 64 users), open (Poisson up to saturation, the realtime-chat
+#        burstiness 0.5, chat at 64 users), repeats (three runs of each tool, taking turns, on
+#        64 users, the ShareGPT file and Poisson at 30 and 45 req/s; parity.csv gives medians), open (Poisson up to saturation, the realtime-chat
 #        traffic at four rates), budget (restarts with max-num-batched-tokens=2048: Poisson and
 #        the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
 #        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
@@ -28,6 +29,8 @@ export LC_ALL=C.UTF-8 LAB_MAKE_VLLM_VENV=${VLLM_VENV:-} LAB_MAKE_LAB_ROOT=${LAB_
 inv=${INVENTORY:-inventory/container.yml}
 parity() { "$py" scripts/bench_client_parity.py "$1" --inventory "$inv" --backend "${BACKEND:-vllm}" \
              --model "$MODEL" --out "$store/$2" "${@:3}"; }
+# The URL of the server a phase's store started (open measures on parity's server, not its own).
+url_of() { "$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["url"])' "$store/$1/server.json"; }
 rates=${RATES:-25,40}
 r1=${rates%,*}; r2=${rates#*,}
 
@@ -46,8 +49,14 @@ for phase in "$@"; do
     parity-b) parity measure parity --cases closed:1024,sharegpt:64,sharegpt:256,poisson:$r1,poisson:$r2,gamma:30:0.5,chat:64 \
                 --requests-per-user 2 --sharegpt-per-user 4 --open-s 20 --min-requests 24
               parity csv parity ;;
-    open) parity measure twin-open --runs bench --cases poisson:10,poisson:50,poisson:60 --open-s 20
-          parity measure twin-open --runs lab --open-s 25 \
+    # Three runs of each tool, taking turns, where one run of each left the difference unsure.
+    repeats) parity measure parity-repeats --url "$(url_of parity)" --runs bench+lab+bench+lab+bench+lab \
+               --cases closed:64,sharegpt:64,poisson:30,poisson:45 --sharegpt-per-user 10 --open-s 30 \
+               --requests-per-user 4 --min-requests 64
+             parity csv parity-repeats ;;
+    open) parity measure twin-open --url "$(url_of parity)" --runs bench --open-s 20 \
+            --cases poisson:10,poisson:50,poisson:60
+          parity measure twin-open --url "$(url_of parity)" --runs lab --open-s 25 \
             --cases realtime-chat/poisson:20,realtime-chat/poisson:30,realtime-chat/poisson:36,realtime-chat/poisson:42 ;;
     budget|threshold)
       flag=$([ "$phase" = budget ] && echo max-num-batched-tokens=2048 || echo long-prefill-token-threshold=256)

@@ -29,6 +29,31 @@ def pytest_configure(config):
     import matplotlib.font_manager
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (make test, make test-fast): a worker per CPU this process may run on, as
+    nproc counts them (pytest-xdist's own count, physical cores, is 1 on some 2-vCPU machines);
+    PYTEST_XDIST_AUTO_NUM_WORKERS=N overrides it."""
+    return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or len(os.sched_getaffinity(0)))
+
+
+def pytest_collection_modifyitems(items):
+    """Put the test files with the most slow tests first, then those with the most integration
+    tests, each file's tests in their own order.
+
+    `make test` hands whole files to its pytest-xdist workers (``--dist loadfile``: a file's
+    module fixtures start once) in this order (``--no-loadscope-reorder``): the long files start
+    first and the last to start are short, so the workers finish together. Mark a test ``slow``
+    when it takes more than ~30 s, and it is scheduled accordingly.
+    """
+    weight: dict[str, list[int]] = {}
+    for item in items:
+        w = weight.setdefault(item.nodeid.split("::")[0], [0, 0])
+        w[0] -= bool(item.get_closest_marker("slow"))
+        w[1] -= bool(item.get_closest_marker("integration"))
+    items.sort(key=lambda item: weight[item.nodeid.split("::")[0]])  # stable: files stay whole
+
+
 def _starts(item: pytest.Item) -> list[str]:
     return item.stash.setdefault(_STARTED, [])
 

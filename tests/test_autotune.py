@@ -247,6 +247,7 @@ def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path)
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_live_twin_autotune(tmp_path):
     """Defaults and one candidate on the live twin (cpu-demo), short levels, within the budget."""
     inventory = private_inventory(tmp_path)

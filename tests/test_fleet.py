@@ -22,7 +22,7 @@ from tests.support.fleet import (
 )
 from vllm_lab import serving
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture

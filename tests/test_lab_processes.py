@@ -206,6 +206,7 @@ def holder_of(tmp: Path) -> dict:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_second_lab_process_is_refused_with_the_holders_experiment_and_pid(shared_host):
     tmp, inv = shared_host
     first = subprocess.Popen(lab_cmd(inv, tmp / "reports-a", "--values", "2,4", "--experiment", "lab-a"),
@@ -231,6 +232,7 @@ def test_second_lab_process_is_refused_with_the_holders_experiment_and_pid(share
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_dead_holders_lock_and_server_are_taken_over(shared_host):
     tmp, inv = shared_host
     # A lab process that started a server and was killed: its lock and its server are left behind.

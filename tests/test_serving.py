@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fleet import TWIN_MODEL, kill_instances, lab_source_snapshot, shared_site_vars
-from tests.support.processes import process_table
+from tests.support.processes import free_port, process_table
 from vllm_lab import serving
 from vllm_lab.serving import ServeError, classify_failure
 
@@ -107,13 +107,19 @@ def lab_vars(tmp_path_factory):
     vars_ = {**shared_site_vars(), "lab_host_root": str(tmp / "host"),
              "lab_host_lab_source": str(lab_source_snapshot(tmp / "lab-src")),
              "vllm_twin_startup_seconds": 0.3, "vllm_collect_dest": str(tmp / "collected"),
-             "vllm_instances": [{"name": "a", "port": 18471, "gpus": ""},
-                                {"name": "b", "port": 18472, "gpus": "", "flags": {"max-num-seqs": 16}}]}
+             "vllm_instances": [{"name": "a", "port": free_port(), "gpus": ""},
+                                {"name": "b", "port": free_port(), "gpus": "", "flags": {"max-num-seqs": 16}}]}
     run = serving.run_playbook("provision.yml", inventory=LOCAL, extra_vars=vars_)
     assert run.returncode == 0, run.stdout[-3000:]
     yield vars_
     serving.run_playbook("teardown.yml", inventory=LOCAL, extra_vars=vars_)
     kill_instances(tmp)
+
+
+@pytest.fixture(scope="module")
+def ports():
+    """A port for each of the other instances the tests below start ("d", "f"), kept for the module."""
+    return {"d": free_port(), "f": free_port()}
 
 
 def _get(url, key=None):
@@ -126,12 +132,14 @@ def _get(url, key=None):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_local_serve_health_stop_idempotent_and_secret_free(lab_vars, monkeypatch):
     key = "sk-lab-test-6b1f0e"
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     flags = {"model": TWIN_MODEL, "max-num-seqs": 32, "api-key": key}
     instances = serving.start(flags, inventory=LOCAL, backend="twin", extra_vars=lab_vars)
-    assert [(i.host, i.port) for i in instances] == [("localhost", 18471), ("localhost", 18472)]
+    a, b = (i["port"] for i in lab_vars["vllm_instances"])
+    assert [(i.host, i.port) for i in instances] == [("localhost", a), ("localhost", b)]
     for inst in instances:
         assert inst.url == f"http://127.0.0.1:{inst.port}"
         assert _get(f"{inst.url}/health") == 200
@@ -184,8 +192,8 @@ def _get_refused(url):
 
 
 @pytest.mark.integration
-def test_dev_mode_only_when_asked_and_never_on_the_network_unless_the_inventory_says_so(lab_vars):
-    one = {**lab_vars, "vllm_instances": [{"name": "d", "port": 18481, "gpus": ""}]}
+def test_dev_mode_only_when_asked_and_never_on_the_network_unless_the_inventory_says_so(lab_vars, ports):
+    one = {**lab_vars, "vllm_instances": [{"name": "d", "port": ports["d"], "gpus": ""}]}
     env_file = Path(lab_vars["lab_host_root"]) / "serve" / "conf" / "d.env"
     with pytest.raises(ServeError) as err:
         serving.start({"model": TWIN_MODEL}, inventory=LOCAL, backend="twin",
@@ -212,7 +220,7 @@ def test_dev_mode_only_when_asked_and_never_on_the_network_unless_the_inventory_
     # the wait reads it in the log and does not sit out the 10-minute health timeout.
     ({}, {"wedge": True, "vllm_health_timeout_s": 600}, "crashed"),
 ])
-def test_failed_start_is_classified(lab_vars, tmp_path, flags, extra, cause):
+def test_failed_start_is_classified(lab_vars, ports, tmp_path, flags, extra, cause):
     extra = dict(extra)
     fakes = {"crash": "echo 'Loading model weights...'\nkill -SEGV $$\n",
              "wedge": "echo '(Worker_TP0 pid=1) ERROR [multiproc_executor.py:1007] WorkerProc hit an exception.'\n"
@@ -227,7 +235,7 @@ def test_failed_start_is_classified(lab_vars, tmp_path, flags, extra, cause):
     with pytest.raises(ServeError) as err:
         serving.start({"model": TWIN_MODEL, **flags}, inventory=LOCAL, backend="twin",
                       extra_vars={**lab_vars, **extra, "vllm_api_key": secret,
-                                  "vllm_instances": [{"name": "f", "port": 18479, "gpus": ""}]})
+                                  "vllm_instances": [{"name": "f", "port": ports["f"], "gpus": ""}]})
     assert err.value.cause == cause, err.value.log_tail
     assert err.value.host == "localhost"
     assert secret not in err.value.log_tail and secret not in str(err.value.failures)

@@ -134,6 +134,7 @@ def test_spike_recovery_and_soak_drift():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_live_twin_staircase(tmp_path):
     """A two-level staircase on the twin (cpu-demo): below capacity bounded, far above it not."""
     inventory = private_inventory(tmp_path)

@@ -115,6 +115,19 @@ def test_a_closed_loop_window_ends_when_fewer_than_its_users_are_in_flight():
     assert summarize(_quota_loop(), Slo())["window_reason"].endswith("to the last send")
 
 
+def test_a_send_stamped_just_after_a_users_last_reply_is_not_a_drain():
+    # One pool, 4 users, 1 s each: the last ticket is taken at 4.0 s but stamped at 4.002 s, after
+    # user 0's last reply at 4.0 s; no user sends twice after it, so the load held to the last send.
+    rows = [(f"{u}-{k}", "w", u, float(k) + (0.002 if (u, k) == (3, 4) else 0.0), 1.0, 100)
+            for u in range(4) for k in range(4 if u < 3 else 5)]
+    df = pd.DataFrame(rows, columns=["request_id", "worker", "user", "start_ts", "e2e_s",
+                                     "output_tokens"])
+    df = df.assign(ttft_s=0.1, tpot_s=0.009, prompt_tokens=50, status="ok", error="",
+                   itl_s=[[] for _ in range(len(df))])
+    load = Load(shape={"level": 4}, stop={"max_requests": len(df)})
+    assert summarize(df, Slo(), load=load)["window_reason"].endswith("to the last send")
+
+
 def test_a_window_too_short_for_its_run_says_so():
     load = Load(shape={"level": 4}, stop={"max_requests": 20})
     s = summarize(_quota_loop(), Slo(), load=load)

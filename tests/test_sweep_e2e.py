@@ -21,7 +21,7 @@ from vllm_lab.store import Store
 from vllm_lab.summary import summarize
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SETS = ["load.shape.level=6", "load.stop.duration_s=4", "workload.source=alpaca-like",
         "run.warmup_requests=2"]

@@ -99,6 +99,7 @@ def successes(url: str) -> float:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_workers_on_two_hosts_over_ssh_merge_raw_samples(loadgen_fleet, tmp_path):
     fleet = loadgen_fleet
     workers = loadgen_workers(fleet.inventory)

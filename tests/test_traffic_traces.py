@@ -183,3 +183,25 @@ def test_locust_replays_a_trace_as_one_schedule_over_two_processes(tmp_path):
     want = np.array([row["timestamp"] * 2 for row in rows])  # speed 0.5: twice as slow
     assert np.abs(got - want).max() < 0.02
     assert (df.target_output_tokens.to_numpy() == [row["output_tokens"] for row in rows]).all()
+
+
+def test_stress_levels_scale_the_traces_own_pattern():
+    from vllm_lab import stress
+
+    s = stress.stress_scenario(_trace_scenario("requests-synthetic.jsonl"), "step")
+    assert s.load.mode == "replay"  # stressed as itself, not turned into Poisson arrivals
+    for point, level in zip(stress.staircase_points(s, [5.0, 20.0]), (5.0, 20.0)):
+        load = point.scenario.load
+        times = np.fromiter(planned_arrivals(load, 0, point.scenario.workload), float)
+        assert load.replay.rate == level and len(times) / times[-1] == pytest.approx(level, rel=0.02)
+
+
+def test_tune_can_maximize_tokens_per_joule_under_the_slo():
+    from vllm_lab import search
+    from vllm_lab.run_summary import RunSummary
+
+    s = _trace_scenario("requests-synthetic.jsonl", "load.replay={speed: 4}")
+    m = PredictBackend().measure(s, None, Path("."))
+    got = search.objective_values(RunSummary.of(m.summary), "energy", s)
+    assert got == [pytest.approx(m.summary["output_tokens_per_joule"])] and got[0] > 0
+    assert search.directions("energy") == ["maximize"] and "energy" in search.CONSTRAINED

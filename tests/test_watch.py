@@ -38,6 +38,7 @@ def test_judge_needs_a_baseline():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_probe_on_slower_flags_is_flagged_and_same_flags_are_not(tmp_path):
     from tests.support.processes import TwinProcess
 

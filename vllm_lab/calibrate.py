@@ -2,9 +2,12 @@
 
 The plan measures what each coefficient of the step-time model is sensitive to: single requests at
 several prompt lengths (prefill compute), closed loops of several sizes with fixed lengths (decode
-batches and their memory traffic) and a saturating one (the API server's streaming cost). All of it
-on one server start, since only the load changes. The fit then moves the profile's coefficients
-until the twin's predictor reproduces those runs (``vllm_lab.twin.fit``).
+batches and their memory traffic) and a saturating one (the API server's streaming cost); then the
+traffic users tune for (`REALISTIC`): variable lengths at 64 and 256 users, Poisson arrivals at
+half and four fifths of the predicted capacity (where prefill chunks and decodes share steps all
+the time), and chat with a shared system prompt. All of it on one server start, since only the load
+changes. The fit then moves the profile's coefficients until the twin's predictor reproduces those
+runs (``vllm_lab.twin.fit``), each realistic run replayed request for request.
 """
 
 from __future__ import annotations
@@ -25,8 +28,47 @@ PLAN = [
 ]
 
 
-def calibration_points(base: Scenario, plan=PLAN) -> list[Point]:
-    """The calibration runs on ``base``'s serve flags: fixed lengths, closed loops, counted requests."""
+# name, workload over the base's, arrival (closed: users; open: share of the predicted capacity),
+# and the run's size (closed: requests; open: seconds of arrivals).
+FIXED_512 = {"source": "synthetic", "input": {"dist": "fixed", "mean": 512},
+             "output": {"dist": "fixed", "mean": 128}}
+REALISTIC = [
+    ("v64", {"source": "sharegpt-like"}, "closed", 64, 320),
+    ("v256", {"source": "sharegpt-like"}, "closed", 256, 768),
+    ("o50", FIXED_512, "open", 0.5, 20),
+    ("o80", FIXED_512, "open", 0.8, 20),
+    ("chat64", {"source": "sharegpt-like", "api": "chat", "shared_prefix_ratio": 0.3}, "closed", 64, 256),
+]
+
+
+def calibration_points(base: Scenario, plan=PLAN, realistic=REALISTIC) -> list[Point]:
+    """The calibration runs on ``base``'s serve flags: fixed lengths and closed loops, then the
+    realistic traffic (variable lengths, Poisson arrivals, chat), every run counted."""
+    points = _fixed_points(base, plan)
+    if not realistic:
+        return points
+    from vllm_lab import stress
+
+    tok = base.workload.tokenizer and str(base.workload.tokenizer)
+    capacity = stress.predicted_capacity(apply_value(base, "workload", {**FIXED_512, "tokenizer": tok}))
+    for name, workload, arrival, level, size in realistic:
+        wl = {"api": "completions", "ignore_eos": True, "tokenizer": tok, **workload}
+        if arrival == "closed":
+            load = {"mode": "closed", "shape": {"kind": "constant", "level": level},
+                    "stop": {"duration_s": 600, "max_requests": size}}
+        else:
+            rate = round(level * capacity, 2)
+            load = {"mode": "open", "shape": {"kind": "constant", "level": rate},
+                    "max_in_flight": 4096, "stop": {"duration_s": 600, "max_requests": round(rate * size)}}
+        s = apply_value(apply_value(base, "workload", wl), "load", load)
+        lin, lout = s.workload.lengths()
+        # The same keys as the fixed points' (a report's table has one column each), and traffic.
+        points.append(Point(s, {"point": name, "prompt": round(lin.mean), "output": round(lout.mean),
+                                "users": load["shape"]["level"], "traffic": arrival}))
+    return points
+
+
+def _fixed_points(base: Scenario, plan) -> list[Point]:
     points = []
     for name, prompt, output, users, requests in plan:
         s = base
@@ -38,7 +80,8 @@ def calibration_points(base: Scenario, plan=PLAN) -> list[Point]:
                 ("load", {"mode": "closed", "shape": {"kind": "constant", "level": users},
                           "stop": {"duration_s": 600, "max_requests": requests}})):
             s = apply_value(s, path, value)
-        points.append(Point(s, {"point": name, "prompt": prompt, "output": output, "users": users}))
+        points.append(Point(s, {"point": name, "prompt": prompt, "output": output, "users": users,
+                                "traffic": "fixed"}))
     return points
 
 
@@ -48,6 +91,9 @@ def bench_points(store: Store, experiment_id: str) -> list[BenchPoint]:
     out = []
     for _, run in runs[runs["status"] == "ok"].iterrows():
         p = run["point"]
+        if p.get("traffic") in ("closed", "open"):
+            out.append(_replayed(store, experiment_id, run))
+            continue
         n = int(run["requests"])
         out.append(BenchPoint(
             name=p["point"], num_prompts=n, input_len=int(p["prompt"]), output_len=int(p["output"]),
@@ -57,6 +103,31 @@ def bench_points(store: Store, experiment_id: str) -> list[BenchPoint]:
                       "p50_tpot_ms": float(run["tpot_p50"]) * 1000},
             flags=dict(Scenario.model_validate_json(run["scenario_json"]).serve)))
     return out
+
+
+def _replayed(store: Store, experiment_id: str, run) -> BenchPoint:
+    """A realistic run as a fit point: its requests in the order sent, an open loop's send times,
+    and its figures on the bench's definitions (throughput over first send to last reply,
+    percentiles over every request), which is how the predictor's run is read."""
+    scenario = Scenario.model_validate_json(run["scenario_json"])
+    df = store.samples(experiment_id, run["run_key"])
+    df = df[df["status"] == "ok"].sort_values("start_ts")
+    start = float(df["start_ts"].min())
+    end = float((df["start_ts"] + df["e2e_s"]).max())
+    open_loop = scenario.load.open_loop
+    chat = scenario.workload.api == "chat"
+    return BenchPoint(
+        name=run["point"]["point"], num_prompts=len(df), input_len=round(df["prompt_tokens"].mean()),
+        output_len=round(df["output_tokens"].mean()),
+        max_concurrency=None if open_loop else int(scenario.load.shape.level),
+        request_rate=float(scenario.load.shape.level) if open_loop else float("inf"), burstiness=1.0,
+        measured={"output_throughput": float(df["output_tokens"].sum()) / max(end - start, 1e-9),
+                  "p50_ttft_ms": float(df["ttft_s"].median()) * 1000,
+                  "p50_tpot_ms": float(df["tpot_s"].median()) * 1000},
+        flags=dict(scenario.serve), prompt_lens=df["prompt_tokens"].astype(int).tolist(),
+        output_lens=df["output_tokens"].astype(int).tolist(),
+        arrival_times=(df["start_ts"] - start).tolist() if open_loop else None, chat=chat,
+        kind="chat" if chat else ("open" if open_loop else "closed variable"))
 
 
 def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,

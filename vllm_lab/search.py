@@ -33,7 +33,9 @@ from vllm_lab.summary import PERCENTILES
 log = logging.getLogger(__name__)
 
 SPACE_DIR = SCENARIO_DIR / "spaces"
-OBJECTIVES = ("goodput", "throughput", "pareto")
+OBJECTIVES = ("goodput", "throughput", "pareto", "energy")
+# Objectives that are maximized subject to the SLO (as a constraint) rather than through it.
+CONSTRAINED = ("throughput", "energy")
 # Statuses the configuration caused (Optuna learns to avoid them: pruned) against those that say
 # nothing about it (the measurement itself went wrong: failed).
 CONFIG_FAILURES = ("oom", "failed-start", "timeout", "crashed")
@@ -209,6 +211,10 @@ def objective_values(summary: RunSummary, objective: str, scenario: Scenario) ->
         return [float(summary.goodput or 0.0)]
     if objective == "throughput":
         return [float(summary.output_throughput or 0.0)]
+    if objective == "energy":
+        # Tokens per joule: what a fleet's power bill buys. A run with no energy figure (a host
+        # with no GPU telemetry) counts as none.
+        return [float(summary.figure("output_tokens_per_joule") or 0.0)]
     latency = slo_latency(scenario)
     value = summary.figure(latency[0] if latency else "e2e_p99")
     return [float(summary.output_throughput or 0.0), value if value is not None else math.inf]
@@ -267,7 +273,7 @@ def sampler_for(objective: str, seed: int | None, startup_trials: int = 4):
     return optuna.samplers.TPESampler(
         seed=seed, n_startup_trials=startup_trials, multivariate=True,
         **({"constraints_func": _constraints}
-           if objective == "throughput" and not _has_set_constraint() else {}))
+           if objective in CONSTRAINED and not _has_set_constraint() else {}))
 
 
 def open_study(name: str, url: str, objective: str, seed: int | None = None, startup_trials: int = 4):
@@ -374,7 +380,7 @@ def _one_trial(study, scenario: Scenario, settings: TuneSettings, backend: Backe
         violation = slo_violation(run["summary"], point.scenario)
         violation = violation if math.isfinite(violation) else 1e9
         trial.set_user_attr("slo_violation", violation)
-        if settings.objective in ("throughput", "pareto") and _has_set_constraint():
+        if settings.objective in (*CONSTRAINED, "pareto") and _has_set_constraint():
             trial.set_constraint("slo", violation)
         result = objective_values(run["summary"], settings.objective, point.scenario)
         study.tell(trial, result if len(result) > 1 else result[0])
@@ -437,5 +443,6 @@ def objective_label(objective: str) -> str:
     """Words for an objective, for reports and progress lines."""
     return {"goodput": "goodput (req/s meeting every SLO)",
             "throughput": "output tokens/s subject to the SLO",
-            "pareto": "output tokens/s vs the SLO's latency (NSGA-II)"}[objective]
+            "pareto": "output tokens/s vs the SLO's latency (NSGA-II)",
+            "energy": "output tokens per joule subject to the SLO"}[objective]
 

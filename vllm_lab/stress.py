@@ -42,7 +42,8 @@ def stress_scenario(scenario: Scenario, shape: str) -> Scenario:
     if shape not in SHAPES:
         raise ScenarioError(f"SHAPE={shape!r}: allowed values are {', '.join(SHAPES)}")
     kind = "constant" if shape in ("ramp", "step") else shape
-    s = plans.apply_value(scenario, "load.mode", "open")
+    # A trace is stressed as itself: its own arrival pattern, scaled to each level's mean rate.
+    s = scenario if scenario.load.mode == "replay" else plans.apply_value(scenario, "load.mode", "open")
     return plans.apply_value(s, "load.shape.kind", kind)
 
 
@@ -94,8 +95,10 @@ def staircase_points(scenario: Scenario, levels: list[float], repeats: int = 1) 
     for p in plans.sweep_points(scenario, "load.shape.level", levels, repeats):
         load = p.scenario.load
         cap = max(load.max_in_flight, min(int(load.shape.level * load.stop.duration_s) + 1, 4096))
-        points.append(plans.Point(plans.apply_value(p.scenario, "load.max_in_flight", cap),
-                                  p.values, p.repeat))
+        s = plans.apply_value(p.scenario, "load.max_in_flight", cap)
+        if load.mode == "replay":  # the level is the replayed trace's mean rate
+            s = plans.apply_value(s, "load.replay.rate", load.shape.level)
+        points.append(plans.Point(s, p.values, p.repeat))
     return points
 
 

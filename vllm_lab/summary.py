@@ -335,7 +335,8 @@ def _load_end(samples: pd.DataFrame, load: Load | None) -> tuple[float, str]:
     Open loop: its last scheduled arrival (a client running late does not stretch the run).
     Closed loop of constant users: its last send, or earlier, the first moment a user left the
     loop for good (its last reply), from which fewer requests than users were in flight: a run
-    whose users ran out of work at different times drains while it still sends.
+    whose users ran out of work at different times drains while it still sends (seen as another
+    user sending twice after it).
     """
     last_send = float(samples["start_ts"].max())
     if load is not None and load.open_loop and "scheduled_ts" in samples:
@@ -345,9 +346,16 @@ def _load_end(samples: pd.DataFrame, load: Load | None) -> tuple[float, str]:
     closed = load is not None and load.mode == "closed" and load.shape.kind == "constant"
     if closed and {"worker", "user"} <= set(samples.columns):
         end = samples["start_ts"] + samples["e2e_s"].fillna(0)
-        by_user = end.groupby([samples["worker"], samples["user"]]).max()
-        if len(by_user) >= load.shape.level and float(by_user.min()) < last_send:
-            return float(by_user.min()), "the first user's last reply (fewer in flight than users)"
+        users = [samples["worker"], samples["user"]]
+        by_user = end.groupby(users).max()
+        left = float(by_user.min())
+        # A send after that reply may have been taken from the pool before it and only stamped
+        # after it (a busy client); a user sending twice after it took work that was still there
+        # when the first user left: the loop drained while it still sent.
+        later = samples["start_ts"] > left
+        drained = bool(later.any()) and int(later.groupby(users).sum().max()) >= 2
+        if len(by_user) >= load.shape.level and drained:
+            return left, "the first user's last reply (fewer in flight than users)"
     return last_send, "the last send"
 
 

@@ -16,12 +16,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from tests.support import slice_of
 from tests.support.processes import process_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,9 +132,12 @@ class NetnsFleet:
     hosts: list[FleetHost] = field(default_factory=list)
 
     def __post_init__(self):
-        self.tag = f"{os.getpid() % 10000:04d}"
+        self.tag = str(os.getpid())  # unique among live processes: names no other fleet uses
         self.key = self.workdir / "id_ed25519"
         self.inventory = self.workdir / "fleet.yml"
+        # SSH connections are shared per host, as ansible.cfg does, through sockets of this fleet's
+        # own (a short path: a socket's is limited to 108 bytes); down() closes them.
+        self.control_dir = Path(tempfile.mkdtemp(prefix="lab-ssh-"))
 
     def up(self, host_vars: dict | None = None) -> Path:
         """Make the namespaces, links, addresses and sshds; write and return the inventory."""
@@ -140,7 +145,8 @@ class NetnsFleet:
         (self.workdir / "authorized_keys").write_text((self.workdir / "id_ed25519.pub").read_text())
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation folder
         used = _ip("-4", "-o", "addr").stdout
-        subnets = [k for k in random.sample(range(10, 250), 40) if f"10.77.{k}." not in used]
+        mine = slice_of(10, 250)  # this xdist worker's subnets
+        subnets = [k for k in random.sample(mine, len(mine)) if f"10.77.{k}." not in used]
         for i in range(self.size):
             k = subnets[i]
             host = FleetHost(name=f"fleet-{i + 1}", netns=f"vlt5-{self.tag}-{i + 1}",
@@ -190,7 +196,8 @@ class NetnsFleet:
         raise TimeoutError(f"{address}:{port} did not open")
 
     def write_inventory(self, host_vars: dict) -> None:
-        ssh_args = ("-o ControlMaster=no -o ConnectTimeout=5 -o ServerAliveInterval=2 "
+        ssh_args = (f"-o ControlMaster=auto -o ControlPersist=60s -o ControlPath={self.control_dir}/%C "
+                    "-o ConnectTimeout=5 -o ServerAliveInterval=2 "
                     "-o ServerAliveCountMax=2 -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
                     "-o LogLevel=ERROR")
         hosts = {}
@@ -221,6 +228,12 @@ class NetnsFleet:
                 _kill_tree(host.sshd)
             _ip("link", "del", host.veth_host, check=False)
             _ip("netns", "del", host.netns, check=False)
+        # The shared connections' masters, through their own sockets (a cut host's may still wait
+        # out its ServerAlive checks).
+        for sock in self.control_dir.iterdir():
+            subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "fleet"], check=False,
+                           capture_output=True, timeout=10)
+        shutil.rmtree(self.control_dir, ignore_errors=True)
 
 
 # --- load generators on the fleet (tests/test_traffic_distributed.py) -------------------------

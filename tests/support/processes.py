@@ -2,7 +2,9 @@
 server in its own process group, and a private PostgreSQL server. Everything started here is stopped
 by its own process id or group, never looked up by name."""
 
+import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.support import require
+from tests.support import require, slice_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,11 +36,24 @@ def process_table() -> dict[int, list[str]]:
     return table
 
 
+# Below the kernel's ephemeral range (ip_local_port_range, 32768 up by default): no client's
+# outgoing connection can take a port between free_port() and the server's bind. Each xdist
+# worker has its own slice, walked from a random start (another checkout's tests may run too).
+_PORTS = slice_of(20000, 32768)
+_NEXT = itertools.count(random.randrange(len(_PORTS)))
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now, from this worker's slice; the next call gives another."""
+    for _ in range(len(_PORTS)):
+        port = _PORTS[next(_NEXT) % len(_PORTS)]
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address: a server on any of them holds it
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def private_inventory(folder: Path, **host_vars) -> Path:
@@ -50,6 +65,8 @@ def private_inventory(folder: Path, **host_vars) -> Path:
     host = inv["all"]["children"]["vllm_servers"]["hosts"]["localhost"]
     host["lab_host_root"] = str(folder / "host")
     host["vllm_instances"] = [{"name": "main", "port": free_port(), "gpus": "", "flags": {}}]
+    # The twin's stand-in for loading a model (1 s by default) is paid at every server start.
+    host["vllm_twin_startup_seconds"] = 0.3
     host.update(host_vars)
     path = folder / "inv.yml"
     path.write_text(yaml.safe_dump(inv))

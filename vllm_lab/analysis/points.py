@@ -38,6 +38,9 @@ SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50")
 # and how many Locust processes sent the load. Means over every run of a point, limited ones too.
 AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
                "audit_span_diff")
+# The GPUs' energy over each ok run's window (summary.energy_view; the twin's power model on the
+# twin and the predictor): means over a point's ok repeats.
+ENERGY = select("power_mean_w", "joules_per_output_token", "output_tokens_per_joule")
 # The figures the twin's recorded prediction is compared on.
 TWIN_METRICS = select("output_throughput", "ttft_p50", "tpot_p50")
 NO_PREDICTION = "no prediction recorded"
@@ -67,6 +70,9 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
             if "summary" in ok else False
         for k in AUDIT:
             vals = [v for s in group.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
+            row[k] = float(np.mean(vals)) if vals else np.nan
+        for k in ENERGY:
+            vals = [v for s in ok.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
             row[k] = float(np.mean(vals)) if vals else np.nan
         rows.append(row)
     table = pd.DataFrame(rows)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from vllm_lab import plans
+from vllm_lab import plans, search
 from vllm_lab.commands import stopping
 from vllm_lab.commands.arguments import add_run_arguments, count
 from vllm_lab.commands.experiment import Experiment, counted
@@ -38,7 +38,7 @@ class TuneOptions:
         """The study's options."""
         p.add_argument("--trials", type=count(1), default=20,
                        help="trials this worker runs (per host with --spread)")
-        p.add_argument("--objective", default="goodput", choices=("goodput", "throughput", "pareto"))
+        p.add_argument("--objective", default="goodput", choices=search.OBJECTIVES)
         p.add_argument("--space", default=None,
                        help="space name (scenarios/spaces/) or YAML file; default per hardware")
         p.add_argument("--study-storage", default=None, help="Optuna storage URL (default: the lab database)")

@@ -20,7 +20,7 @@ import pandas as pd
 from vllm_lab import search
 from vllm_lab.analysis.points import best_point, pareto_front
 from vllm_lab.analysis.search import importances, trials_frame, tune_study
-from vllm_lab.reports import page, sweep
+from vllm_lab.reports import page, sweep, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
 from vllm_lab.reports.scenario_files import write_scenario_file
@@ -220,6 +220,7 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     figures.append(pareto_figure(table, params, ctx, folder))
     # The one rule (analysis.points.best_point) names the best, as on every step's page: the
     # star, the headline and best.yaml are the same point.
+    figures += [f for f in [traffic.trace_figure(runs, folder, ctx.caption)] if f]
     best = best_point(table)
     headline = _tune_headline(trials, table, best, params, meta["objective"], ctx.load)
     best_path = _best_file(runs, params, best, folder, _best_note(f"study {meta['study']}", best, params))

@@ -38,6 +38,9 @@ CAPTIONS = {
     "capacities": "Green is the best by the rule above; where grey (predicted) and the measured bar "
                   "part, the predictor misread that configuration. On the right, each staircase "
                   "crosses the red SLO line where its capacity ends.",
+    "trace": "The traffic the flags were ranked on: the trace's arrivals as sent, and its lengths.",
+    "energy": "A lower bar costs fewer joules for each token; where the SLO also holds, it is the "
+              "cheaper setting to run.",
 }
 
 

@@ -125,11 +125,18 @@ def context(runs: pd.DataFrame, swept: Sequence[str] = ()) -> Context:
     w, ld = first["workload"], first["load"]
     shape = ld["shape"]
     unit = "users" if ld["mode"] == "closed" else "req/s"
-    load = (f"{ld['mode']} loop, {shape['kind']} {shape['level']:g} {unit}, "
-            f"{ld['stop']['duration_s']:g} s per run")
+    if ld["mode"] == "replay":
+        rp = ld.get("replay") or {}
+        pace = f"at a mean {rp['rate']:g} req/s" if rp.get("rate") else f"at {rp.get('speed', 1):g}x"
+        load = f"trace replayed {pace}, {ld['stop']['duration_s']:g} s per run"
+    else:
+        load = (f"{ld['mode']} loop, {shape['kind']} {shape['level']:g} {unit}, "
+                f"{ld['stop']['duration_s']:g} s per run")
+    source = f"trace {Path(w['path']).name} ({w.get('trace_format')})" if w["source"] == "trace" \
+        else w["source"]
     return Context(hardware=runs.iloc[0]["gpu_model"], model=str(first["serve"].get("model")),
                    vllm_version=runs.iloc[0]["vllm_version"], backend=runs.iloc[0]["backend"],
-                   workload=f"{w['source']} via /v1/{w['api']}", load=load, slo=first.get("slo") or {},
+                   workload=f"{source} via /v1/{w['api']}", load=load, slo=first.get("slo") or {},
                    serve=first["serve"])
 
 

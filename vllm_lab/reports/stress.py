@@ -21,7 +21,7 @@ from vllm_lab.analysis.stress import (
     spike_behaviour,
     windows,
 )
-from vllm_lab.reports import page, sweep
+from vllm_lab.reports import page, sweep, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Context
 from vllm_lab.scenarios import Scenario
@@ -169,6 +169,7 @@ def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
         shown = win
         notes = [f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in found.items()]
         shown.to_csv(folder / "summary.csv", index=False)
+    figures = [f for f in [*figures, traffic.trace_figure(runs, folder, ctx.caption)] if f]
     return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures,
                                                  rule=False), folder)
 

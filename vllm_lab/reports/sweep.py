@@ -26,7 +26,7 @@ from vllm_lab.analysis.points import (
     with_twin_predictions,
     within_noise,
 )
-from vllm_lab.reports import page
+from vllm_lab.reports import page, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
 from vllm_lab.store import LEFT_OUT, Store
@@ -376,6 +376,9 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     table = points(runs, exp, ctx)
     table.to_csv(folder / "summary.csv", index=False)
     figures = sweep_figures(table, params[0], ctx, folder) if len(params) == 1 and len(table) > 1 else []
+    if len(params) == 1 and len(table) > 1:
+        figures.append(traffic.energy_figure(table, params[0], folder, ctx.caption))
+    figures = [f for f in [*figures, traffic.trace_figure(runs, folder, ctx.caption)] if f]
     best = best_point(table) if params else None
     notes = warnings(table) if params else baseline_notes(table)
     notes += prediction_notes(table)

@@ -442,7 +442,12 @@ def run_load(
         # through ssh's command line it would show in ps on both ends.
         _copy_to_remote(hosts, {**config, "api_key": api_key}, run_tag)
     elif processes > 1:
-        cmd += ["--processes", str(processes)]
+        # Its own port for the forked workers to report to, not Locust's fixed 5557: two runs on
+        # one machine (two checkouts, a test suite on every core) would meet on it.
+        port = _free_port()
+        cmd += ["--processes", str(processes), "--master-bind-host", "127.0.0.1",
+                "--master-bind-port", str(port), "--master-host", "127.0.0.1",
+                "--master-port", str(port)]
     scraper = Scraper(base_url, scrape_interval_s).start() if scrape_metrics else None
     log = open(out_dir / "locust.stdout", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

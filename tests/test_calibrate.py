@@ -1,0 +1,34 @@
+"""The calibration plan: fixed lengths, then the traffic users tune for, replayed by the fit."""
+
+
+from vllm_lab import calibrate, scenarios
+from vllm_lab.backends import PredictBackend
+from vllm_lab.models import load_model_shape
+from vllm_lab.plans import Plan, execute
+from vllm_lab.store import Store
+from vllm_lab.twin.fit import compare
+from vllm_lab.twin.profile import load_profile
+
+
+def test_the_plan_covers_realistic_traffic_and_the_fit_replays_it(tmp_path):
+    base = scenarios.resolve("default", hardware="cpu-demo")
+    points = calibrate.calibration_points(base, plan=calibrate.PLAN[:2])
+    kinds = {p.values["point"]: p.scenario for p in points}
+    assert {"v64", "v256", "o50", "o80", "chat64"} <= set(kinds)
+    assert kinds["o50"].load.mode == "open" and kinds["v64"].workload.source == "sharegpt-like"
+    assert kinds["chat64"].workload.api == "chat" and kinds["chat64"].workload.shared_prefix_ratio > 0
+    # Open loops at shares of the predicted capacity of 512/128 requests on this GPU.
+    assert kinds["o80"].load.shape.level > kinds["o50"].load.shape.level > 0
+    # Measured on the predictor and read back: each realistic run is replayed request for request,
+    # so the profile that made them reproduces them (the fixed plan is read from its figures).
+    small = [p for p in points if p.values["point"] in ("p128", "o50", "v64")]
+    execute(Plan("cal", "calibrate", small, {"params": ["point"]}), PredictBackend(),
+            tmp_path / "lab.db", tmp_path / "work")
+    with Store(tmp_path / "lab.db") as store:
+        fit_points = calibrate.bench_points(store, "cal")
+    by_name = {p.name: p for p in fit_points}
+    assert by_name["o50"].arrival_times is not None and by_name["o50"].kind == "open"
+    assert by_name["v64"].kind == "closed variable" and len(set(by_name["v64"].output_lens)) > 10
+    rows = compare([by_name["o50"], by_name["v64"]], load_profile(base.hardware.twin_profile),
+                   load_model_shape("llama-3-8b"))
+    assert all(abs(r["error"]) < 0.05 for r in rows), rows
