@@ -32,6 +32,10 @@ GROWTH_SLOPE = 0.03
 # Served within this share of offered is keeping up: a short run's Poisson arrivals and the
 # requests in flight at its window's edges move the two apart by a few percent, no more.
 SERVED_TOLERANCE = 0.05
+# ... and by the requests in flight at the edges, a count that varies as a Poisson one does: a
+# shortfall within this many of its standard deviations (sqrt of those in flight) is that noise.
+# At 1.5 req/s over 12 s, two requests of about 20 are 10%: the share alone would call it short.
+IN_FLIGHT_SIGMAS = 2.0
 LEVEL_COLUMNS = ("request_throughput", "output_throughput", "goodput", "errors", "ttft_p50",
                  "ttft_p90", "ttft_p99", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_p99", "queue_len_max",
                  "preemptions")
@@ -91,20 +95,24 @@ def offered_rate(samples: pd.DataFrame | None, level: float) -> float:
 
 
 def served_and_sent(samples: pd.DataFrame | None,
-                    summary: Mapping[str, Any]) -> tuple[float | None, float | None]:
+                    summary: Mapping[str, Any]) -> tuple[float | None, float | None, float]:
     """Requests/s served and sent inside the run's steady window, both from its samples over the
     same span (a Poisson run's arrivals over all of it differ from those in a part of it), served
     as the summary counts it (``summary.served_share``): a run recorded before that count read
-    its served rate short by the requests in flight at the window's end, and is read alike."""
+    its served rate short by the requests in flight at the window's end, and is read alike.
+    Third: the rate the requests in flight at the window's edges can move them apart by
+    (``IN_FLIGHT_SIGMAS`` standard deviations of that count, by Little's law served x E2E)."""
     s = RunSummary.of(summary)
     if samples is None or samples.empty or s.warmup_s is None or not s.duration_s:
-        return None, None
+        return None, None, 0.0
     sends = samples["start_ts"].to_numpy(dtype=float)
     t0 = float(np.nanmin(sends)) + s.warmup_s
     t1 = t0 + s.duration_s
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
     served = float(served_share(ok, t0, t1).sum()) / s.duration_s
-    return served, float(((sends >= t0) & (sends <= t1)).sum()) / s.duration_s
+    e2e = float(ok["e2e_s"].mean()) if len(ok) and "e2e_s" in ok else 0.0
+    edges = IN_FLIGHT_SIGMAS * np.sqrt(max(served * e2e, 0.0)) / s.duration_s
+    return served, float(((sends >= t0) & (sends <= t1)).sum()) / s.duration_s, edges
 
 
 def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFrame,
@@ -112,7 +120,8 @@ def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFram
     """One staircase level: bounded or not, the SLO verdict, and the capacity it implies.
 
     A level is sustainable when the server serves what it is offered (served within
-    ``SERVED_TOLERANCE`` of the rate sent inside the same window), its queue stays bounded and
+    ``SERVED_TOLERANCE`` of the rate sent inside the same window, less the noise of the requests
+    in flight at its edges), its queue stays bounded and
     the SLO holds;
     served below offered is overload by itself (the queue grows at the difference), whatever the
     latency trend of a short run says.
@@ -121,7 +130,7 @@ def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFram
     last_send = float(samples["start_ts"].max()) if samples is not None and len(samples) else None
     qslope = queue_growth(metrics, until=last_send)
     offered = offered_rate(samples, level)
-    served, sent = served_and_sent(samples, summary)
+    served, sent, edges = served_and_sent(samples, summary)
     # The queue series, where there is one, confirms: a TTFT trend alone can be noise.
     unbounded = slope > GROWTH_SLOPE and (qslope is None or qslope > 0)
     capacity = offered / (1 + slope)
@@ -131,7 +140,8 @@ def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFram
     # the full batch frees slots: the capacity is the offered rate less the queue's growth.
     if qslope is not None and qslope > GROWTH_SLOPE * max(offered - qslope, 0.0):
         unbounded, capacity = True, offered - qslope
-    short = served is not None and sent is not None and served < (1 - SERVED_TOLERANCE) * sent
+    short = served is not None and sent is not None \
+        and served < (1 - SERVED_TOLERANCE) * sent - edges
     if short:
         unbounded, capacity = True, min(capacity, served) if unbounded else served
     meets = bool(RunSummary.of(summary).meets_slo)

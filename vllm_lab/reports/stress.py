@@ -160,7 +160,8 @@ def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
                   "are the rates the runs really sent (a level is the arrival process's mean)")] \
             if knee["bracket"] else []
         notes.append(f"sustainable: served within {SERVED_TOLERANCE:.0%} of the rate sent inside the "
-                     f"run's steady window, the queue bounded (E2E growth under {GROWTH_SLOPE:g} "
+                     f"run's steady window (less twice the square root of the requests in flight "
+                     f"at its edges), the queue bounded (E2E growth under {GROWTH_SLOPE:g} "
                      f"s/s) and the SLO met")
         table.to_csv(folder / "summary.csv", index=False)
     else:
