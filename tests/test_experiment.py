@@ -112,14 +112,15 @@ def test_predictor_stops_at_the_deadline_and_resume_completes(tmp_path, capsys):
     rc = sweep(settings, SOURCE, "max-num-seqs", "8,16,32,64")
     err = capsys.readouterr().err
     assert rc == EXIT_DEADLINE, err
-    assert "3 of 4 runs done, 1 left" in err and "make sweep RESUME=1 EXPERIMENT=dl" in err
+    # vLLM's default max-num-seqs joins the four values as the sweep's reference: five runs.
+    assert "3 of 5 runs done, 2 left" in err and "make sweep RESUME=1 EXPERIMENT=dl" in err
     assert err.count("\n") == 1
     first = Store(out / "lab.db").runs("dl").set_index("run_key")["started"]
     rc = sweep(Settings(backend="predict", out=out, experiment="dl", resume=True), SOURCE,
                           "max-num-seqs", "8,16,32,64")
     assert rc == 0
     runs = Store(out / "lab.db").runs("dl").set_index("run_key")
-    assert len(runs) == 4 and set(runs["status"]) == {"ok"}
+    assert len(runs) == 5 and set(runs["status"]) == {"ok"}
     assert (runs.loc[first.index, "started"] == first).all()  # finished runs were not re-measured
 
 
@@ -128,11 +129,11 @@ def test_cli_deadline_too_close_starts_nothing_and_says_how_to_resume(tmp_path, 
             "--values", "8,16", "--deadline", "2s"]
     assert cli.main(argv) == EXIT_DEADLINE
     err = capsys.readouterr().err
-    assert "0 of 2 runs done, 2 left" in err
+    assert "0 of 3 runs done, 3 left" in err  # 8, 16 and vLLM's default, the reference
     command = shlex.split(err.split("resume with: ")[1])
     assert command[0] == "scripts/lab.py" and "--deadline" not in command
     assert cli.main(command[1:]) == 0
-    assert _recorded(tmp_path / "lab.db", command[-1].split("=")[1]) == 2
+    assert _recorded(tmp_path / "lab.db", command[-1].split("=")[1]) == 3
 
 
 def test_timing_uses_measured_starts_and_runs(tmp_path):
@@ -153,7 +154,7 @@ def test_timing_uses_measured_starts_and_runs(tmp_path):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_path, capsys):
-    """Two values of two runs each; the clock passes the deadline once two runs are in: the
+    """Two values and the reference (vLLM's default, 256) of two runs each; the clock passes the deadline once two runs are in: the
     second value's server is never started, the first's is stopped, a resume takes the rest."""
     inv = private_inventory(tmp_path)
     out = tmp_path / "reports"
@@ -165,14 +166,14 @@ def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_pat
     settings = Settings(backend="twin", inventory=inv, out=out, experiment="dl-twin", repeats=2,
                         deadline=deadline)
     assert sweep(settings, source, "max-num-seqs", "4,8") == EXIT_DEADLINE
-    assert "2 of 4 runs done, 2 left, servers stopped" in capsys.readouterr().err
+    assert "2 of 6 runs done, 4 left, servers stopped" in capsys.readouterr().err
     assert not any(p.read_text().split()[:1] for p in (tmp_path / "host").rglob("*.pid")), \
         "a twin is still running after the deadline"
     first = Store(out / "lab.db").runs("dl-twin").set_index("run_key")["started"]
     resumed = Settings(backend="twin", inventory=inv, out=out, experiment="dl-twin", repeats=2, resume=True)
     assert sweep(resumed, source, "max-num-seqs", "4,8") == 0
     runs = Store(out / "lab.db").runs("dl-twin").set_index("run_key")
-    assert len(runs) == 4 and set(runs["status"]) == {"ok"}
+    assert len(runs) == 6 and set(runs["status"]) == {"ok"}
     assert (runs.loc[first.index, "started"] == first).all()
 
 

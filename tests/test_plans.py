@@ -15,7 +15,14 @@ def base():
 
 
 def test_ladders_fit_the_hardware(base):
-    assert plans.default_values("max-num-seqs", base) == [8, 16, 32, 64, 128, 256]
+    # max-num-seqs binds below the 64 users the default scenario keeps in flight; vLLM's default
+    # on an H200 (1024) is the reference, and every value between runs the same batch.
+    assert plans.default_values("max-num-seqs", base) == [16, 32, 64, 1024]
+    # On a 24 GB card the KV cache holds 110 sequences of the workload's mean length, fewer than
+    # the 2048 users: the cache binds, and vLLM's default there (256) is the reference.
+    small = scenarios.resolve("default", "rtx3090", ["load.shape.level=2048"])
+    assert plans.kv_sequences(small) == 110
+    assert plans.default_values("max-num-seqs", small) == [27, 55, 110, 256]
     # H200: vLLM's default max-num-seqs is 1024, and a token budget below it is refused.
     assert min(plans.default_values("max-num-batched-tokens", base)) >= 1024
     small = scenarios.resolve("default", "rtx3090")
@@ -26,6 +33,25 @@ def test_ladders_fit_the_hardware(base):
     assert max(plans.default_values("max-model-len", base)) == 131072
     with pytest.raises(ScenarioError, match="no default ladder"):
         plans.default_values("seed", base)
+
+
+def test_every_ladder_holds_vllms_default_on_the_gpu(base):
+    for param in ("max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "block-size",
+                  "dtype", "kv-cache-dtype", "enable-prefix-caching", "enforce-eager"):
+        assert plans.reference_value(param, base) in plans.default_values(param, base), param
+    assert plans.reference_value("gpu-memory-utilization", base) == 0.92
+    assert plans.reference_value("max-num-seqs", scenarios.resolve("default", "a100-80g")) == 256
+    assert plans.reference_point(base, ["max-num-seqs", "load.shape.level"]) is None
+
+
+@pytest.mark.parametrize("param, backend", [("max-num-partial-prefills", "predict"),
+                                            ("max-num-partial-prefills", "twin"),
+                                            ("stream-interval", "predict")])
+def test_a_flag_the_backend_does_not_model_is_refused(param, backend):
+    with pytest.raises(ScenarioError, match=f"PARAM={param}: BACKEND={backend} does not model it"):
+        plans.check_modelled(param, backend)
+    plans.check_modelled(param, "vllm")
+    plans.check_modelled("stream-interval", "twin")  # the twin's server streams at the interval
 
 
 def test_values_are_typed_by_the_flag():

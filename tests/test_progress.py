@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from vllm_lab import progress
@@ -96,20 +95,31 @@ def test_eta_counts_the_starts_and_runs_left(tmp_path):
     assert p.eta() == pytest.approx(3 * 2.0)
 
 
-def test_closing_table_marks_the_best():
-    runs = pd.DataFrame([
-        {"point": {"max-num-seqs": 8}, "status": "ok", "error": "", "summary": {"meets_slo": True}, "output_throughput": 100.0,
-         "goodput": 1.0, "ttft_p50": 0.1, "tpot_p50": 0.01},
-        {"point": {"max-num-seqs": 16}, "status": "ok", "error": "", "summary": {"meets_slo": True}, "output_throughput": 200.0,
-         "goodput": 2.0, "ttft_p50": 0.1, "tpot_p50": 0.01},
-        {"point": {"max-num-seqs": 32}, "status": "oom", "error": "oom: KV cache", "summary": {}, "output_throughput": None,
-         "goodput": None, "ttft_p50": None, "tpot_p50": None},
-    ])
+def test_closing_table_marks_the_best(tmp_path):
+    # The console prints the page's own table (reports.console): read from the store, the best
+    # by the one rule, runs counted as the page counts them ("0 of 1").
+    from vllm_lab import scenarios
+    from vllm_lab.reports import console
+    from vllm_lab.store import RunRecord, Store, run_identity
+
+    store = Store(tmp_path / "lab.db")
+    store.create_experiment("s", "sweep", "default", {"param": "max-num-seqs"})
+    for seqs, status, figures in ((8, "ok", {"output_throughput": 100.0, "goodput": 1.0}),
+                                  (16, "ok", {"output_throughput": 200.0, "goodput": 2.0}),
+                                  (32, "oom", {})):
+        record = scenarios.resolve("default", "h200").with_serve(**{"max-num-seqs": seqs}).to_record()
+        store.record_run(RunRecord(
+            experiment_id="s", run_key=run_identity(record, 0), step="sweep", scenario_name="default",
+            scenario=record, status=status, started=1.0, ended=61.0, point={"max-num-seqs": seqs},
+            repeat=0, host="h", gpu_model="h200", gpu_count=1, vllm_version="0.26.0", backend="twin",
+            error="" if status == "ok" else "oom: KV cache",
+            summary={"ttft_p50": 0.1, "tpot_p50": 0.01, "meets_slo": True, **figures} if figures else {}))
+    store.close()
     out = io.StringIO()
-    progress.closing_table(runs, out, plain=True)
+    progress.closing_table(console.results(tmp_path / "lab.db", "s"), out, plain=True)
     text = out.getvalue()
     assert "max-num-seqs=16 (best)" in text and "best: max-num-seqs=16" in text
-    assert re.search(r"max-num-seqs=32\s+0/1 ok.*oom", text)
+    assert re.search(r"max-num-seqs=32\s+0 of 1.*oom", text)
 
 
 def test_live_figures_read_whole_lines_only(tmp_path):

@@ -6,7 +6,9 @@ folder), e.g. `LAB_SCREENSHOTS=/tmp/shots pytest tests/test_reports_browser.py`.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from vllm_lab.reports.pdf import chromium
 
 pytestmark = pytest.mark.integration
 
-KINDS = ("sweep", "combo", "tune", "stress", "claims", "quarterly")
+KINDS = ("sweep", "combo", "tune", "stress", "claims", "autotune", "quarterly")
 VIEWPORT = {"width": 1280, "height": 800}  # a typical laptop
 SETS = ["load.mode=open", "load.shape.level=20", "load.stop.duration_s=5"]
 
@@ -39,6 +41,8 @@ INSPECT = """() => {
     wide: [...document.body.querySelectorAll('*')]
             .filter(e => e.scrollWidth > window.innerWidth && !scrolls(e)
                          && getComputedStyle(e).overflowX === 'visible').map(name),
+    cut: [...document.querySelectorAll('.table-wrap')].filter(w => w.scrollWidth > w.clientWidth + 1)
+           .map(w => [...w.querySelectorAll('thead tr:last-child th')].map(h => h.textContent).join(' | ')),
   };
 }"""
 
@@ -74,6 +78,7 @@ def reports(tmp_path_factory) -> dict[str, Path]:
         "stress": ["stress", *common, "--set", "load.stop.duration_s=20", "--shape", "ramp",
                    "--refine", "0"],
         "claims": ["claims", *common, "--hardware", "cpu-demo", "--set", "load.stop.duration_s=3"],
+        "autotune": ["autotune", *common, "--scenario", "realtime-chat", "--trials", "6", "--seed", "0"],
     }
     for kind, argv in commands.items():
         assert cli.main([*argv, "--experiment", kind]) == 0, f"lab {kind} failed"
@@ -111,3 +116,25 @@ def test_a_report_reads_well_in_a_browser(browser, reports, screenshots, kind):
     assert found["uncaptioned"] == [], f"{kind}: figures without a caption"
     assert found["width"] <= found["viewport"], \
         f"{kind}: {found['width']} px wide in a {found['viewport']} px window, widened by {found['wide']}"
+    # A table wider than its frame hides columns behind a scroll bar: every column fits.
+    assert found["cut"] == [], f"{kind}: tables whose columns do not fit 1280 px: {found['cut']}"
+
+
+# A4 less the 12 mm margins of the quarterly report's @page, in CSS pixels (96 per inch).
+A4_CONTENT = {"width": round(186 / 25.4 * 96), "height": round(273 / 25.4 * 96)}
+
+
+def test_the_quarterly_pdf_has_no_blank_pages(browser, reports, tmp_path):
+    # Each section used to start a page of its own: 8 pages, most of them blank. The PDF now
+    # takes about the pages its content fills when printed.
+    from vllm_lab.reports.pdf import print_pdf
+    pdf = print_pdf(reports["quarterly"], tmp_path / "report.pdf").read_bytes()
+    pages = len(re.findall(rb"/Type\s*/Page[^s]", pdf))
+    page = browser.new_page(viewport=A4_CONTENT)
+    try:
+        page.emulate_media(media="print")
+        page.goto(reports["quarterly"].as_uri(), wait_until="load")
+        height = page.evaluate("document.documentElement.scrollHeight")
+    finally:
+        page.close()
+    assert 0 < pages <= math.ceil(height / A4_CONTENT["height"]) + 1, (pages, height)

@@ -106,7 +106,9 @@ def test_a_report_rebuilt_from_the_same_store_is_the_same(store_path, sweep, tmp
 def test_a_baseline_report_is_a_table_with_its_spread(store_path, tmp_path):
     index = report.build(store_path, "baseline-h200", tmp_path)
     md = (index.parent / "report.md").read_text()
-    assert "**Baseline: 1000 output tokens/s, goodput 3.00 req/s, TTFT p50 100 ms, TPOT p50 10.0 ms (3 runs).**" in md
+    # The statistic is named: a mean of the runs with half its 95% interval (248 = t(2) x 100 / sqrt 3).
+    assert ("**Baseline: 1,000 ± 248 output tokens/s, goodput 3.00 ± 0 req/s, TTFT p50 100 ± 0 ms, "
+            "TPOT p50 10.0 ± 0 ms (means of 3 runs ± half the 95% interval).**") in md
     assert "spread (coefficient of variation) of output throughput over 3 runs: 10.0%" in md
     assert not list(index.parent.glob("*.png"))  # no swept value: nothing to plot against
 

@@ -49,7 +49,9 @@ def test_space_file_is_strict(tmp_path, scenario):
     with pytest.raises(ScenarioError, match="not a vLLM flag"):
         search.load_space(str(unknown), scenario)
     default = search.load_space(None, scenario)
-    assert default.space["max-num-seqs"].log and default.space["max-num-seqs"].low == 8
+    # The sweep's ladder, where the batch cap binds (plans.default_values), on a log scale.
+    ladder = plans.default_values("max-num-seqs", scenario)
+    assert default.space["max-num-seqs"].log and default.space["max-num-seqs"].low == min(ladder)
 
 
 def test_combo_report_has_heatmaps_pareto_and_best(tmp_path, scenario):

@@ -78,8 +78,25 @@ def test_a_version_2_store_takes_the_new_status_and_keeps_its_runs(tmp_path):
     st.record_run(RunRecord("e", "k2", "sweep", "default", {}, "failed-requests", 1, 2))
     assert dict(zip(st.runs("e")["run_key"], st.runs("e")["status"])) == {
         "k1": "client-limited", "k2": "failed-requests"}
-    assert set(store.LEFT_OUT) == {"client-limited", "failed-requests"}
+    assert set(store.LEFT_OUT) == {"client-limited", "failed-requests", "unsteady", "unaudited"}
     st.close()
+    assert sqlite3.connect(db).execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+
+
+def test_a_version_3_store_takes_the_unsteady_and_unaudited_statuses_and_keeps_its_runs(tmp_path):
+    db = tmp_path / "lab.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(SCHEMA.replace(", 'unsteady', 'unaudited'", ""))
+    conn.execute("INSERT INTO meta VALUES ('schema_version', '3')")
+    conn.execute("INSERT INTO experiments VALUES ('e', 'baseline', 'default', 0, '{}')")
+    conn.execute("INSERT INTO runs (experiment_id, run_key, step, scenario_name, scenario_json, status,"
+                 " started, ended) VALUES ('e', 'k1', 'baseline', 'default', '{}', 'ok', 0, 1)")
+    conn.commit()
+    conn.close()
+    with Store(db) as st:
+        st.record_run(RunRecord("e", "k2", "baseline", "default", {}, "unsteady", 1, 2))
+        st.record_run(RunRecord("e", "k3", "baseline", "default", {}, "unaudited", 2, 3))
+        assert list(st.runs("e")["status"]) == ["ok", "unsteady", "unaudited"]
     assert sqlite3.connect(db).execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
 
 

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from vllm_lab.scenarios import Slo
-from vllm_lab.summary import summarize
+from vllm_lab.summary import summarize, unsteady_reason
 from vllm_lab.traffic import Load
 
 
@@ -151,3 +151,33 @@ def test_an_open_loop_window_ends_at_its_last_scheduled_arrival():
     s = summarize(df, Slo(), load=Load(mode="open", shape={"level": 10}))
     assert s["window_reason"].endswith("to the last scheduled arrival")
     assert s["duration_s"] == pytest.approx(4.9 - 0.5)
+
+
+def test_served_requests_count_what_the_window_served_not_what_ended_in_it():
+    # 10 req/s for 30 s, every other request 0.5 s and 4 s long: a server that keeps up. Counting
+    # the completions inside the window misses the long ones still in flight at its end (6% here).
+    n = 300
+    e2e = np.where(np.arange(n) % 2 == 0, 0.5, 4.0)
+    planned = np.arange(n) / 10.0
+    df = pd.DataFrame({"request_id": [str(i) for i in range(n)], "scheduled_ts": planned,
+                       "start_ts": planned, "e2e_s": e2e, "ttft_s": 0.05, "output_tokens": 50,
+                       "prompt_tokens": 10, "status": "ok", "error": ""})
+    df = df.assign(tpot_s=(df["e2e_s"] - 0.05) / 49, itl_s=[[] for _ in range(n)])
+    s = summarize(df, Slo(), load=Load(mode="open", shape={"level": 10}))
+    assert s["request_throughput"] == pytest.approx(10.0, rel=0.01)
+    ends = df["start_ts"] + df["e2e_s"]
+    t0, t1 = 0.5, 29.9
+    completions = float(((ends > t0) & (ends <= t1)).sum()) / (t1 - t0)
+    assert completions == pytest.approx(9.4, abs=0.1)  # what counting completions said
+
+
+def test_a_run_that_did_not_hold_its_load_says_why():
+    closed, open_loop = Load(shape={"level": 4}), Load(mode="open", shape={"level": 10})
+    short = {"window_share": 0.2, "drain_s": 1.0, "e2e_p99": 2.0}
+    assert "steady window covered 20% of the run" in unsteady_reason(short, closed)
+    # An open loop's arrivals keep their schedule: an overloaded server drains long, as evidence.
+    assert unsteady_reason(short, open_loop) == ""
+    drained = {"window_share": 0.6, "drain_s": 40.0, "e2e_p99": 3.0}
+    assert "drained 40.0 s after its window, 13x its E2E p99" in unsteady_reason(drained, closed)
+    assert unsteady_reason({"window_share": 0.7, "drain_s": 5.0, "e2e_p99": 3.0}, closed) == ""
+    assert unsteady_reason({}, closed) == ""  # a tiny run has no steady window to judge

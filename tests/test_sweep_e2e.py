@@ -23,7 +23,10 @@ from vllm_lab.summary import summarize
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SETS = ["load.shape.level=6", "load.stop.duration_s=4", "workload.source=alpaca-like",
+# 30 s of load: a closed loop's window ends at its last send, and a run whose fill and drain
+# take more than its window is unsteady (store.RunStatus), not measured; one sequence at a time
+# for six users drains for about 20 s on cpu-demo.
+SETS = ["load.shape.level=6", "load.stop.duration_s=30", "workload.source=alpaca-like",
         "run.warmup_requests=2"]
 
 
@@ -48,7 +51,9 @@ def runs_by_value(store: Store, exp: str) -> pd.DataFrame:
 
 
 def test_sweep_report_matches_the_store(lab):
-    out = subprocess.run(lab_cmd(lab, "--values", "1,8", "--experiment", "e2e-sweep"), check=False,
+    # The scenario's own max-num-seqs (8) is the sweep's reference, among the values: no third point.
+    out = subprocess.run(lab_cmd(lab, "--set", "serve.max-num-seqs=8", "--values", "1,8",
+                                 "--experiment", "e2e-sweep"), check=False,
                          capture_output=True, text=True, timeout=400, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     index = lab / "reports/e2e-sweep/index.html"
@@ -83,7 +88,7 @@ def twin_pid(lab: Path) -> int | None:
 
 
 def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
-    args = lab_cmd(lab, "--values", "2,4", "--experiment", "e2e-crash")
+    args = lab_cmd(lab, "--set", "serve.max-num-seqs=4", "--values", "2,4", "--experiment", "e2e-crash")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO, start_new_session=True)
     try:
@@ -125,7 +130,8 @@ def test_claim_six_on_the_live_twin(lab):
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts/lab.py"), "claims", "--claims", "6", "--hardware", "cpu-demo",
          "--inventory", str(lab / "inv.yml"), "--out", str(lab / "claims"), "--experiment", "claims-live",
-         "--set", "load.stop.duration_s=3", "--set", "load.shape.level=4",
+         # 10 s: a request drains for about 4 s here, and a window under half its run is unsteady.
+         "--set", "load.stop.duration_s=10", "--set", "load.shape.level=4",
          "--set", "workload.source=alpaca-like", "--set", "run.warmup_requests=1"],
         check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr

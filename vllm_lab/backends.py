@@ -32,7 +32,7 @@ from vllm_lab.prediction import (
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
-from vllm_lab.summary import request_failures, summarize
+from vllm_lab.summary import request_failures, summarize, unsteady_reason
 from vllm_lab.traffic.runner import TrafficError
 
 log = logging.getLogger(__name__)
@@ -325,6 +325,10 @@ class LiveBackend:
         elif limited:
             status = RunStatus.CLIENT_LIMITED
             error = f"the load generator could not keep up ({limited}): these figures describe the client"
+        elif missing := _unaudited(summary):
+            status, error = RunStatus.UNAUDITED, missing
+        elif unsteady := unsteady_reason(summary, scenario.load):
+            status, error = RunStatus.UNSTEADY, f"the run did not hold its load: {unsteady}"
         return Measurement(status=status, started=started, ended=ended, host=instance.host,
                            error=error, summary=summary, samples=result.samples,
                            server_metrics=result.server_metrics)
@@ -383,6 +387,20 @@ def _client_limited(result, summary: RunSummary) -> str:
     if summary.audit_client_limited:
         why.append(summary.audit_reason)
     return "; ".join(why)
+
+
+def _unaudited(summary: RunSummary) -> str:
+    """Why vLLM's /metrics gave no account of a live run ("" when they did): without it the
+    client's figures cannot be checked against the server's, and a wedged server that answered
+    nothing reads like a quiet one."""
+    if summary.server_requests is None:
+        return ("vLLM's /metrics gave no account of the run (no two scrapes of its request "
+                "counters): its figures cannot be checked against the server's")
+    if not summary.server_generation_tokens and (summary.output_throughput or 0) > 0:
+        return ("vLLM's /metrics counted no generated token while the client read "
+                f"{summary.output_throughput:.0f} tok/s: its figures cannot be checked against "
+                "the server's")
+    return ""
 
 
 def own_gpus(metrics: pd.DataFrame | None, gpus: str) -> pd.DataFrame | None:
@@ -484,8 +502,10 @@ class PredictBackend:
                        gpu_util_mean=prediction.gpu_utilization * 100,
                        kv_cache_tokens=prediction.kv_cache_tokens)
         summary.update(modelled_energy(prediction))
-        return Measurement(status="ok", started=started, ended=time.time(), host="predictor",
-                           summary=summary, samples=samples)
+        unsteady = unsteady_reason(summary, scenario.load)
+        return Measurement(status=RunStatus.UNSTEADY if unsteady else RunStatus.OK, started=started,
+                           ended=time.time(), host="predictor", summary=summary, samples=samples,
+                           error=f"the run did not hold its load: {unsteady}" if unsteady else "")
 
     def close(self, host: str | None) -> None:
         """Nothing runs between predictions."""

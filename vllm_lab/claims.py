@@ -2,7 +2,7 @@
 
 A claim names *arms*: serve flags changed from vLLM's defaults, on a traffic. The plan is the union
 of the selected claims' arms as ``Point``s; arms that coincide (vLLM's defaults on the same traffic)
-are measured once and shared between claims. A verdict compares an arm's median against its
+are measured once and shared between claims. A verdict compares an arm's mean against its
 reference arm, with the reference's run-to-run spread as the noise floor: an effect inside the
 noise is no effect.
 
@@ -24,6 +24,7 @@ from vllm_lab.inputs import shown
 from vllm_lab.plans import Point
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, deep_merge, read_yaml, scenario_path
+from vllm_lab.store import DETERMINISTIC_BACKENDS
 
 HOLDS, PARTLY, NO, UNTESTABLE = "holds", "holds partly", "does not hold", "not testable here"
 NOISE_FLOOR = 0.03  # below 3% a difference is not claimed even when the repeats agree closely
@@ -106,12 +107,27 @@ class Claim:
 
 
 class Evidence:
-    """Each arm's runs (summaries and statuses), read by the judges."""
+    """Each arm's runs (summaries and statuses), read by the judges.
 
-    def __init__(self, runs_by_label: Mapping[str, Sequence[dict]], arms: Sequence[Arm]):
+    An arm's runs are those of its label or, where another claim's arm ran the same scenario
+    under another label (the base traffic is 64 closed-loop users, as near-capacity is), that
+    one's: an identical arm is measured once and counts for every claim. On a deterministic
+    backend (the predictor) a repeat reads the same figures: no noise floor is assumed for it.
+    """
+
+    def __init__(self, runs_by_label: Mapping[str, Sequence[dict]], arms: Sequence[Arm],
+                 same: Mapping[str, str] | None = None):
+        same = same or {}
+        by_key: dict[str, Sequence[dict]] = {}
+        for label, runs in runs_by_label.items():
+            if runs and label in same:
+                by_key.setdefault(same[label], runs)
         # Each run's summary typed, whether it came from the store or as a mapping of figures.
         self._runs = {a.name: [{**r, "summary": RunSummary.of(r.get("summary"))}
-                               for r in runs_by_label.get(a.label, [])] for a in arms}
+                               for r in (runs_by_label.get(a.label)
+                                         or by_key.get(same.get(a.label, ""), []))] for a in arms}
+        runs = [r for rs in self._runs.values() for r in rs]
+        self.deterministic = bool(runs) and all(r.get("backend") in DETERMINISTIC_BACKENDS for r in runs)
 
     def measured(self, arm: str) -> bool:
         """The arm has at least one run."""
@@ -140,10 +156,11 @@ class Evidence:
                 out.append(float(v))
         return out
 
-    def median(self, arm: str, metric: str) -> float | None:
-        """The arm's median of the metric (None where it has none)."""
+    def mean(self, arm: str, metric: str) -> float | None:
+        """The arm's mean of the metric over its ok runs (None where it has none): the statistic
+        every figure of the lab is."""
         v = self.values(arm, metric)
-        return statistics.median(v) if v else None
+        return statistics.mean(v) if v else None
 
     def spread(self, arm: str, metric: str) -> float | None:
         """Run-to-run spread (coefficient of variation) of the arm's metric; None under 2 runs."""
@@ -153,10 +170,11 @@ class Evidence:
         return statistics.stdev(v) / abs(statistics.mean(v))
 
     def change(self, arm: str, ref: str, metric: str) -> tuple[float | None, float]:
-        """(relative change of arm against ref, noise floor) for the metric."""
-        a, b = self.median(arm, metric), self.median(ref, metric)
+        """(relative change of arm against ref, noise floor) for the metric; the floor is 0 on
+        a deterministic backend, which has no run-to-run noise."""
+        a, b = self.mean(arm, metric), self.mean(ref, metric)
         spreads = [s for s in (self.spread(ref, metric), self.spread(arm, metric)) if s is not None]
-        floor = max([NOISE_FLOOR] + [2 * s for s in spreads])
+        floor = 0.0 if self.deterministic else max([NOISE_FLOOR] + [2 * s for s in spreads])
         if a is None or b is None or b == 0:
             return None, floor
         return (a - b) / b, floor
@@ -169,12 +187,14 @@ def _ms(v: float | None) -> str:
 def _pct(rel: float | None, floor: float | None = None) -> str:
     if rel is None:
         return "n/a"
+    if floor == 0.0:  # a deterministic backend: the difference is exact
+        return f"{rel:+.1%} (deterministic: no run-to-run noise)"
     return f"{rel:+.0%}" + (f" (noise ±{floor:.0%})" if floor is not None else "")
 
 
 def _compare(ev: Evidence, arm: str, ref: str, metric: str, fmt=_ms) -> str:
     rel, floor = ev.change(arm, ref, metric)
-    return f"{fmt(ev.median(ref, metric))} → {fmt(ev.median(arm, metric))} ({_pct(rel, floor)})"
+    return f"{fmt(ev.mean(ref, metric))} → {fmt(ev.mean(arm, metric))} ({_pct(rel, floor)})"
 
 
 def _tok(v: float | None) -> str:
@@ -207,11 +227,11 @@ def _judge_memory(ev: Evidence) -> list[Part]:
     parts = []
     arms = ["util-0.7", "defaults", "util-0.85", "util-0.98"]
     ran = [a for a in arms if ev.ok(a)]
-    stable = {a: (ev.median(a, "errors") or 0) + (ev.median(a, "preemptions") or 0) for a in ran}
+    stable = {a: (ev.mean(a, "errors") or 0) + (ev.mean(a, "preemptions") or 0) for a in ran}
     failed = [a for a in arms if ev.measured(a) and not ev.ok(a)]
-    kv = ", ".join(f"{a}: {ev.median(a, 'kv_cache_tokens') or 0:,.0f} KV tokens, "
-                   f"{ev.median(a, 'preemptions') or 0:.0f} preemptions, "
-                   f"{ev.median(a, 'errors') or 0:.0f} errors" for a in ran)
+    kv = ", ".join(f"{a}: {ev.mean(a, 'kv_cache_tokens') or 0:,.0f} KV tokens, "
+                   f"{ev.mean(a, 'preemptions') or 0:.0f} preemptions, "
+                   f"{ev.mean(a, 'errors') or 0:.0f} errors" for a in ran)
     if "util-0.7" not in ran:
         parts.append(Part("0.7 is the most stable", UNTESTABLE, f"util-0.7: {ev.status('util-0.7')}"))
     else:
@@ -229,11 +249,11 @@ def _judge_memory(ev: Evidence) -> list[Part]:
     if missing := _missing(ev, "util-0.85", "util-0.7"):
         parts.append(Part("0.85-0.9 is the best balance", UNTESTABLE, missing))
     else:
-        best = max(ran, key=lambda a: ev.median(a, "output_throughput") or 0)
+        best = max(ran, key=lambda a: ev.mean(a, "output_throughput") or 0)
         rel_best, floor = ev.change("util-0.85", best, "output_throughput")
         rel_low, _ = ev.change("util-0.85", "util-0.7", "output_throughput")
-        thr = ", ".join(f"{a} {_tok(ev.median(a, 'output_throughput'))}" for a in ran)
-        spread = [ev.median(a, "output_throughput") or 0 for a in ran]
+        thr = ", ".join(f"{a} {_tok(ev.mean(a, 'output_throughput'))}" for a in ran)
+        spread = [ev.mean(a, "output_throughput") or 0 for a in ran]
         if max(spread) <= min(spread) * (1 + floor):
             verdict = NO  # no setting differs: there is no balance to strike at this load
         elif rel_low is not None and rel_low > floor and rel_best is not None and rel_best > -floor:
@@ -251,13 +271,13 @@ def _judge_memory(ev: Evidence) -> list[Part]:
         oom = "oom" in ev.status("util-0.98")
         parts.append(Part("above 0.95 out-of-memory becomes likely", HOLDS if oom else NO,
                           f"0.98: {ev.status('util-0.98')}"
-                          + ("" if oom else f", {_tok(ev.median('util-0.98', 'output_throughput'))}")))
+                          + ("" if oom else f", {_tok(ev.mean('util-0.98', 'output_throughput'))}")))
     return parts
 
 
 def _judge_budget(ev: Evidence) -> list[Part]:
     parts = []
-    util = {a: ev.median(a, "gpu_util_mean") for a in ("small", "defaults", "4096", "large")}
+    util = {a: ev.mean(a, "gpu_util_mean") for a in ("small", "defaults", "4096", "large")}
     if (missing := _missing(ev, "small")) or util["small"] is None:
         parts.append(Part("too small a budget leaves the GPU under 50% utilized", UNTESTABLE,
                           missing or "no GPU utilization was scraped"))
@@ -347,7 +367,7 @@ def _judge_blocks(ev: Evidence, small_refused: str | None) -> list[Part]:
     else:
         rel, floor = ev.change("defaults-base", "block-32-base", "output_throughput")
         tpot, _ = ev.change("defaults-base", "block-32-base", "tpot_p50")
-        kv16, kv32 = ev.median("defaults-base", "kv_usage_mean"), ev.median("block-32-base", "kv_usage_mean")
+        kv16, kv32 = ev.mean("defaults-base", "kv_usage_mean"), ev.mean("block-32-base", "kv_usage_mean")
         verdict = HOLDS if rel > floor or tpot < -floor else PARTLY if rel > -floor else NO
         parts.append(Part("block 16 suits chat (less fragmentation)", verdict,
                           f"block 32 → 16 on chat: output {_pct(rel, floor)}, TPOT p50 {_pct(tpot)}; "
@@ -375,7 +395,7 @@ def _judge_dtype(ev: Evidence) -> list[Part]:
         parts.append(Part("float32 doubles memory", HOLDS if oom else UNTESTABLE,
                           f"float32: {ev.status('float32')}"))
     else:
-        t16, t32 = ev.median("defaults", "kv_cache_tokens"), ev.median("float32", "kv_cache_tokens")
+        t16, t32 = ev.mean("defaults", "kv_cache_tokens"), ev.mean("float32", "kv_cache_tokens")
         thr = _compare(ev, "float32", "defaults", "output_throughput", _tok)
         if not t16 or not t32:
             parts.append(Part("float32 doubles memory", UNTESTABLE, f"no KV cache size was scraped; output {thr}"))
@@ -425,13 +445,13 @@ def _judge_templates(ev: Evidence) -> list[Part]:
                           f"{_compare(ev, 'offline-batch', 'defaults-offline-batch', 'output_throughput', _tok)}"
                           f" = ×{ratio:.2f} the defaults", claimed=2.0, measured=rel))
     s = "the high-concurrency template holds GPU utilization near 85%"
-    util = ev.median("high-concurrency-api", "gpu_util_mean")
+    util = ev.mean("high-concurrency-api", "gpu_util_mean")
     if (missing := _missing(ev, "high-concurrency-api")) or util is None:
         parts.append(Part(s, UNTESTABLE, missing or "no GPU utilization scraped"))
     else:
         parts.append(Part(s, HOLDS if abs(util - 85) <= 7 else NO,
                           f"GPU utilization {util:.0f}% on its own traffic (defaults: "
-                          f"{ev.median('defaults-high-concurrency-api', 'gpu_util_mean') or 0:.0f}%)"))
+                          f"{ev.mean('defaults-high-concurrency-api', 'gpu_util_mean') or 0:.0f}%)"))
     return parts
 
 
@@ -442,14 +462,14 @@ def _judge_parallel(ev: Evidence, sizes: Sequence[int]) -> list[Part]:
         why = ("the hardware has one GPU" if len(sizes) < 2 else
                "; ".join(f"tp-{n}: {ev.status(f'tp-{n}')}" for n in sizes))
         return [Part(s, UNTESTABLE, why, claimed=5.5)]
-    one = ev.median("tp-1", "output_throughput")
-    scale = ", ".join(f"TP {n}: ×{ev.median(f'tp-{n}', 'output_throughput') / one:.2f} "
-                      f"({ev.median(f'tp-{n}', 'output_throughput') / one / n:.0%} efficiency)"
+    one = ev.mean("tp-1", "output_throughput")
+    scale = ", ".join(f"TP {n}: ×{ev.mean(f'tp-{n}', 'output_throughput') / one:.2f} "
+                      f"({ev.mean(f'tp-{n}', 'output_throughput') / one / n:.0%} efficiency)"
                       for n in measured if n > 1)
     if 8 not in measured:
         return [Part(s, UNTESTABLE, f"measured up to {max(measured)} GPUs (the most the hardware has): {scale}",
                      claimed=5.5)]
-    ratio = ev.median("tp-8", "output_throughput") / one
+    ratio = ev.mean("tp-8", "output_throughput") / one
     verdict = HOLDS if abs(ratio - 6.5) <= 0.15 * 6.5 else PARTLY if ratio > 4 else NO
     return [Part(s, verdict, f"at 256 users, {scale}", claimed=5.5, measured=ratio - 1)]
 
@@ -547,8 +567,17 @@ def parse_selection(text: str | None) -> list[int]:
     return sorted(out)
 
 
-def points(base: Scenario, selected: Sequence[int], repeats: int = 1) -> list[Point]:
-    """The runs the selected claims need, each arm once; vLLM's defaults repeated at least twice.
+def arm_keys(base: Scenario) -> dict[str, str]:
+    """Every arm's label and the identity of the scenario it runs: arms of the same identity are
+    one measurement under several names."""
+    return {arm.label: Point(traffic_scenario(base, arm.traffic).with_serve(**arm.serve), {}).key
+            for claim in catalog(base) for arm in claim.arms}
+
+
+def points(base: Scenario, selected: Sequence[int], repeats: int = 1,
+           deterministic: bool = False) -> list[Point]:
+    """The runs the selected claims need, each arm once; vLLM's defaults repeated at least twice
+    (on a deterministic backend once: its repeat reads the same figures).
 
     The reference arms are the noise floor of every verdict, so they always get a second run.
     """
@@ -558,7 +587,7 @@ def points(base: Scenario, selected: Sequence[int], repeats: int = 1) -> list[Po
             continue
         for arm in claim.arms:
             scenario = traffic_scenario(base, arm.traffic).with_serve(**arm.serve)
-            for r in range(max(repeats, 2) if not arm.serve else repeats):
+            for r in range(max(repeats, 2) if not arm.serve and not deterministic else repeats):
                 p = Point(scenario, {"arm": arm.label}, r)
                 seen.setdefault(p.key, p)
     # vLLM's defaults first (one start serves every claim's reference), then the claims in order:
@@ -582,9 +611,9 @@ class Verdict:
 def judge(base: Scenario, runs_by_label: Mapping[str, Sequence[dict]],
           selected: Sequence[int] = range(1, 10)) -> list[Verdict]:
     """Each selected claim's verdict from the runs (label → run dicts with status, summary, error)."""
-    out = []
+    out, same = [], arm_keys(base)
     for claim in catalog(base):
         if claim.number in selected:
-            parts = claim.judge(Evidence(runs_by_label, claim.arms))
+            parts = claim.judge(Evidence(runs_by_label, claim.arms, same))
             out.append(Verdict(claim, overall(parts), parts))
     return out

@@ -4,6 +4,7 @@ calls this: ``lab make TARGET`` reads the make variables as data (``make_argv``)
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -28,6 +29,7 @@ from vllm_lab.commands import (
     hosts,
     lint,
     monitor,
+    plan_record,
     quarterly,
     report,
     show,
@@ -57,9 +59,11 @@ class LabParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every lab command."""
+    """The argument parser of every lab command (options in full: a resume reads which were
+    given, so no abbreviation stands for one)."""
     parser = LabParser(prog="lab", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(LabParser, allow_abbrev=False))
     for command in COMMANDS:
         command.register(sub)
     return parser
@@ -112,6 +116,11 @@ _REQUIRED = {"sweep": ("PARAM", "make sweep PARAM=max-num-seqs"),
              "bench": ("NAME", "make bench NAME=twin (make help lists them)")}
 # Read by the container inventories from the environment (inventory/container.yml), not options.
 _INVENTORY_VARS = ("VLLM_VENV", "LAB_ROOT")
+# Values the Makefile gives variables left unset: they reach the lab as no option (its own default
+# is the same), so a resume tells a variable given from one left out; a resume command leaves them
+# out too.
+_MAKE_DEFAULTS = {"SCENARIO": "default", "INVENTORY": "inventory/local.yml", "BACKEND": "twin",
+                  "OUT": "reports"}
 _SWITCHES = {"--resume", "--spread", "--fit-only", "--baseline", "--live"}
 _ON, _OFF = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
 
@@ -161,7 +170,7 @@ def make_argv(target: str, env: Mapping[str, str]) -> tuple[list[str], dict[str,
         if target == "lint" and scenario == "all":
             return ["lint", "--all"], names
         for name, option in _SCENARIO_VARS:
-            if var(name):
+            if var(name) and var(name) != _MAKE_DEFAULTS.get(name):
                 argv.append(f"{option}={var(name)}")
                 names[option] = name
         argv += [f"--set={item}" for item in _words("SET", var("SET"))]
@@ -177,7 +186,7 @@ def make_argv(target: str, env: Mapping[str, str]) -> tuple[list[str], dict[str,
     for name, option in MAKE_TARGETS[target]:
         text = var(name)
         names[option] = name
-        if not text:
+        if not text or text == _MAKE_DEFAULTS.get(name):
             continue
         if option in _SWITCHES:
             argv += [option] if _switch(name, text) else []
@@ -232,22 +241,22 @@ def _ansible_verbosity_problem(args: argparse.Namespace) -> str | None:
             f"changes; unset it or set it to 0 (failed tasks are quoted in full anyway)")
 
 
-# Values the Makefile gives variables left unset: a resume command leaves them out too.
-_MAKE_DEFAULTS = {"SCENARIO": "default", "INVENTORY": "inventory/local.yml", "BACKEND": "twin",
-                  "OUT": "reports"}
 _NOT_RESUMED = {"RESUME", "EXPERIMENT", "DEADLINE"}
 
 
-def _make_resume_command(target: str, env: Mapping[str, str]) -> Callable[..., str]:
+def _make_resume_command(target: str, env: Mapping[str, str],
+                         restored: Mapping[str, list[str]] | None = None) -> Callable[..., str]:
     """The make command that resumes an experiment of ``make TARGET``: the variables it was given
-    (but RESUME, EXPERIMENT and DEADLINE, and those ``changes`` replace, e.g. TRIALS left),
-    then RESUME=1 EXPERIMENT=<id>, quoted for a shell."""
+    (but RESUME, EXPERIMENT and DEADLINE, and those ``changes`` replace, e.g. TRIALS left), those
+    of its plan a resume ``restored``, then RESUME=1 EXPERIMENT=<id>, quoted for a shell."""
     names = [n for n, _ in _SCENARIO_VARS] + ["SET", "MODEL", "DURATION"] if target in _LAYERED else []
     names += [n for n, _ in MAKE_TARGETS.get(target, ()) if n not in names]
+    planned = [w for o, v in (restored or {}).items() for w in _make_words(o, v)]
 
     def command(exp_id: str, **changes: object) -> str:
         words = [f"{n}={text}" for n in names if n not in _NOT_RESUMED and n not in changes
                  and (text := env.get(f"LAB_MAKE_{n}", "").strip()) and _MAKE_DEFAULTS.get(n) != text]
+        words += [w for w in planned if w.partition("=")[0] not in changes]
         words += [f"{n}={v}" for n, v in changes.items()]
         return shlex.join(["make", target, *words, "RESUME=1", f"EXPERIMENT={exp_id}"])
     return command
@@ -270,6 +279,52 @@ def _resume_command(argv: list[str]) -> Callable[..., str]:
         words += [f"{options[n]}={v}" for n, v in changes.items()]
         return shlex.join(["scripts/lab.py", *words, "--resume", f"--experiment={exp_id}"])
     return command
+
+
+# Each option's make variable, for sentences and resume commands about a recorded plan.
+_MAKE_NAMES = {o: n for vars_ in (_SCENARIO_VARS, *MAKE_TARGETS.values()) for n, o in vars_}
+_SET_ITEMS = {"load.stop.duration_s": "DURATION", "serve.model": "MODEL"}
+
+
+def _make_words(option: str, values: list[str]) -> list[str]:
+    """An option as the make variables that give it: ``--set`` items as DURATION, MODEL and SET,
+    a list as its shell words."""
+    name = _MAKE_NAMES.get(option, option)
+    if option == "--set":
+        own = [f"{_SET_ITEMS[k]}={json.loads(t) if k == 'serve.model' else t}"
+               for k, _, t in (v.partition("=") for v in values) if k in _SET_ITEMS]
+        rest = [v for v in values if v.partition("=")[0] not in _SET_ITEMS]
+        return own + ([f"SET={shlex.join(rest)}"] if rest else [])
+    if option == "--reference":
+        return [f"{name}={shlex.join(values)}"]
+    return [f"{name}={','.join(values)}"]
+
+
+def _show_option(names: Mapping[str, str]) -> Callable[[str, list[str]], str]:
+    """How a sentence names an option: as the make variables it came from, or as the lab's option."""
+    def show(option: str, values: list[str]) -> str:
+        if not names:
+            return " ".join(f"{option}={v}" for v in values) or f"no {option}"
+        if not values:
+            return f"no {_MAKE_NAMES.get(option, option)}"
+        return " ".join(shlex.quote(w) for w in _make_words(option, values))
+    return show
+
+
+def _with_plan(argv: list[str], args: argparse.Namespace,
+               names: Mapping[str, str]) -> tuple[list[str], argparse.Namespace, dict]:
+    """A long command's arguments with the plan of the experiment it resumes restored (or
+    UsageError naming the option that contradicts it), the plan it records, and the options
+    restored."""
+    show = _show_option(names)
+    restored = plan_record.restore(argv, args, show)
+    if restored.argv != argv:
+        args = build_parser().parse_args(restored.argv)
+        shown = " ".join(show(o, v) for o, v in restored.restored.items())
+        print(f"resuming {restored.experiment} as planned" + (f": {shown}" if shown else ""),
+              flush=True)
+    args.plan = plan_record.record(argv[0], plan_record.given(restored.argv[1:], argv[0]))
+    return restored.argv, args, restored.restored
 
 
 def _store_of(args: argparse.Namespace | None) -> Path:
@@ -327,12 +382,15 @@ def _main(argv: list[str]) -> int:
     names: dict[str, str] = {}
     args = None
     try:
-        resume_command = None
-        if argv[:1] == ["make"]:
+        by_make = argv[:1] == ["make"]
+        if by_make:
             argv, names = make_argv(argv[1] if len(argv) > 1 else "", os.environ)
-            resume_command = _make_resume_command(argv[0], os.environ)
         args = build_parser().parse_args(argv)
-        args.resume_command = resume_command or _resume_command(argv)
+        restored: dict = {}
+        if hasattr(args, "resume"):
+            argv, args, restored = _with_plan(argv, args, names)
+        args.resume_command = (_make_resume_command(argv[0], os.environ, restored) if by_make
+                               else _resume_command(argv))
         problem = _ansible_verbosity_problem(args)
         if problem:
             raise UsageError(problem)

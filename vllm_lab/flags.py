@@ -207,6 +207,24 @@ def engine_defaults(gpu_memory_gib: float, gpu_name: str = "",
 
 
 NOT_MODELLED = "not modelled: measured only"
+# Why the twin does not model a flag, where a reason helps (the rest: "not modelled").
+UNMODELLED_WHY = {
+    "max-num-partial-prefills": "the twin's scheduler does not limit concurrent partial prefills",
+    "enable-chunked-prefill": "chunked prefill is always on in vLLM's V1 engine",
+}
+# Flags the twin's server honours but its predictor does not model, and why.
+PREDICTOR_IGNORES = {"stream-interval": "the predictor streams every token as it is made"}
+
+
+def unmodelled(name: str, backend: str) -> str | None:
+    """Why ``backend`` would read every value of flag ``name`` alike (None: it models the flag,
+    or it is real vLLM)."""
+    flag = FLAGS.get(name)
+    if backend not in ("twin", "predict") or flag is None:
+        return None
+    if not flag.twin_models:
+        return UNMODELLED_WHY.get(name, f"the flags catalog marks it {NOT_MODELLED}")
+    return PREDICTOR_IGNORES.get(name) if backend == "predict" else None
 
 
 def twin_note(name: str) -> str | None:

@@ -99,6 +99,16 @@ def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
                         f"make lint lists what a scenario may set")
 
 
+def check_modelled(param: str, backend: str, variable: str = "PARAM") -> None:
+    """ScenarioError when ``backend`` does not model flag ``param``: it would read every value
+    the same, and name a best among equal figures (the flags catalog's ``twin_models``)."""
+    why = flagcat.unmodelled(param.removeprefix("serve."), backend)
+    if why:
+        raise ScenarioError(f"{variable}={param}: BACKEND={backend} does not model it ({why}), so "
+                            f"every value would read the same; measure it on real vLLM "
+                            f"(BACKEND=vllm INVENTORY=...)")
+
+
 def parse_values(param: str, text: str) -> list[Any]:
     """VALUES="8,16,32" for PARAM, typed as the flag's catalog entry says."""
     flag = flagcat.FLAGS.get(param)
@@ -137,13 +147,60 @@ def _weights_share(scenario: Scenario) -> float:
     return shape.num_params * DTYPE_BYTES.get(dtype, 2) / tp / (scenario.hardware.memory_gib * 1024**3)
 
 
+def reference_value(param: str, scenario: Scenario) -> Any:
+    """The value a sweep of ``param`` is compared with: the scenario's own, else vLLM's default on
+    the scenario's GPU (None: a scenario key, or a flag whose default depends on the model)."""
+    if not is_serve_flag(param) or param not in flagcat.FLAGS:
+        return None
+    if param in scenario.serve:
+        return scenario.serve[param]
+    hw = scenario.hardware
+    return flagcat.engine_defaults(hw.memory_gib, hw.name, names=[param])[param]
+
+
+def reference_point(scenario: Scenario, params: Sequence[str]) -> dict[str, Any] | None:
+    """The point of vLLM's defaults (the scenario's own flags) among ``params``; None when a
+    parameter has no such value (a load level, max-model-len)."""
+    values = {p: reference_value(p, scenario) for p in params}
+    return None if any(v is None for v in values.values()) else values
+
+
+def kv_sequences(scenario: Scenario) -> int | None:
+    """How many sequences of the workload's mean length (prompt and output) the KV cache holds on
+    this GPU with this model, at vLLM's memory share; None when the model or lengths are unknown."""
+    try:
+        shape = load_model_shape(str(scenario.serve["model"]))
+    except (ValueError, OSError, KeyError):
+        return None
+    lin, lout = scenario.workload.lengths()
+    if lin is None or lout is None:
+        return None
+    util = float(scenario.serve.get("gpu-memory-utilization", flagcat.default("gpu-memory-utilization")))
+    free = (util - _weights_share(scenario)) * scenario.hardware.memory_gib * 1024**3
+    per_sequence = shape.kv_bytes_per_token(2) * (lin.mean + lout.mean)
+    return max(int(free / per_sequence), 1) if free > 0 else 1
+
+
+def _seqs_ladder(scenario: Scenario, default: int) -> list[int]:
+    """max-num-seqs where it binds: a batch cap matters only below the sequences the load keeps in
+    flight (a closed loop's users) and the KV cache can hold, so the ladder is a quarter, a half
+    and all of that limit, and vLLM's default, the reference (above the limit every value runs
+    the same batch)."""
+    limit = min(v for v in (default, kv_sequences(scenario),
+                            int(scenario.load.shape.level) if scenario.load.mode == "closed" else None)
+                if v)
+    low = [v for v in (limit // 4, limit // 2, limit) if v >= 8] or [min(8, default)]
+    return sorted({*low, default})
+
+
 def default_values(param: str, scenario: Scenario) -> list[Any]:
-    """A ladder for ``param`` fitted to the hardware preset and the model."""
+    """A ladder for ``param`` fitted to the hardware preset, the model and the load, with the
+    reference (``reference_value``: vLLM's default on this GPU) always on it."""
     hw = scenario.hardware
     defaults = flagcat.engine_defaults(hw.memory_gib, hw.name)
     seqs = scenario.serve.get("max-num-seqs", defaults["max-num-seqs"])
     ladders: dict[str, Callable[[], list[Any]]] = {
-        "max-num-seqs": lambda: [8, 16, 32, 64, 128, 256],
+        "max-num-seqs": lambda: _seqs_ladder(scenario, seqs),
         # vLLM refuses a token budget below max-num-seqs: the ladder starts there.
         "max-num-batched-tokens": lambda: [v for v in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
                                            if v >= seqs][:6],
@@ -164,7 +221,11 @@ def default_values(param: str, scenario: Scenario) -> list[Any]:
         known = ", ".join(ladders)
         raise ScenarioError(f"PARAM {param!r} has no default ladder; give VALUES=a,b,c "
                             f"(ladders exist for: {known})")
-    return ladders[param]()
+    values, reference = ladders[param](), reference_value(param, scenario)
+    if reference is None or reference in values:
+        return values
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in [*values, reference])
+    return sorted([*values, reference]) if numeric else [reference, *values]
 
 
 def _memory_ladder(scenario: Scenario) -> list[float]:
@@ -209,9 +270,15 @@ def sweep_points(scenario: Scenario, param: str, values: Sequence[Any], repeats:
 def sweep_plan(scenario: Scenario, param: str, values_text: str | None,
                repeats: int = 1) -> tuple[list[Any], list[Point]]:
     """A sweep's values and points in one pass: ``param`` checked, VALUES typed (else the
-    hardware's ladder), each value's scenario resolved once per repeat."""
+    hardware's ladder), vLLM's default (``reference_value``) among them, each value's scenario
+    resolved once per repeat."""
     check_param(param, scenario)
     values = parse_values(param, values_text) if values_text else default_values(param, scenario)
+    reference = reference_value(param, scenario)
+    if reference is not None and reference not in values:
+        # vLLM's defaults are every sweep's reference: each point's effect is read against them.
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in [*values, reference])
+        values = sorted([*values, reference]) if numeric else [reference, *values]
     return values, sweep_points(scenario, param, values, repeats)
 
 

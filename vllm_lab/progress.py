@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllm_lab import outdir
-from vllm_lab.analysis.points import best_point, point_table
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import RunStatus
 
@@ -451,70 +450,37 @@ def tracking(progress: Progress) -> Iterator[Progress]:
 
 # -- the closing table ---------------------------------------------------------------------------
 
-def _best_label(runs) -> str | None:
-    """The report's best point (the cheapest within noise of the top under the SLO), labelled."""
-    first = runs["point"].iloc[0] or {}
-    params = list(first)
-    if not params:
-        return None
-    best = best_point(point_table(runs, params))
-    return None if best is None else point_label({p: best[p] for p in params})
-
-
-def closing_table(runs, stream: TextIO = sys.stdout, plain: bool | None = None) -> None:
-    """Each point with its runs' median figures, the best marked as the report names it."""
-    if runs is None or len(runs) == 0:
+def closing_table(results, stream: TextIO = sys.stdout, plain: bool | None = None) -> None:
+    """A command's closing lines (``reports.console.Results``): its table, the best row marked,
+    the statistic its figures are, and its page's headline."""
+    if results is None:
         return
-    rows: dict[str, dict[str, Any]] = {}
-    for r in runs.to_dict("records"):
-        row = rows.setdefault(point_label(r["point"]), {"ok": [], "statuses": []})
-        row["statuses"].append(r["status"])
-        if r["status"] == RunStatus.OK:
-            row["ok"].append(RunSummary.of_row(r))
-
-    def med(summaries: list[RunSummary], key: str) -> float | None:
-        vals = sorted(s.figure(key) for s in summaries if s.figure(key) is not None)
-        return vals[len(vals) // 2] if vals else None
-
-    table = []
-    for label, row in rows.items():
-        table.append({"point": label, "runs": f"{len(row['ok'])}/{len(row['statuses'])} ok",
-                      "tok/s": med(row["ok"], "output_throughput"), "goodput": med(row["ok"], "goodput"),
-                      "TTFT p50 ms": _ms(med(row["ok"], "ttft_p50")),
-                      "TPOT p50 ms": _ms(med(row["ok"], "tpot_p50")),
-                      "failed": ", ".join(sorted({s for s in row["statuses"] if s != "ok"}))})
-    best = _best_label(runs)
-    cols = ["point", "runs", "tok/s", "goodput", "TTFT p50 ms", "TPOT p50 ms", "failed"]
-
-    def cell(t: dict, c: str) -> str:
-        v = t[c]
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.2f}" if c == "goodput" else f"{v:.1f}" if c == "TPOT p50 ms" else f"{v:.0f}"
-        return str(v) + (" (best)" if c == "point" and v == best else "")
-
+    table, best = results.table, results.best
+    cols = [str(c) for c in table.columns]
+    rows = [[str(v) for v in r] for r in table.itertuples(index=False)]
+    marked = [i for i, r in enumerate(rows) if best is not None and r[0] == best]
     if (not fancy(stream)) if plain is None else plain:
-        widths = {c: max(len(c), *(len(cell(t, c)) for t in table)) for c in cols}
-        print("  ".join(c.ljust(widths[c]) for c in cols).rstrip(), file=stream)
-        for t in table:
-            print("  ".join(cell(t, c).ljust(widths[c]) for c in cols).rstrip(), file=stream)
-        if best:
-            print(f"best: {best}", file=stream, flush=True)
-        return
-    from rich.console import Console
-    from rich.table import Table
+        if cols:
+            shown = [[r[0] + (" (best)" if i in marked else ""), *r[1:]] for i, r in enumerate(rows)]
+            widths = [max(len(c), *(len(r[j]) for r in shown)) for j, c in enumerate(cols)]
+            print("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip(), file=stream)
+            for r in shown:
+                print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip(), file=stream)
+        if best is not None:
+            print(f"best: {best}", file=stream)  # a line a script can grep for
+    elif cols:
+        from rich.console import Console
+        from rich.table import Table
 
-    out = Table(title="results", title_justify="left")
-    for c in cols:
-        out.add_column(c, justify="left" if c in ("point", "runs", "failed") else "right")
-    for t in table:
-        out.add_row(*(cell(t, c) for c in cols), style="bold green" if t["point"] == best else None)
-    Console(file=stream, highlight=False).print(out)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
+        out = Table(title="results", title_justify="left")
+        for j, c in enumerate(cols):
+            out.add_column(c, justify="left" if j == 0 or c in ("status", "verdict") else "right")
+        for i, r in enumerate(rows):
+            out.add_row(*r, style="bold green" if i in marked else None)
+        Console(file=stream, highlight=False).print(out)
+    if results.statistic and cols:
+        print(f"figures: {results.statistic}", file=stream)
+    print(results.headline, file=stream, flush=True)
 
 
 # -- make status ---------------------------------------------------------------------------------

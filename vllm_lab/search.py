@@ -61,9 +61,20 @@ def parse_grid(grid_text: str | None, params_text: str | None, scenario: Scenari
     return grid
 
 
-def combo_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: int = 1) -> list[plans.Point]:
-    """Every combination of the grid, serve values grouped so a server starts once per combination."""
-    return plans.grid_points(scenario, grid, repeats)
+def combo_points(scenario: Scenario, grid: dict[str, Sequence[Any]], repeats: int = 1,
+                 reference: dict[str, Any] | None = None) -> list[plans.Point]:
+    """Every combination of the grid, serve values grouped so a server starts once per
+    combination, and the ``reference`` combination (vLLM's defaults) beside it when the grid
+    does not hold it: every point's effect is read against it."""
+    points = plans.grid_points(scenario, grid, repeats)
+    if reference is None or all(reference[p] in values for p, values in grid.items()):
+        return points
+    return [*_points(scenario, reference, repeats), *points]
+
+
+def _points(scenario: Scenario, values: dict[str, Any], repeats: int) -> list[plans.Point]:
+    point = _point(scenario, values)
+    return [plans.Point(point.scenario, point.values, r) for r in range(repeats)]
 
 
 # -- the declared space ------------------------------------------------------------------------
@@ -292,13 +303,29 @@ class TuneSettings:
     storage: str = ""
     seed: int | None = None
     startup_trials: int = 4
+    plan: dict[str, Any] | None = None  # the command's recorded plan (commands.plan_record)
+    reference: dict[str, Any] | None = None  # vLLM's defaults of the space's flags
 
 
 def tune_meta(settings: TuneSettings) -> dict[str, Any]:
-    """The experiment's meta: what the report needs to find the study and label its axes."""
+    """The experiment's meta: what the report needs to find the study and label its axes, the
+    reference the trials are read against, and the plan a resume restores."""
     return {"params": list(settings.space.space), "objective": settings.objective,
             "space": {k: v.model_dump(exclude_none=True) for k, v in settings.space.space.items()},
-            "study": settings.experiment_id, "storage": settings.storage}
+            "study": settings.experiment_id, "storage": settings.storage,
+            "reference": settings.reference, **({"made_by": settings.plan} if settings.plan else {})}
+
+
+def measure_reference(scenario: Scenario, settings: TuneSettings, backend: Backend,
+                      store_path: Path, workdir: Path, host: str | None = None) -> None:
+    """vLLM's defaults of the space's flags, measured once as a run of the search's experiment
+    (not a trial: the study learns only from what it asked), so every trial is read against
+    them; already recorded on a resume or by another worker."""
+    if settings.reference is None:
+        return
+    plan = plans.Plan(settings.experiment_id, "tune",
+                      _points(scenario, settings.reference, scenario.run.repeats), tune_meta(settings))
+    plans.execute(plan, backend, store_path, workdir, [host])
 
 
 def run_trials(scenario: Scenario, settings: TuneSettings, backend: Backend, store_path: Path,

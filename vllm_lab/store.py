@@ -1,6 +1,6 @@
 """The results store: one SQLite database (WAL) and one Parquet file of raw request samples per run.
 
-Schema (version 3; ``SCHEMA`` below is the documentation):
+Schema (version 4; ``SCHEMA`` below is the documentation):
 
 - ``meta``: key/value; ``schema_version`` says which lab wrote the file.
 - ``experiments``: one row per experiment (a baseline, a sweep, a combination, a stress test ...).
@@ -14,7 +14,10 @@ A database written by a newer schema is refused, never altered. An older one is 
 version 1 called a run whose client could not keep up ``client-overloaded``; version 2 calls it
 ``client-limited`` and keeps it out of every comparison; version 3 adds ``failed-requests`` (too
 many of the run's requests failed: it measured nothing) and ``unreachable`` (no host answered:
-retried on resume, like a crash), a rebuild of the runs table, whose CHECK SQLite cannot alter.
+retried on resume, like a crash), a rebuild of the runs table, whose CHECK SQLite cannot alter;
+version 4 adds ``unsteady`` (the run did not hold its load: its steady window covered a small part
+of it, or it drained far longer than a request takes) and ``unaudited`` (a live run without vLLM's
+own account of it), by the same rebuild. Every older store opens and its runs keep their status.
 A run's ``backend`` is ``vllm`` or ``twin`` (a server the lab started), ``predict`` (the twin's
 offline predictor) or ``live`` (a deployment the regression watch probes but did not start). A run on
 real vLLM also keeps, in ``summary_json[PREDICTION_KEY]``, what the twin predicted for its scenario
@@ -45,7 +48,7 @@ from vllm_lab.flags import redact
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.summary import COLUMNS, as_float
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate",
          "autotune")
@@ -62,13 +65,20 @@ class RunStatus(StrEnum):
     CLIENT_LIMITED = "client-limited"
     FAILED_REQUESTS = "failed-requests"
     UNREACHABLE = "unreachable"     # no host answered
+    UNSTEADY = "unsteady"           # the load did not hold: a short window or a long drain
+    UNAUDITED = "unaudited"         # a live run vLLM's /metrics gave no account of
 
 
 STATUSES = tuple(RunStatus)
-# Runs that ended but measured the client or nothing: recorded with their figures and reason, and,
-# like every status but ok, left out of best points, verdicts, knees and fits.
-LEFT_OUT = (RunStatus.CLIENT_LIMITED, RunStatus.FAILED_REQUESTS)
+# Runs that ended but measured the client, nothing, or not the load asked for: recorded with their
+# figures and reason, and, like every status but ok, left out of best points, verdicts, knees and
+# fits.
+LEFT_OUT = (RunStatus.CLIENT_LIMITED, RunStatus.FAILED_REQUESTS, RunStatus.UNSTEADY,
+            RunStatus.UNAUDITED)
 RETRIED_ON_RESUME = (RunStatus.CRASHED, RunStatus.TIMEOUT, RunStatus.UNREACHABLE)
+# Backends whose repeats read the same figures (the predictor, from one seed): a figure of theirs
+# has no run-to-run noise, and nothing is judged against a noise they do not have.
+DETERMINISTIC_BACKENDS = ("predict",)
 # How long a writer waits for another process's transaction before it gives up with a sentence.
 LOCK_TIMEOUT_S = 30.0
 
@@ -286,7 +296,7 @@ class Store:
                              f"(the file was not changed)")
         if version == SCHEMA_VERSION:
             return
-        if version in (1, 2):
+        if version in (1, 2, 3):
             self._rebuild_runs()
         # executescript issues its own COMMIT, so it runs outside a transaction; every statement
         # is IF NOT EXISTS, so two processes creating the store at once both succeed.

@@ -62,7 +62,7 @@ def predicted_capacity(scenario: Scenario, backend: Any = None, workdir: Any = N
     s = plans.apply_value(plans.apply_value(scenario, "load.mode", "closed"), "load.shape.level", users)
     s = plans.apply_value(s, "load.shape.kind", "constant")
     m = (backend or PredictBackend()).measure(s, None, workdir)
-    if m.status != "ok":
+    if m.samples is None or m.samples.empty:  # it did not start; the middle half is read below
         raise ScenarioError(f"the configuration does not start on the predictor ({m.error.splitlines()[0]}); "
                             f"stress a configuration that starts, or give LEVELS=a,b,c")
     # In a closed loop with more users than slots every freed slot is refilled at once: the

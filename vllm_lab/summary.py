@@ -83,7 +83,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("duration_s", "s", "measured span", NEITHER, True),
     Metric("requests", "count", "requests", NEITHER, True),
     Metric("errors", "count", "errors", LOWER, True, "errors"),
-    Metric("request_throughput", "req/s", "requests/s", HIGHER, True),
+    Metric("request_throughput", "req/s", "served requests/s", HIGHER, True, "served req/s"),
     Metric("output_throughput", "tok/s", "output tokens/s", HIGHER, True, "output tok/s"),
     Metric("total_throughput", "tok/s", "input+output tokens/s", HIGHER, True),
     Metric("goodput", "req/s", "goodput (req/s meeting every SLO)", HIGHER, True),
@@ -368,15 +368,36 @@ def output_rate_series(ok: pd.DataFrame, t0: float, t1: float,
     return edges, np.diff(emitted) / np.diff(edges)
 
 
-def tokens_by(ok: pd.DataFrame, t: float) -> float:
-    """Output tokens emitted by time ``t``: each request's first at its TTFT, the rest evenly
+def emitted_by(ok: pd.DataFrame, t: float) -> np.ndarray:
+    """Each request's output tokens emitted by time ``t``: its first at its TTFT, the rest evenly
     spread up to its end (the predictor's samples carry no per-token times; ITLs average out)."""
     n = ok["output_tokens"].fillna(0).to_numpy(dtype=float)
     first = (ok["start_ts"] + ok["ttft_s"]).to_numpy(dtype=float)
     end = (ok["start_ts"] + ok["e2e_s"]).to_numpy(dtype=float)
     share = np.clip((t - first) / np.maximum(end - first, 1e-9), 0.0, 1.0)
     emitted = np.where(first <= t, 1 + (n - 1) * share, 0.0)
-    return float(np.nansum(np.clip(emitted, 0.0, n)))
+    return np.nan_to_num(np.clip(emitted, 0.0, n))
+
+
+def tokens_by(ok: pd.DataFrame, t: float) -> float:
+    """Output tokens emitted by time ``t``, over every request (``emitted_by``)."""
+    return float(emitted_by(ok, t).sum())
+
+
+def served_share(ok: pd.DataFrame, t0: float, t1: float) -> np.ndarray:
+    """How much of each request was served inside [t0, t1]: the share of its output tokens
+    emitted there (a request with no output counts whole where it ended).
+
+    Requests served per second are the sum over the window's length, as a queueing system's
+    throughput is measured: counting the completions inside a window instead misses the
+    requests still in flight at its end (about their E2E's worth of arrivals, nothing at its
+    start makes up for it), and reads a server that keeps up as falling behind.
+    """
+    n = ok["output_tokens"].fillna(0).to_numpy(dtype=float)
+    end = (ok["start_ts"] + ok["e2e_s"]).to_numpy(dtype=float)
+    whole = ((end > t0) & (end <= t1)).astype(float)
+    part = (emitted_by(ok, t1) - emitted_by(ok, t0)) / np.maximum(n, 1.0)
+    return np.where(n > 0, part, whole)
 
 
 ENERGY_COUNTER = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"   # mJ since the driver (or twin) started
@@ -443,6 +464,35 @@ def _window_note(share: float, finished: float) -> str:
     return "; ".join(why)
 
 
+# A drain this many times the run's E2E p99 (and longer than DRAIN_FLOOR_S) is not requests in
+# flight finishing: the load went on after its window (a client sending late, users leaving the
+# loop one by one), so the window does not stand for the load asked for.
+DRAIN_MAX_E2E = 3.0
+DRAIN_FLOOR_S = 2.0
+
+
+def unsteady_reason(summary: Mapping[str, Any], load: Load) -> str:
+    """Why a run did not hold its load ("" when it did), from its steady window's figures.
+
+    A closed loop holds its load while its users are all in the loop: a window under
+    ``WINDOW_MIN_SHARE`` of the run means fill and drain were most of it. An open loop's arrivals
+    keep their schedule whatever the server does (a client that fell behind is client-limited),
+    so its share is not judged: an overloaded server drains long, and that is the stress test's
+    evidence. Any run whose drain is far longer than its requests take did not hold its load.
+    A run without a steady window (a tiny run) says nothing here.
+    """
+    share, drain = as_float(summary.get("window_share")), as_float(summary.get("drain_s"))
+    e2e = as_float(summary.get("e2e_p99"))
+    why = []
+    if share is not None and not load.open_loop and share < WINDOW_MIN_SHARE:
+        why.append(f"its steady window covered {share:.0%} of the run (at least "
+                   f"{WINDOW_MIN_SHARE:.0%} is needed: make the run longer than a few requests)")
+    if drain is not None and e2e and drain > max(DRAIN_MAX_E2E * e2e, DRAIN_FLOOR_S):
+        why.append(f"it drained {drain:.1f} s after its window, {drain / e2e:.0f}x its E2E p99 of "
+                   f"{e2e:.1f} s: the load went on after the window")
+    return "; ".join(why)
+
+
 def client_turnaround(samples: pd.DataFrame) -> dict[str, float]:
     """How long a closed-loop user waited between a reply's end and its own next send.
 
@@ -500,18 +550,19 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         in_tokens = float(ok.loc[(first > t0) & (first <= t1), "prompt_tokens"].fillna(0).sum())
         end = ok["start_ts"] + ok["e2e_s"]
         finished = (end > t0) & (end <= t1)
-        done, good = float(finished.sum()), float((meets & finished).sum())
+        served = served_share(ok, t0, t1)
+        done, good = float(served.sum()), float(served[meets.to_numpy()].sum())
         out["warmup_s"] = t0 - float(samples["start_ts"].min())
         out["window_reason"] = _window_reason(out["warmup_s"], window)
         out["window_end_reason"] = window.end_reason
         last_end = float((samples["start_ts"] + samples["e2e_s"].fillna(0)).max())
         out["drain_s"] = last_end - t1
         out["window_share"] = duration_s / max(last_end - float(samples["start_ts"].min()), 1e-9)
-        out["window_requests"] = done
+        out["window_requests"] = float(finished.sum())
         # Within-run precision: batch means of the window's output rate (10 batches).
         _, rates = output_rate_series(ok, t0, t1)
         out["output_throughput_rel_ci"] = stats.batch_means_ci(rates).relative
-        note = _window_note(out["window_share"], done)
+        note = _window_note(out["window_share"], out["window_requests"])
         if note:
             out["window_note"] = note
         out.update(energy_view(server_metrics, t0, t1, out_tokens))

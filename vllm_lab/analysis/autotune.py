@@ -19,12 +19,15 @@ from typing import Any
 import pandas as pd
 
 from vllm_lab import search
-from vllm_lab.analysis.stress import levels_table
+from vllm_lab.analysis.stress import levels_table, offered_axis, sustainable
 from vllm_lab.store import Store, StoreError
 
 STEP = "autotune"  # the step of an autotune's own experiment, whose meta holds its plan
 # Below this gain the defaults are as good as the best: one staircase step is about this wide.
 NOISE = 0.05
+# The rule that names the best candidate, said on the page (the lab's one rule, on capacities).
+BEST_RULE = (f"the best is the cheapest candidate (the fewest flags changed from vLLM's defaults) "
+             f"whose SLO capacity is within {NOISE:.0%} (a staircase step) of the highest measured")
 
 
 @dataclass(frozen=True)
@@ -59,23 +62,25 @@ class Capacity:
 
 
 def capacity_from_levels(table: pd.DataFrame) -> Capacity:
-    """The measured SLO capacity of a staircase: the highest level below which every level holds."""
+    """The measured SLO capacity of a staircase: the load really offered at the highest level
+    below which every level is sustainable, as the stress report's maximum sustainable load
+    (``analysis.stress``: one rule, one axis); the bracket is in levels, to refine by."""
     if table.empty:
         return Capacity()
     ok = table[table["ok"]].sort_values("level")
     if ok.empty:
         return Capacity(status=str(table["status"].iloc[0]))
-    good = ok["meets_slo"].astype(bool) & ~ok["unbounded"].astype(bool)
+    good, offered = sustainable(ok), offered_axis(ok)
     broken = ok[~good]
     if broken.empty:
-        top = float(ok["level"].max())
-        return Capacity(top, ">=", (top, None), "ok")
+        top = ok["level"].idxmax()
+        return Capacity(round(float(offered[top]), 3), ">=", (float(ok.loc[top, "level"]), None), "ok")
     first = float(broken["level"].iloc[0])
     below = ok[good & (ok["level"] < first)]
     if below.empty:
         return Capacity(0.0, "<", (None, first), "ok")
-    cap = float(below["level"].max())
-    return Capacity(cap, "=", (cap, first), "ok")
+    last = below["level"].idxmax()
+    return Capacity(round(float(offered[last]), 3), "=", (float(ok.loc[last, "level"]), first), "ok")
 
 
 def measured_capacity(store_path: Path, experiment_id: str) -> Capacity:
@@ -241,10 +246,23 @@ class Outcome:
         return self.rows[0]
 
     @property
-    def best(self) -> Row | None:
-        """A configuration that met the SLO at no level is no winner, defaults included."""
+    def top(self) -> Row | None:
+        """The highest measured capacity above 0 (the defaults win a tie): a configuration that
+        met the SLO at no level is no winner, defaults included."""
         return max((r for r in self.rows if r.measured is not None and r.measured > 0),
                    key=lambda r: (r.measured, r.candidate.name == "defaults"), default=None)
+
+    @property
+    def best(self) -> Row | None:
+        """The best by the lab's one rule (``BEST_RULE``): the cheapest candidate within noise
+        of the top, cheaper meaning fewer flags changed from vLLM's defaults (the defaults
+        first); within noise: a capacity within ``NOISE`` (a staircase step) of the top's."""
+        top = self.top
+        if top is None:
+            return None
+        close = [r for r in self.rows if r.measured is not None and r.measured > 0
+                 and r.measured >= top.measured / (1 + NOISE)]
+        return min(close, key=lambda r: (len(r.candidate.flags or {}), -r.measured))
 
     @property
     def any_measured(self) -> bool:
@@ -277,9 +295,10 @@ class Outcome:
         if not dflt:
             return (f"vLLM's defaults do not meet the SLO at the lowest level measured; {name} "
                     f"carries {best.measured:.2f} req/s within it")
-        if gain is not None and gain <= NOISE:
-            return (f"the defaults are within {max(gain, 0):.0%} of the best reachable on this traffic "
-                    f"({dflt:.2f} against {best.measured:.2f} req/s): keep them")
+        top = self.top.measured
+        if name == "defaults" or (gain is not None and gain <= NOISE):
+            return (f"the defaults are within {max(top / dflt - 1, 0):.0%} of the best reachable on "
+                    f"this traffic ({dflt:.2f} against {top:.2f} req/s): keep them")
         return (f"{name} carries {best.measured:.2f} req/s within the SLO against "
                 f"{dflt:.2f} for vLLM's defaults: {gain:+.0%}")
 

@@ -29,7 +29,7 @@ def runs_by_label(runs: pd.DataFrame) -> dict[str, list[dict]]:
         label = (row["point"] or {}).get("arm")
         if label:
             out[label].append({"status": row["status"], "summary": RunSummary.of_row(row),
-                               "error": row["error"] or "",
+                               "error": row["error"] or "", "backend": row.get("backend", ""),
                                "prediction": recorded_prediction(row["summary"])})
     return dict(out)
 

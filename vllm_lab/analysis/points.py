@@ -13,9 +13,19 @@ import pandas as pd
 
 from vllm_lab import stats
 from vllm_lab.run_summary import RunSummary
+from vllm_lab.store import DETERMINISTIC_BACKENDS
 from vllm_lab.summary import select
 
 CV_WARN = 0.10  # a spread above this is too large to trust a difference of the same size
+# Which statistic a point's figure is, said wherever one is shown (console, pages, files).
+STATISTIC = "mean over the point's ok runs, ± half its 95% Student-t interval"
+# The one rule that names the best point of a sweep, a combination and a search, said on its page.
+BEST_RULE = ("the best is the cheapest setting (the lowest values of the flags varied) whose goodput "
+             "under the SLO is within noise of the top: Welch's 95% interval on their difference "
+             "holds zero (a single live run is taken as ±3% run to run; the predictor, which gives "
+             "the same figures every run, as exact)")
+# Backends whose repeats give the same figures: they have no run-to-run noise to allow for.
+DETERMINISTIC = DETERMINISTIC_BACKENDS
 # The figures a point's row averages over its ok repeats.
 METRICS = select("output_throughput", "request_throughput", "goodput", "slo_attainment",
                  "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
@@ -48,11 +58,14 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
         row["ok_runs"] = int((group["status"] == "ok").sum())
         row["status"] = "ok" if len(ok) == len(group) else ",".join(sorted(set(group["status"])))
         row["error"] = "; ".join(e.splitlines()[0][:160] for e in group["error"] if e)[:300]
+        row["backend"] = str(group["backend"].iloc[0]) if "backend" in group else ""
         for m in METRICS:
             col = ok[m].astype(float) if m in ok else pd.Series(dtype=float)
             row[m] = col.mean() if col.notna().any() else np.nan
             if m in SPREAD:
                 row[f"{m}_cv"] = col.std() / col.mean() if len(col.dropna()) > 1 and col.mean() else np.nan
+                half = stats.mean_ci(col.dropna().tolist()).half_width
+                row[f"{m}_ci"] = half if np.isfinite(half) else np.nan
         row["meets_slo"] = bool(len(ok)) and all(RunSummary.of(s).meets_slo for s in ok["summary"]) \
             if "summary" in ok else False
         for k in AUDIT:
@@ -133,14 +146,67 @@ def _close_to_top(table: pd.DataFrame) -> tuple[pd.DataFrame, list[int]]:
         return ranked, []
     top = ranked.iloc[0]
     return ranked, [i for i, row in ranked.iterrows()
-                    if i == top.name or not stats.summary_effect(_runs(row), _runs(top)).significant]
+                    if i == top.name or not stats.summary_effect(
+                        figure_runs(row), figure_runs(top),
+                        single_run_cv=max(single_run_cv(row), single_run_cv(top))).significant]
 
 
-def _runs(row: pd.Series) -> tuple[float, float, int]:
-    """A point's goodput as (mean, standard deviation, ok runs) from its table row."""
-    mean, cv = float(row["goodput"]), row.get("goodput_cv", np.nan)
-    sd = float(cv) * mean if cv is not None and np.isfinite(cv) else np.nan
-    return mean, sd, int(row.get("ok_runs", 1) or 1)
+def figure_runs(row: pd.Series, m: str = "goodput") -> tuple[float, float, int]:
+    """A point's figure as (mean, standard deviation, ok runs) from its table row; a
+    deterministic backend's single run has no spread (0), a live one's is unknown (nan)."""
+    mean, cv = float(row[m]), row.get(f"{m}_cv", np.nan)
+    n = int(row.get("ok_runs", 1) or 1)
+    if cv is not None and np.isfinite(cv):
+        return mean, float(cv) * abs(mean), n
+    return mean, (0.0 if row.get("backend") in DETERMINISTIC else np.nan), n
+
+
+def single_run_cv(row: pd.Series) -> float:
+    """The run-to-run spread a single run is given: none on a deterministic backend."""
+    return 0.0 if row.get("backend") in DETERMINISTIC else stats.SINGLE_RUN_CV
+
+
+# The figures each point's effect against the reference (vLLM's defaults) is given for.
+EFFECTS = SPREAD
+
+
+def reference_row(table: pd.DataFrame, reference: Mapping[str, Any] | None) -> pd.Series | None:
+    """The row of the reference point (vLLM's defaults, as the experiment recorded them)."""
+    if not reference or table.empty or any(p not in table for p in reference):
+        return None
+    match = table[np.logical_and.reduce([table[p].map(lambda v, w=v: _same(v, w))
+                                         for p, v in reference.items()])]
+    return match.iloc[0] if len(match) and match.iloc[0]["ok_runs"] else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def with_effects(table: pd.DataFrame, reference: Mapping[str, Any] | None) -> pd.DataFrame:
+    """Each point's effect against the reference point for every figure of ``EFFECTS``: the
+    relative difference of means and its 95% interval (``stats.summary_effect``), as
+    ``<figure>_effect``, ``_effect_low``, ``_effect_high``; unchanged without a reference."""
+    ref = reference_row(table, reference)
+    if ref is None:
+        return table
+    out = table.copy()
+    for m in EFFECTS:
+        effects = []
+        for _, row in table.iterrows():
+            if not row["ok_runs"] or not np.isfinite(row[m]):
+                effects.append(stats.Effect(np.nan, np.nan, np.nan))
+                continue
+            a, b = figure_runs(row, m), figure_runs(ref, m)
+            cv = max(single_run_cv(row), single_run_cv(ref))
+            effects.append(stats.summary_effect(a, b, single_run_cv=cv))
+        out[f"{m}_effect"] = [e.relative for e in effects]
+        out[f"{m}_effect_low"] = [e.low for e in effects]
+        out[f"{m}_effect_high"] = [e.high for e in effects]
+    out["reference"] = [row.name == ref.name for _, row in table.iterrows()]
+    return out
 
 
 def _cost(table: pd.DataFrame) -> dict[int, float]:

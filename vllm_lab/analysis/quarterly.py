@@ -8,14 +8,25 @@ findings. ``reports.quarterly`` draws them and writes the recommended flag chang
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import stats as _scipy
 
+from vllm_lab import stats
 from vllm_lab.analysis import findings as findings_mod
+from vllm_lab.analysis.points import (
+    best_point,
+    figure_runs,
+    point_table,
+    single_run_cv,
+    with_effects,
+)
+from vllm_lab.analysis.stress import find_knee, levels_table
 from vllm_lab.run_summary import RunSummary
+from vllm_lab.store import Store
 
 TUNING_STEPS = ("sweep", "combo", "tune")
 SIGNIFICANCE = 0.05
@@ -42,7 +53,7 @@ def baseline_comparison(now: pd.DataFrame, before: pd.DataFrame) -> pd.DataFrame
             if len(prev) else np.nan
         row["throughput_change"] = change
         if len(prev) > 1 and len(group) > 1:
-            p = stats.ttest_ind(group["output_throughput"], prev["output_throughput"],
+            p = _scipy.ttest_ind(group["output_throughput"], prev["output_throughput"],
                                 equal_var=False).pvalue
         else:
             p = np.nan
@@ -71,56 +82,100 @@ def point_means(runs: pd.DataFrame) -> pd.DataFrame:
     return agg
 
 
-def best_configurations(runs: pd.DataFrame, points: pd.DataFrame) -> pd.DataFrame:
-    """Per scenario and GPU: the tuned point with the highest goodput under the SLO, and margins."""
-    base = ok_runs(runs[runs["step"] == "baseline"]).groupby("label").agg(
-        base_goodput=("goodput", "mean"), base_throughput=("output_throughput", "mean"),
-        base_serve=("scenario", lambda s: s.iloc[-1]["serve"]))
-    tuned = points[points["step"].isin(TUNING_STEPS) & points["meets_slo"]]
+def experiment_points(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Per tuning experiment (sweep, combination, search): its table of points, as its own page
+    computes it (``analysis.points.point_table``: means over ok runs, their spread)."""
+    out = {}
+    tuned = runs[runs["step"].isin(TUNING_STEPS)]
+    for exp_id, group in tuned.groupby("experiment_id", sort=False):
+        params = group["params"].iloc[0]
+        if not params:
+            continue
+        decoded = group.assign(point=group["point_json"].map(json.loads),
+                               summary=group["summary_json"].map(json.loads))
+        out[exp_id] = point_table(decoded, params).assign(
+            experiment_id=exp_id, label=group["label"].iloc[0],
+            scenario_name=group["scenario_name"].iloc[0], gpu_model=group["gpu_model"].iloc[0])
+    return out
+
+
+def _effect(a: pd.Series | dict, b: pd.Series | dict) -> stats.Effect:
+    """Goodput of ``a`` against ``b`` with its 95% interval (``analysis.points``' rule)."""
+    cv = max(single_run_cv(a), single_run_cv(b))
+    return stats.summary_effect(figure_runs(a), figure_runs(b), single_run_cv=cv)
+
+
+def best_configurations(runs: pd.DataFrame, points: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per scenario and GPU: the best configuration of the period's tuning experiments, each
+    experiment's best named by the rule its own page states (``analysis.points.best_point``),
+    the highest goodput of those winning; its effect against the baseline and the runner-up,
+    each with its 95% interval, so a spread of the repeats is never read as a gain."""
+    base_runs = ok_runs(runs[runs["step"] == "baseline"])
+    bests = []
+    for exp_id, table in experiment_points(runs).items():
+        best = best_point(table)
+        if best is not None:
+            serve = runs[runs["experiment_id"] == exp_id]["scenario"].iloc[0]["serve"]
+            params = [c for c in table.columns[:table.columns.get_loc("runs")]]
+            bests.append({**best.to_dict(), "point": {p: best[p] for p in params},
+                          "serve": {**serve, **{p: best[p] for p in params if "." not in p}}})
     rows = []
-    for label, group in tuned.groupby("label"):
+    for label, group in pd.DataFrame(bests).groupby("label") if bests else []:
         ranked = group.sort_values(["goodput", "output_throughput"], ascending=False)
         best = ranked.iloc[0]
         runner = ranked.iloc[1] if len(ranked) > 1 else None
-        spread = np.nanmax([best["goodput_std"], runner["goodput_std"] if runner is not None
-                            else np.nan, 1e-9])
-        b = base.loc[label] if label in base.index else None
+        base = base_runs[base_runs["label"] == label]
+        ref = _baseline_row(base)
+        vs_base = _effect(best, ref) if ref is not None else None
+        vs_runner = _effect(best, runner) if runner is not None else None
         rows.append({
             "label": label, "scenario_name": best["scenario_name"], "gpu_model": best["gpu_model"],
             "experiment_id": best["experiment_id"], "point": best["point"], "serve": best["serve"],
             "goodput": best["goodput"], "output_throughput": best["output_throughput"],
-            "ttft_p99": best["ttft_p99"], "tpot_p99": best["tpot_p99"], "runs": best["runs"],
-            "base_goodput": b["base_goodput"] if b is not None else np.nan,
-            "base_throughput": b["base_throughput"] if b is not None else np.nan,
-            "base_serve": b["base_serve"] if b is not None else {},
-            "margin_vs_baseline": (best["goodput"] / b["base_goodput"] - 1)
-            if b is not None and b["base_goodput"] else np.nan,
+            "ttft_p99": best["ttft_p99"], "tpot_p99": best["tpot_p99"], "runs": best["ok_runs"],
+            "base_goodput": ref["goodput"] if ref is not None else np.nan,
+            "base_throughput": ref["output_throughput"] if ref is not None else np.nan,
+            "base_serve": base["scenario"].iloc[-1]["serve"] if len(base) else {},
+            "margin_vs_baseline": vs_base.relative if vs_base else np.nan,
+            "margin_low": vs_base.low if vs_base else np.nan,
+            "margin_high": vs_base.high if vs_base else np.nan,
+            "gain_is_real": bool(vs_base and vs_base.low > 0),
             "runner_up": runner["point"] if runner is not None else None,
-            # How clearly it wins: the gap to the runner-up in run-to-run standard deviations.
-            "margin_vs_runner_up_sd": (best["goodput"] - runner["goodput"]) / spread
-            if runner is not None else np.nan,
+            "vs_runner_up": vs_runner.relative if vs_runner else np.nan,
+            "vs_runner_up_low": vs_runner.low if vs_runner else np.nan,
+            "vs_runner_up_high": vs_runner.high if vs_runner else np.nan,
             "candidates": len(group)})
     return pd.DataFrame(rows)
 
 
-def sweep_summary(points: pd.DataFrame) -> pd.DataFrame:
-    """Per sweep experiment: the parameter, values tried, the best value under the SLO, its gain."""
+def _baseline_row(base: pd.DataFrame) -> dict | None:
+    """A label's baseline runs as a point: means, spread and runs (as ``figure_runs`` reads one)."""
+    if base.empty:
+        return None
+    g = base["goodput"].astype(float)
+    return {"goodput": g.mean(), "goodput_cv": g.std() / g.mean() if len(g) > 1 and g.mean() else np.nan,
+            "ok_runs": len(g), "output_throughput": base["output_throughput"].mean(),
+            "backend": base["backend"].iloc[0]}
+
+
+def sweep_summary(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per sweep experiment: the parameter, values tried, its best by the rule its report states
+    and that best's goodput against vLLM's defaults (the sweep's reference) with its interval."""
     rows = []
-    sweeps = points[points["step"] == "sweep"]
-    for exp_id, group in sweeps.groupby("experiment_id", sort=False):
+    tables = experiment_points(runs)
+    for exp_id, group in runs[runs["step"] == "sweep"].groupby("experiment_id", sort=False):
         param = (group["params"].iloc[0] or [None])[0]
-        if param is None:
+        if param is None or exp_id not in tables:
             continue
-        values = group["point"].map(lambda p, param=param: p.get(param))
-        under = group[group["meets_slo"]]
-        best = under.sort_values("goodput", ascending=False).iloc[0] if len(under) else None
+        table = with_effects(tables[exp_id], group["reference"].iloc[0])
+        best = best_point(table)
+        gain = best.get("goodput_effect", np.nan) if best is not None else np.nan
         rows.append({"experiment_id": exp_id, "label": group["label"].iloc[0], "param": param,
-                     "values": len(values.unique()), "best_value": best["point"].get(param)
-                     if best is not None else None,
+                     "values": len(table), "best_value": best[param] if best is not None else None,
                      "best_goodput": best["goodput"] if best is not None else np.nan,
-                     "gain_vs_worst": best["goodput"] / group["goodput"].min() - 1
-                     if best is not None and group["goodput"].min() > 0 else np.nan,
-                     "under_slo": len(under)})
+                     "gain_vs_defaults": gain,
+                     "gain_is_real": bool(best is not None and best.get("goodput_effect_low", 0) > 0),
+                     "under_slo": int(table["meets_slo"].sum())})
     return pd.DataFrame(rows)
 
 
@@ -133,21 +188,31 @@ def sweep_rollup(sweeps: pd.DataFrame) -> pd.DataFrame:
         wins = group["best_value"].dropna().map(str).value_counts()
         rows.append({"label": label, "param": param, "sweeps": len(group),
                      "best_values": ", ".join(f"{v} ({n})" for v, n in wins.items()) or "none met the SLO",
-                     "gain_median": group["gain_vs_worst"].median(),
+                     "gain_median": group["gain_vs_defaults"].median(),
+                     "real_gains": int(group["gain_is_real"].sum()),
                      "latest": group["experiment_id"].iloc[-1]})
     return pd.DataFrame(rows)
 
 
-def stress_summary(points: pd.DataFrame) -> pd.DataFrame:
-    """Per stress experiment: the highest load meeting the SLO (the knee) and the peak throughput."""
+def stress_summary(store_path: Path, runs: pd.DataFrame) -> pd.DataFrame:
+    """Per stress experiment (an autotune candidate's staircase too): the knee and the maximum
+    sustainable load, by the function its own report reads them with (``analysis.stress``)."""
     rows = []
-    for exp_id, group in points[points["step"] == "stress"].groupby("experiment_id", sort=False):
-        level = group["point"].map(lambda p: p.get("load.shape.level", np.nan)).astype(float)
-        under = level[group["meets_slo"].to_numpy()]
-        rows.append({"experiment_id": exp_id, "label": group["label"].iloc[0],
-                     "levels": len(level), "knee_level": under.max() if len(under) else np.nan,
-                     "peak_throughput": group["output_throughput"].max(),
-                     "ttft_p99_at_peak_s": group.loc[group["output_throughput"].idxmax(), "ttft_p99"]})
+    stress_runs = runs[runs["step"] == "stress"]
+    with Store(store_path) as store:
+        for exp_id, group in stress_runs.groupby("experiment_id", sort=False):
+            exp_runs = store.runs(exp_id)
+            if not all(isinstance(p, dict) and "load.shape.level" in p for p in exp_runs["point"]):
+                continue  # a spike or a soak: one run read as a time series, no knee
+            levels = levels_table(store, exp_id, exp_runs)
+            knee = find_knee(levels)
+            ok = levels[levels["ok"]]
+            peak = ok.loc[ok["output_throughput"].idxmax()] if len(ok) else None
+            rows.append({"experiment_id": exp_id, "label": group["label"].iloc[0],
+                         "levels": len(levels), "knee": knee["knee"],
+                         "max_sustainable": knee["max_sustainable"],
+                         "peak_throughput": peak["output_throughput"] if peak is not None else np.nan,
+                         "ttft_p99_at_peak_s": peak["ttft_p99"] if peak is not None else np.nan})
     return pd.DataFrame(rows)
 
 

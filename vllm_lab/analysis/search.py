@@ -5,11 +5,13 @@ the runs its trials recorded."""
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
-from vllm_lab import search
+from vllm_lab import search, stats
 
 
 def best_configs(study, k: int = 1, objective: str = "goodput") -> list[dict[str, Any]]:
@@ -54,13 +56,47 @@ def tune_study(exp: dict, store_path):
     return search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store_path))
 
 
-def importances(study) -> dict[str, float]:
-    """optuna.importance (its default, PED-ANOVA) of each parameter for the (first) objective;
-    empty with too few complete trials, or a parameter that never varied."""
+# Importances need enough complete trials, and an objective that moved by more than a run's noise.
+MIN_TRIALS = 10
+MIN_SPREAD = 2 * stats.SINGLE_RUN_CV
+MEANING = ("PED-ANOVA (Optuna's default): how far each flag's values among the best 10% of trials "
+           "lie from its values over every trial, normalized to sum to 1; a flag near 0 can stay "
+           "at its default")
+
+
+@dataclass(frozen=True)
+class Importances:
+    """Each parameter's importance for the (first) objective, and a sentence saying what the
+    numbers mean, or why none are shown."""
+
+    values: dict[str, float]
+    note: str
+
+
+def importances(study) -> Importances:
+    """optuna.importance (PED-ANOVA) of each parameter, where the trials can support it: at
+    least ``MIN_TRIALS`` complete trials whose objective spread past ``MIN_SPREAD`` of its
+    mean; a flat objective (every setting alike within noise) ranks noise, so none is shown."""
     import optuna
-    # PED-ANOVA ranks what it takes to reach *low* target values: flip a maximized objective.
+    from optuna.trial import TrialState
+
+    done = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    if len(done) < MIN_TRIALS:
+        return Importances({}, f"importances not shown: {len(done)} complete trial(s), fewer than "
+                               f"the {MIN_TRIALS} they need")
+    top, low = max(done), min(done)
+    spread = (top - low) / abs(top) if top else 0.0
+    if spread <= MIN_SPREAD:
+        return Importances({}, f"importances not shown: the objective varied by {spread:.1%} over "
+                               f"{len(done)} trials, within the run-to-run noise ({MIN_SPREAD:.0%}): "
+                               f"no flag moved it")
+    # PED-ANOVA ranks what it takes to reach *low* target values: flip a maximized objective
+    # (so its warning about the direction does not apply).
     sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
     try:
-        return optuna.importance.get_param_importances(study, target=lambda t: sign * t.values[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            values = optuna.importance.get_param_importances(study, target=lambda t: sign * t.values[0])
     except (RuntimeError, ValueError, ZeroDivisionError):
-        return {}
+        return Importances({}, "importances not shown: Optuna could not compute them")
+    return Importances(dict(values), f"importances: {MEANING}")

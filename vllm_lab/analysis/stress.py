@@ -21,6 +21,7 @@ import pandas as pd
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
+from vllm_lab.summary import served_share
 
 # Time in the system (E2E) rising by more than this many seconds per second of the run means the
 # requests in the server outgrow it: for arrivals at rate L and a capacity C, N(t) grows at L - C
@@ -28,6 +29,13 @@ from vllm_lab.store import Store
 # E2E rather than TTFT: with a large max-num-seqs the backlog sits in the running batch (TPOT
 # grows), not in the waiting queue (TTFT).
 GROWTH_SLOPE = 0.03
+# Served within this share of offered is keeping up: a short run's Poisson arrivals and the
+# requests in flight at its window's edges move the two apart by a few percent, no more.
+SERVED_TOLERANCE = 0.05
+# ... and by the requests in flight at the edges, a count that varies as a Poisson one does: a
+# shortfall within this many of its standard deviations (sqrt of those in flight) is that noise.
+# At 1.5 req/s over 12 s, two requests of about 20 are 10%: the share alone would call it short.
+IN_FLIGHT_SIGMAS = 2.0
 LEVEL_COLUMNS = ("request_throughput", "output_throughput", "goodput", "errors", "ttft_p50",
                  "ttft_p90", "ttft_p99", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_p99", "queue_len_max",
                  "preemptions")
@@ -86,13 +94,43 @@ def offered_rate(samples: pd.DataFrame | None, level: float) -> float:
     return (len(t) - 1) / span if span > 0 else level
 
 
+def served_and_sent(samples: pd.DataFrame | None,
+                    summary: Mapping[str, Any]) -> tuple[float | None, float | None, float]:
+    """Requests/s served and sent inside the run's steady window, both from its samples over the
+    same span (a Poisson run's arrivals over all of it differ from those in a part of it), served
+    as the summary counts it (``summary.served_share``): a run recorded before that count read
+    its served rate short by the requests in flight at the window's end, and is read alike.
+    Third: the rate the requests in flight at the window's edges can move them apart by
+    (``IN_FLIGHT_SIGMAS`` standard deviations of that count, by Little's law served x E2E)."""
+    s = RunSummary.of(summary)
+    if samples is None or samples.empty or s.warmup_s is None or not s.duration_s:
+        return None, None, 0.0
+    sends = samples["start_ts"].to_numpy(dtype=float)
+    t0 = float(np.nanmin(sends)) + s.warmup_s
+    t1 = t0 + s.duration_s
+    ok = samples[samples["status"] == "ok"] if "status" in samples else samples
+    served = float(served_share(ok, t0, t1).sum()) / s.duration_s
+    e2e = float(ok["e2e_s"].mean()) if len(ok) and "e2e_s" in ok else 0.0
+    edges = IN_FLIGHT_SIGMAS * np.sqrt(max(served * e2e, 0.0)) / s.duration_s
+    return served, float(((sends >= t0) & (sends <= t1)).sum()) / s.duration_s, edges
+
+
 def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFrame,
                   metrics: pd.DataFrame | None) -> dict[str, Any]:
-    """One staircase level: bounded or not, the SLO verdict, and the capacity it implies."""
+    """One staircase level: bounded or not, the SLO verdict, and the capacity it implies.
+
+    A level is sustainable when the server serves what it is offered (served within
+    ``SERVED_TOLERANCE`` of the rate sent inside the same window, less the noise of the requests
+    in flight at its edges), its queue stays bounded and
+    the SLO holds;
+    served below offered is overload by itself (the queue grows at the difference), whatever the
+    latency trend of a short run says.
+    """
     slope = latency_growth(samples)
     last_send = float(samples["start_ts"].max()) if samples is not None and len(samples) else None
     qslope = queue_growth(metrics, until=last_send)
     offered = offered_rate(samples, level)
+    served, sent, edges = served_and_sent(samples, summary)
     # The queue series, where there is one, confirms: a TTFT trend alone can be noise.
     unbounded = slope > GROWTH_SLOPE and (qslope is None or qslope > 0)
     capacity = offered / (1 + slope)
@@ -102,8 +140,14 @@ def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFram
     # the full batch frees slots: the capacity is the offered rate less the queue's growth.
     if qslope is not None and qslope > GROWTH_SLOPE * max(offered - qslope, 0.0):
         unbounded, capacity = True, offered - qslope
-    return {"level": level, "offered": offered, "latency_growth": slope, "queue_growth": qslope,
-            "unbounded": unbounded, "meets_slo": bool(RunSummary.of(summary).meets_slo),
+    short = served is not None and sent is not None \
+        and served < (1 - SERVED_TOLERANCE) * sent - edges
+    if short:
+        unbounded, capacity = True, min(capacity, served) if unbounded else served
+    meets = bool(RunSummary.of(summary).meets_slo)
+    return {"level": level, "offered": offered, "served": served, "served_short": short,
+            "latency_growth": slope, "queue_growth": qslope, "unbounded": unbounded,
+            "meets_slo": meets, "sustainable": meets and not unbounded,
             "capacity_estimate": capacity if unbounded else math.nan}
 
 
@@ -121,7 +165,7 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
                            "max_sustainable": None, "bracket": None}
     if t.empty:
         return out
-    x = t["offered"].fillna(t["level"]) if "offered" in t else t["level"]
+    x = offered_axis(t)
     bad = t[t["unbounded"]]
     if len(bad):
         first_bad = float(bad["level"].iloc[0])
@@ -142,15 +186,27 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
         out["knee_slo"] = float(x[below.index[-1]]) if len(below) else 0.0
     knees = [k for k in (out["knee_unbounded"], out["knee_slo"]) if k is not None]
     out["knee"] = min(knees) if knees else None
-    holds = t[t["meets_slo"] & ~t["unbounded"]]
+    good = sustainable(t)
+    holds = t[good]
     if len(holds):
         # The highest level below which every level holds: a level that holds past a broken
         # one is luck, not capacity.
-        fails = t[~(t["meets_slo"] & ~t["unbounded"])]
+        fails = t[~good]
         limit = float(fails["level"].iloc[0]) if len(fails) else math.inf
         ok_below = holds[holds["level"] < limit]
         out["max_sustainable"] = float(x[ok_below.index[-1]]) if len(ok_below) else None
     return out
+
+
+def sustainable(levels: pd.DataFrame) -> pd.Series:
+    """Per level: served as offered with a bounded queue, and the SLO met (``level_verdict``)."""
+    return levels["meets_slo"].astype(bool) & ~levels["unbounded"].astype(bool)
+
+
+def offered_axis(levels: pd.DataFrame) -> pd.Series:
+    """The load each level really offered (its level where a run has no samples): every knee and
+    capacity is read on it."""
+    return levels["offered"].fillna(levels["level"]) if "offered" in levels else levels["level"]
 
 
 def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
@@ -163,12 +219,12 @@ def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
         row = {"level": level, "ok": ok, "status": run["status"], "confirmed": run["confirmed"],
                **{m: run[m] for m in LEVEL_COLUMNS if m in run}}
         if ok:
-            verdict = level_verdict(level, run["summary"],
+            verdict = level_verdict(level, RunSummary.of_row(run),
                                            store.samples(exp_id, run["run_key"]),
                                            store.server_metrics(exp_id, run["run_key"]))
             row.update(verdict)
         else:
-            row.update(unbounded=False, meets_slo=False, latency_growth=math.nan,
+            row.update(unbounded=False, meets_slo=False, sustainable=False, latency_growth=math.nan,
                        capacity_estimate=math.nan, queue_growth=None)
         rows.append(row)
     return pd.DataFrame(rows).sort_values("level").reset_index(drop=True)

@@ -49,6 +49,7 @@ class Settings:
     top: int | None = None
     step_s: float | None = None
     repeats: int = 1
+    plan: dict[str, Any] | None = None  # the command's recorded plan (commands.plan_record)
 
 
 def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: Backend,
@@ -77,7 +78,7 @@ def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: B
                        settings.seed, start, step_s, say)
     record = _record(settings, scenario, defaults, space, backend, study, how, sat.value, start, t0)
     record.budget = settings.gpu_minutes
-    records.keep(settings.store_path, settings.experiment_id, record)
+    records.keep(settings.store_path, settings.experiment_id, record, settings.plan)
     say(f"autotune: search done in {time.time() - t0:.0f} s; measuring "
         f"{', '.join(c.name for c in record.plan.candidates)} on {backend.name} "
         f"(budget {settings.gpu_minutes:g} min)")
@@ -149,7 +150,8 @@ class Staircases:
             return
         if cand is not self.plan.candidates[i]:
             self.plan.candidates[i] = cand
-            records.keep(self.settings.store_path, self.settings.experiment_id, self.record)
+            records.keep(self.settings.store_path, self.settings.experiment_id, self.record,
+                         self.settings.plan)
         expected = (f"predicted SLO capacity {cand.predicted:.2f}" if cand.predicted is not None
                     else f"{_flags_text(cand.measure)} over {cand.base}, not modelled")
         self.say(f"  {cand.name} {cand.flags or '(vLLM defaults)'}: levels {levels} req/s "

@@ -15,6 +15,7 @@ from vllm_lab.analysis.autotune import Candidate
 from vllm_lab.analysis.stress import level_verdict
 from vllm_lab.autotune.space import open_loop, with_flags
 from vllm_lab.backends import Measurement, PredictBackend
+from vllm_lab.progress import point_label
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
 
@@ -101,10 +102,11 @@ def run_search(base: Scenario, space: search.SearchSpace, study_name: str, stora
         if result.error:
             trial.set_user_attr("error", result.error.splitlines()[0][:300])
             study.tell(trial, state=TrialState.PRUNED)
-            say(f"  trial {trial.number} {values}: does not start")
+            say(f"  trial {trial.number} {point_label(values)}: does not start")
         else:
             study.tell(trial, result.value)
-            say(f"  trial {trial.number} {values}: predicted SLO capacity {result.value:.2f} req/s")
+            say(f"  trial {trial.number} {point_label(values)}: predicted SLO capacity "
+                f"{result.value:.2f} req/s")
     return study
 
 

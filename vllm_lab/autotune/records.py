@@ -12,10 +12,12 @@ from vllm_lab.analysis.autotune import STEP, Record, Spend
 from vllm_lab.store import Store
 
 
-def keep(store_path: Path, experiment_id: str, record: Record) -> None:
-    """Write the autotune's record (its experiment made first, the first time)."""
+def keep(store_path: Path, experiment_id: str, record: Record, plan: dict | None = None) -> None:
+    """Write the autotune's record (its experiment made first, the first time, with the command's
+    plan, which a resume restores)."""
     with Store(store_path) as store:
-        store.create_experiment(experiment_id, STEP, record.plan.scenario["name"])
+        store.create_experiment(experiment_id, STEP, record.plan.scenario["name"],
+                                {"made_by": plan} if plan else None)
         store.update_meta(experiment_id, **record.meta())
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vllm_lab import flags as flagcat
 from vllm_lab import lint, plans, search, stress
 from vllm_lab.scenarios import Scenario, ScenarioError
 
@@ -16,11 +17,9 @@ MODELLED = ("max-num-seqs", "max-num-batched-tokens", "long-prefill-token-thresh
             "enforce-eager", "api-server-count", "async-scheduling")
 # Serving flags of vLLM 0.26 the twin does not model, and why: a ranking on the predictor would
 # call every value equal, so they are left to a live sweep.
-MEASURE_ONLY = {
-    "max-num-partial-prefills": "the twin's scheduler does not limit concurrent partial prefills",
-    "stream-interval": "the predictor streams every token as it is made",
-    "enable-chunked-prefill": "chunked prefill is always on in vLLM's V1 engine",
-}
+MEASURE_ONLY = {**{k: flagcat.UNMODELLED_WHY[k] for k in ("max-num-partial-prefills",)},
+                **flagcat.PREDICTOR_IGNORES,
+                **{k: flagcat.UNMODELLED_WHY[k] for k in ("enable-chunked-prefill",)}}
 DEFAULT_SPACE = "autotune"
 
 

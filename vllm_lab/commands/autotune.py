@@ -66,7 +66,7 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
         o.startswith("load.stop.duration_s=") for o in source.overrides) else None
     tuned = tuning.Settings(exp_id, settings.store_path, settings.out, storage, options.gpu_minutes,
                             trials=options.trials, seed=options.seed, top=options.top, step_s=step_s,
-                            repeats=settings.repeats or 1)
+                            repeats=settings.repeats or 1, plan=settings.plan)
     shown = Progress("autotune", exp_id, settings.backend, settings.out, noun="level",
                      window_s=step_s or tuning.measuring(settings.backend).step_s)
 
@@ -83,7 +83,7 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
                             lambda backend: run(scenario, space, backend, tuned, progress=shown),
                             account)
     print(f"autotune: {summary['verdict']}")
-    print(f"report: {experiment_dir(settings.out, exp_id) / 'report.md'}")
+    print(f"report: {experiment_dir(settings.out, exp_id) / 'index.html'}")
     return 0
 
 

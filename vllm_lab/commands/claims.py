@@ -11,6 +11,7 @@ from vllm_lab.commands.arguments import add_run_arguments
 from vllm_lab.commands.experiment import Experiment
 from vllm_lab.commands.settings import Settings, Source
 from vllm_lab.commands.stopping import stoppable
+from vllm_lab.store import DETERMINISTIC_BACKENDS
 
 
 @stoppable
@@ -21,7 +22,8 @@ def claims(settings: Settings, source: Source, selection: str | None) -> int:
         selected = guide.parse_selection(selection)
     except ValueError as e:
         raise scenarios.ScenarioError(str(e)) from None
-    points = guide.points(base, selected, settings.repeats or 1)
+    points = guide.points(base, selected, settings.repeats or 1,
+                          deterministic=settings.backend in DETERMINISTIC_BACKENDS)
     if not points:
         print(f"claims {selected}: nothing to measure here (claim 7 is not testable on vLLM "
               f"{base.vllm_version})")

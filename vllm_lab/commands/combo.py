@@ -43,10 +43,16 @@ def combo(settings: Settings, source: Source, params_text: str | None, grid_text
     for param in [item.partition("=")[0] for item in (grid_text or "").split()] + params:
         if param:
             plans.check_param(param, scenario, "PARAMS" if param in params else "GRID")
+            plans.check_modelled(param, settings.backend, "PARAMS" if param in params else "GRID")
     grid = search.parse_grid(grid_text, params_text, scenario)
-    points = search.combo_points(scenario, grid, settings.repeats or scenario.run.repeats)
+    repeats = settings.repeats or scenario.run.repeats
+    reference = plans.reference_point(scenario, list(grid))
+    points = search.combo_points(scenario, grid, repeats, reference)
     lint_notes(points)
-    return Experiment.build(settings, "combo", scenario, points, {"params": list(grid), "grid": grid},
+    settings = settings.planned(grid=" ".join(f"{k}={','.join(str(v) for v in vs)}"
+                                              for k, vs in grid.items()))  # the ladders taken
+    return Experiment.build(settings, "combo", scenario, points,
+                            {"params": list(grid), "grid": grid, "reference": reference},
                             "-".join(grid)).run()
 
 

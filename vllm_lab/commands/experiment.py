@@ -18,6 +18,7 @@ from vllm_lab import outdir, plans
 from vllm_lab.backends import Backend, PredictBackend
 from vllm_lab.commands import stopping
 from vllm_lab.commands.naming import experiment_id
+from vllm_lab.commands.plan_record import META_KEY
 from vllm_lab.commands.settings import Settings
 from vllm_lab.progress import Progress, closing_table, point_label
 from vllm_lab.scenarios import Scenario
@@ -27,6 +28,12 @@ from vllm_lab.store import Store
 def _identity(point: plans.Point) -> str:
     """A point apart from its repeat index."""
     return dataclasses.replace(point, repeat=0).key
+
+
+def counted(counts: dict[str, int]) -> str:
+    """Runs by status as a person says it: "4 ok, 1 unsteady"."""
+    return ", ".join(f"{n} {status}" for status, n in counts.items()) or \
+        "none (all were already recorded)"
 
 
 def lint_notes(points: Sequence[plans.Point], say: Callable[[str], Any] = print) -> None:
@@ -56,7 +63,10 @@ class Experiment:
     @classmethod
     def build(cls, settings: Settings, step: str, scenario: Scenario, points: list[plans.Point],
               meta: dict[str, Any], param: str | None = None) -> Experiment:
-        """The experiment for these points, its id named (or found, to resume) in the store."""
+        """The experiment for these points, its id named (or found, to resume) in the store; its
+        meta keeps the plan it was made with (``plan_record``), so a resume cannot mix two."""
+        if settings.plan is not None:
+            meta = {**meta, META_KEY: settings.plan}
         return cls(experiment_id(settings, step, scenario, param), step, scenario, points, meta, settings)
 
     def todo(self) -> list[plans.Point]:
@@ -67,9 +77,12 @@ class Experiment:
         return [p for p in self.points if p.key not in done]
 
     def run(self, say: Callable[[str], Any] = print) -> int:
-        """Take the points not yet recorded and build the report (0); a stop (the deadline,
-        Ctrl-C) raises ``stopping.Stopped`` after saying how many runs are left."""
-        from vllm_lab import reports
+        """Take the points not yet recorded, build the report and say its results (0); a stop
+        (the deadline, Ctrl-C) raises ``stopping.Stopped`` after saying how many runs are left."""
+        return self.finish(self.take_all(say), say)
+
+    def take_all(self, say: Callable[[str], Any] = print) -> dict[str, int]:
+        """Take the points not yet recorded: the runs taken, by status."""
         s = self.settings
         plans.check_inputs(self.points)  # a workload file that cannot be read: before any start
         if s.backend == "predict":
@@ -77,12 +90,18 @@ class Experiment:
                 PredictBackend.check(point.scenario)  # every point, before the first is taken
         shown = Progress(self.step, self.id, s.backend, s.out,
                          window_s=self.points[0].scenario.load.stop.duration_s)
-        counts = stopping.take(s, self.id, shown, lambda backend: self.take(backend, shown, say),
-                               self.account)
+        return stopping.take(s, self.id, shown, lambda backend: self.take(backend, shown, say),
+                             self.account)
+
+    def finish(self, counts: dict[str, int], say: Callable[[str], Any] = print) -> int:
+        """Build the report, then say the runs taken, the closing table and headline the page
+        has, and where the page is (0)."""
+        from vllm_lab import reports
+        from vllm_lab.reports.console import results
+        s = self.settings
         index = reports.build(s.store_path, self.id, s.out)
-        say(f"runs taken now: {counts or 'none (all were already recorded)'}")
-        with Store(s.store_path) as store:
-            closing_table(store.runs(self.id))
+        say(f"runs taken now: {counted(counts)}")
+        closing_table(results(s.store_path, self.id))
         say(f"report: {index}")
         return 0
 

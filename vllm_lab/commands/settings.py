@@ -4,9 +4,11 @@ runs (``Settings``: backend, inventory, folders, resume, the deadline, precision
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vllm_lab import lint as lint_mod
 from vllm_lab import scenarios, serving
@@ -43,8 +45,6 @@ class Source:
         return scenario
 
 
-def _resume_placeholder(exp_id: str, **changes: object) -> str:
-    return f"make ... RESUME=1 EXPERIMENT={exp_id}"
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,11 @@ class Settings:
     deadline: Deadline | None = None
     live_host: str | None = None  # LIVE=1: Locust's web UI for the run in flight, bound here
     precision: Precision | None = None  # PRECISION=: repeat each point until this precise
+    # The plan the experiment records when it is made (``plan_record.record``): a resume restores it.
+    plan: dict[str, Any] | None = None
     # The exact command that resumes an experiment, as the user would type it: given its id, and
-    # make variables to change (TRIALS=<left>).
-    resume_command: Callable[..., str] = field(default=_resume_placeholder, compare=False)
+    # make variables to change (TRIALS=<left>); without one, the lab's command from the plan.
+    resume_command: Callable[..., str] | None = field(default=None, compare=False)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> Settings:
@@ -76,8 +78,25 @@ class Settings:
             experiment=args.experiment, resume=args.resume, repeats=args.repeats, spread=args.spread,
             loadgen_processes=args.loadgen_processes, deadline=args.deadline,
             live_host=args.live_host if getattr(args, "live", False) else None,
-            precision=getattr(args, "precision", None),
-            resume_command=getattr(args, "resume_command", None) or _resume_placeholder)
+            precision=getattr(args, "precision", None), plan=getattr(args, "plan", None),
+            resume_command=getattr(args, "resume_command", None))
+
+    def planned(self, **resolved: Any) -> Settings:
+        """These settings with what the command resolved for an option left out (a sweep's
+        ladder, a staircase's levels) added to the plan, so a resume takes the same."""
+        if self.plan is None:
+            return self
+        options = self.plan["options"]
+        extra = {f"--{k.replace('_', '-')}": [str(v)] for k, v in resolved.items()
+                 if f"--{k.replace('_', '-')}" not in options}
+        return dataclasses.replace(self, plan={**self.plan, "options": {**options, **extra}})
+
+    def resume_with(self, exp_id: str, **changes: object) -> str:
+        """The command that resumes ``exp_id``: the command line's, else the lab's from the plan."""
+        if self.resume_command is not None:
+            return self.resume_command(exp_id, **changes)
+        from vllm_lab.commands.plan_record import resume_words
+        return resume_words((self.plan or {}).get("command", "?"), self.plan or {}, exp_id)
 
     @property
     def store_path(self) -> Path:

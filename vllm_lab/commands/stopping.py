@@ -103,4 +103,4 @@ def _say(why: str, settings: Settings, exp_id: str, done: Account) -> None:
     servers = ", servers stopped" if settings.backend != "predict" else ""
     kept = f"; {done.kept}" if done.kept else ""
     print(f"lab: {why}: {done.done}{servers}{kept}; resume with: "
-          f"{settings.resume_command(exp_id, **done.changes)}", file=sys.stderr)
+          f"{settings.resume_with(exp_id, **done.changes)}", file=sys.stderr)

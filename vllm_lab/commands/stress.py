@@ -54,19 +54,26 @@ def stress(settings: Settings, source: Source, shape: str, levels_text: str | No
     levels = staircase.staircase_levels(scenario, plans.parse_values("load.shape.level", levels_text)
                                         if levels_text else None)
     meta = {"shape": shape, "params": ["load.shape.level"]}
+    settings = settings.planned(levels=",".join(f"{v:g}" for v in levels))  # the staircase taken
     fixed = dataclasses.replace(settings, experiment=experiment_id(settings, "stress", scenario, shape))
 
     def read_levels():
         with Store(fixed.store_path) as store:
             return levels_table(store, fixed.experiment, store.runs(fixed.experiment))
 
+    counts: dict[str, int] = {}
+
     def take(points: list[plans.Point]) -> int:
-        return Experiment.build(fixed, "stress", scenario, points, meta, shape).run()
+        for status, n in Experiment.build(fixed, "stress", scenario, points, meta, shape).take_all().items():
+            counts[status] = counts.get(status, 0) + n
+        return 0
 
     # A ramp zooms into the knee in the same experiment; a step keeps its levels. A stop (the
-    # deadline, Ctrl-C) leaves the command: no later round starts, nor says anything.
-    return staircase.run_staircase(scenario, levels, refine if shape == "ramp" else 0, take,
-                                   read_levels, settings.repeats or scenario.run.repeats)
+    # deadline, Ctrl-C) leaves the command: no later round starts, nor says anything. The report
+    # and its results are said once, after the last round.
+    staircase.run_staircase(scenario, levels, refine if shape == "ramp" else 0, take, read_levels,
+                            settings.repeats or scenario.run.repeats)
+    return Experiment(fixed.experiment, "stress", scenario, [], meta, fixed).finish(counts)
 
 
 def register(sub) -> None:

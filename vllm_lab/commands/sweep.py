@@ -36,10 +36,13 @@ class SweepArgs:
 def sweep(settings: Settings, source: Source, param: str, values_text: str | None = None) -> int:
     """One flag over a ladder of values (VALUES, else a ladder for the hardware)."""
     scenario = source.resolve_checked()
+    plans.check_modelled(param, settings.backend)
     values, points = plans.sweep_plan(scenario, param, values_text, settings.repeats or scenario.run.repeats)
     lint_notes(points)
-    return Experiment.build(settings, "sweep", scenario, points, {"param": param, "values": values},
-                            param).run()
+    settings = settings.planned(values=",".join(str(v) for v in values))  # the ladder taken
+    reference = plans.reference_point(scenario, [param])
+    meta = {"param": param, "values": values, "reference": reference}
+    return Experiment.build(settings, "sweep", scenario, points, meta, param).run()
 
 
 def register(sub) -> None:

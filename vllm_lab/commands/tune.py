@@ -10,14 +10,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from vllm_lab import search
+from vllm_lab import plans, search
 from vllm_lab.commands import stopping
 from vllm_lab.commands.arguments import add_run_arguments, count
-from vllm_lab.commands.experiment import Experiment
+from vllm_lab.commands.experiment import Experiment, counted
 from vllm_lab.commands.naming import experiment_id
 from vllm_lab.commands.settings import Settings, Source
 from vllm_lab.deadline import DeadlineReached
-from vllm_lab.progress import Progress
+from vllm_lab.progress import Progress, closing_table
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,13 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
     from vllm_lab import reports, search
     scenario = source.resolve_checked()
     space = search.load_space(options.space, scenario)
+    for param in space.space:
+        plans.check_modelled(param, settings.backend, "SPACE")
     exp_id = experiment_id(settings, "tune", scenario)
     study = search.TuneSettings(exp_id, space, options.objective, options.trials,
                                 search.storage_url(options.study_storage, settings.store_path),
-                                options.seed, options.startup_trials)
+                                options.seed, options.startup_trials, settings.plan,
+                                plans.reference_point(scenario, list(space.space)))
     hosts = settings.hosts()
     print(f"tune: study {exp_id}, {options.trials} trial(s) per host on {len(hosts)} host(s), backend "
           f"{settings.backend}, objective {search.objective_label(options.objective)}, space "
@@ -80,6 +83,7 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
         done.append(number)
 
     def trials(backend):
+        search.measure_reference(scenario, study, backend, settings.store_path, settings.out / ".work")
         with _quiet_deadline_in_threads():
             counts = search.run_trials(scenario, study, backend, settings.store_path,
                                        settings.out / ".work", hosts, on_trial)
@@ -94,8 +98,11 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
                                 changes={"TRIALS": per_host})
 
     counts = stopping.take(settings, exp_id, shown, trials, account)
-    print(f"trials taken now: {counts}")
-    print(f"report: {reports.build(settings.store_path, exp_id, settings.out)}")
+    from vllm_lab.reports.console import results
+    index = reports.build(settings.store_path, exp_id, settings.out)
+    print(f"trials taken now: {counted(counts)}")
+    closing_table(results(settings.store_path, exp_id))
+    print(f"report: {index}")
     return confirm(settings, scenario, study, options) if options.confirm else 0
 
 

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 from vllm_lab import search
-from vllm_lab.analysis.autotune import Outcome, Row, outcome
+from vllm_lab.analysis.autotune import BEST_RULE, Outcome, Row, outcome
+from vllm_lab.analysis.stress import levels_table, offered_axis
 from vllm_lab.autotune.space import MEASURE_ONLY
+from vllm_lab.reports import page
+from vllm_lab.reports.figures import save
+from vllm_lab.reports.page import Block
 from vllm_lab.store import Store, experiment_dir
 
 
@@ -29,7 +34,8 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
 
 
 def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) -> dict[str, Any]:
-    """report.md, index.html, best.yaml and summary.json under OUT/<experiment>/; the summary."""
+    """report.md, index.html (with its figure), best.yaml and summary.json under
+    OUT/<experiment>/; the summary."""
     found = outcome(store_path, experiment_id, storage)
     summary = summary_of(found)
     folder = experiment_dir(out, experiment_id)
@@ -40,10 +46,70 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
         note = (f"autotune {experiment_id}: {_flags_text(best.candidate.flags)}; SLO capacity "
                 f"{best.measured:.2f} req/s on {plan.backend} (defaults {_num(found.defaults.measured)})")
         (folder / "best.yaml").write_text(search.scenario_file(plan.defaults, best.candidate.flags, note))
-    md = report_markdown(summary, found)
-    (folder / "report.md").write_text(md)
-    (folder / "index.html").write_text(markdown_page(md, f"autotune {experiment_id}"))
+    with Store(store_path) as store:
+        staircases = {r.candidate.name: staircase(store, f"{experiment_id}-{r.candidate.name}")
+                      for r in found.rows}
+    figure = capacity_figure(found, staircases, _caption(plan), folder)
+    page.write_page(autotune_page(summary, found, figure), folder)
     return summary
+
+
+def staircase(store: Store, experiment_id: str) -> pd.DataFrame:
+    """A candidate's levels (``analysis.stress.levels_table``; empty when it was not measured)."""
+    runs = store.runs(experiment_id)
+    return levels_table(store, experiment_id, runs) if len(runs) else pd.DataFrame()
+
+
+def _caption(plan) -> str:
+    sc = plan.scenario
+    return (f"{sc['hardware']['name']} · {sc['serve'].get('model')} · vLLM {sc.get('vllm_version')} · "
+            f"measured on {plan.backend}, predicted by the twin's predictor\n"
+            f"workload: {sc['workload'].get('source')} · load: open-loop Poisson levels of "
+            f"{plan.step_s:g} s")
+
+
+def capacity_figure(found: Outcome, staircases: dict[str, pd.DataFrame], caption: str,
+                    folder: Path) -> Path:
+    """Each candidate's SLO capacity, measured beside predicted (the best marked), and each
+    measured staircase: the SLO's latency against the load offered."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"wspace": 0.3})
+    names = [r.candidate.name for r in found.rows]
+    y = np.arange(len(names))
+    measured = [r.measured or 0.0 for r in found.rows]
+    predicted = [r.candidate.predicted or 0.0 for r in found.rows]
+    best = found.best.candidate.name if found.best else None
+    left.barh(y - 0.2, measured, 0.4, color=["tab:green" if n == best else "tab:blue" for n in names],
+              label="measured")
+    left.barh(y + 0.2, predicted, 0.4, color="#bbb", label="predicted")
+    left.set_yticks(y, [f"{n} (best)" if n == best else n for n in names], fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("SLO capacity (req/s)")
+    left.set_title("SLO capacity per candidate", fontsize=10)
+    left.legend(fontsize=8, loc="lower right")
+    left.grid(alpha=0.3, axis="x")
+    target = _slo_column(found.record.plan.scenario)
+    for name, table in staircases.items():
+        ok = table[table["ok"]] if len(table) else table
+        if len(ok) and target and target[0] in ok:
+            right.plot(offered_axis(ok), ok[target[0]] * 1000, "o-", ms=3, label=name)
+    if target:
+        right.axhline(target[1] * 1000, color="red", ls="--", lw=1, label="SLO")
+        right.set_ylabel(f"{target[2]} (ms)")
+    right.set_xlabel("offered load (req/s)")
+    right.set_title("Each candidate's staircase", fontsize=10)
+    right.grid(alpha=0.3)
+    right.legend(fontsize=7)
+    fig.text(0.01, -0.04, caption, fontsize=7, va="top")
+    return save(fig, folder / "capacities.png")
+
+
+def _slo_column(scenario: dict[str, Any]) -> tuple[str, float, str] | None:
+    """The summary column, threshold (s) and label of the scenario's first SLO latency."""
+    for name, target in (scenario.get("slo") or {}).items():
+        if isinstance(target, dict) and round(target["percentile"]) in (50, 90, 99):
+            pct = round(target["percentile"])
+            return f"{name}_p{pct}", target["threshold_ms"] / 1000, f"{name.upper()} p{pct}"
+    return None
 
 
 def summary_of(found: Outcome) -> dict[str, Any]:
@@ -102,52 +168,63 @@ def _num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} req/s"
 
 
-def report_markdown(summary: dict[str, Any], found: Outcome) -> str:
-    """The report as Markdown."""
+def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path) -> page.Page:
+    """The autotune's page: the verdict, what was measured how, the candidates, the figure, the
+    minutes spent and the winner's file."""
     plan = found.record.plan
     sc = plan.scenario
-    slo = ", ".join(f"{m} p{v['percentile']:g} < {v['threshold_ms']:g} ms"
+    slo = ", ".join(f"{m} p{v['percentile']:g} ≤ {v['threshold_ms']:g} ms"
                     for m, v in (sc.get("slo") or {}).items() if isinstance(v, dict))
-    budget = summary["gpu_minutes_budget"]
-    lines = [
-        f"# autotune {summary['experiment']}", "",
-        f"**{summary['verdict']}.**", "",
-        (f"- scenario: {sc['name']} ({sc['hardware']['name']}, model {sc['serve'].get('model')}, "
+    facts = [
+        (f"scenario: {sc['name']} ({sc['hardware']['name']}, model {sc['serve'].get('model')}, "
          f"vLLM {sc.get('vllm_version')})"),
-        f"- traffic: {sc['workload'].get('source')} workload, open-loop Poisson arrivals; SLO: {slo}",
-        (f"- SLO capacity: the highest request rate at which every SLO holds and the queue stays "
-         f"bounded, on a staircase of {plan.step_s:g} s levels"),
-        (f"- measured on: {plan.backend}; predicted by the twin's predictor "
-         f"({found.trials} configurations searched in {plan.search_s:g} s, {found.pruned} would not start)"),
-        "",
-        ("| candidate | flags over vLLM's defaults | predicted (req/s) | measured | "
-         "start min | measuring min |"),
-        "|---|---|---:|---:|---:|---:|",
+        f"traffic: {sc['workload'].get('source')} workload, open-loop Poisson arrivals; SLO: {slo}",
+        (f"SLO capacity: the highest request rate offered at which every SLO holds, the server "
+         f"serves what it is offered and its queue stays bounded, on a staircase of "
+         f"{plan.step_s:g} s levels (as a stress report reads it)"),
+        (f"measured on: {plan.backend}; predicted by the twin's predictor ({found.trials} "
+         f"configurations searched in {plan.search_s:g} s, {found.pruned} would not start)"),
+        f"Best: {BEST_RULE}.",
     ]
+    e = html.escape
+    title = f"autotune {summary['experiment']}"
+    blocks = [Block(f"<h1>{e(title)}</h1>\n", [f"# {title}", ""]),
+              Block(f'<p class="headline">{e(summary["verdict"])}.</p>\n', [f"**{summary['verdict']}.**", ""]),
+              page.notes(facts), Block(md=[""]),
+              page.table(candidates_frame(summary, found), "text"), Block(md=[""]),
+              Block(page.img(figure) + "\n", page.md_img(figure)),
+              page.notes(_minutes_lines(summary, summary["gpu_minutes_budget"], found)
+                         + _winner_lines(summary)), Block(md=[""]),
+              page.footer(f"make report EXPERIMENT={summary['experiment']}", md=True)]
+    return page.Page(title, blocks)
+
+
+def candidates_frame(summary: dict[str, Any], found: Outcome) -> pd.DataFrame:
+    """One row per candidate: its flags over vLLM's defaults, predicted and measured capacity,
+    the minutes it took."""
+    rows = []
     for r in found.rows:
-        mark = " **best**" if r.candidate.name == summary["best"] else ""
-        lines.append(f"| {r.candidate.name}{mark} | {_candidate_flags(r)} | {_predicted_text(r)} | "
-                     f"{r.found.describe()} | {r.spend.start_s / 60:.2f} | {r.spend.measure_s / 60:.2f} |")
-    lines += _minutes_lines(summary, budget, found) + _winner_lines(summary)
-    return "\n".join(lines) + "\n"
+        rows.append({"candidate": r.candidate.name + (" (best)" if r.candidate.name == summary["best"] else ""),
+                     "flags over vLLM's defaults": _candidate_flags(r),
+                     "predicted req/s": _predicted_text(r), "measured req/s": r.found.describe(),
+                     "start min": f"{r.spend.start_s / 60:.2f}",
+                     "measuring min": f"{r.spend.measure_s / 60:.2f}"})
+    return pd.DataFrame(rows)
 
 
 def _minutes_lines(summary: dict[str, Any], budget: float | None, found: Outcome) -> list[str]:
     """The minutes spent, and the flags searched and left to live measurement."""
     return [
-        "",
         f"Minutes of the measuring backend: {summary['gpu_minutes']:.2f} "
         f"({summary['gpu_minutes_starts']:.2f} starting and stopping servers, "
         f"{summary['gpu_minutes_measuring']:.2f} measuring)"
         + (f" of a budget of {budget:g}" if budget is not None else "") + "."
         + (" Candidates marked 'not measured' did not fit the budget: raise GPU_MINUTES and run "
            "again with RESUME=1." if any(r.found.status == "not measured" for r in found.rows) else ""),
-        "",
         f"Searched flags (the twin models them): {', '.join(found.record.plan.space)}.",
         "Measure-only flags (the twin does not model them: tried live on real vLLM from the "
         "space's measure: section, or swept with make sweep): "
         + "; ".join(f"{k} ({v})" for k, v in MEASURE_ONLY.items()) + ".",
-        "",
     ]
 
 
@@ -155,46 +232,10 @@ def _winner_lines(summary: dict[str, Any]) -> list[str]:
     """Where the winner's scenario file is, and a word on an fp8 KV cache."""
     lines = []
     if summary["best"] and summary["best"] != "defaults":
-        lines.append("The winner as a scenario: `best.yaml` beside this report (make baseline "
+        lines.append("The winner as a scenario: best.yaml beside this report (make baseline "
                      "SCENARIO=<this folder>/best.yaml; its serve: section is also a vLLM --config file).")
         if summary["best_flags"].get("kv-cache-dtype", "auto") != "auto":
             lines.append("It stores the KV cache in fp8: check the answers' quality before serving it.")
     lines.append(f"Each candidate's staircase is its own stress experiment: make report "
                  f"EXPERIMENT={summary['experiment']}-<candidate>.")
     return lines
-
-
-def markdown_page(md: str, title: str) -> str:
-    """A plain HTML page of the report's Markdown (headings, bold, lists, one table)."""
-    body, in_list, in_table = [], False, False
-    for raw in md.splitlines():
-        line = html.escape(raw)
-        line = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", line)
-        line = re.sub(r"`(.+?)`", r"<code>\1</code>", line)
-        if in_list and not raw.startswith("- "):
-            body.append("</ul>")
-            in_list = False
-        if in_table and not raw.startswith("|"):
-            body.append("</table>")
-            in_table = False
-        if raw.startswith("# "):
-            body.append(f"<h1>{line[2:]}</h1>")
-        elif raw.startswith("- "):
-            body.append(("" if in_list else "<ul>") + f"<li>{line[2:]}</li>")
-            in_list = True
-        elif raw.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if set("".join(cells)) <= set("-:"):
-                continue
-            tag = "td" if in_table else "th"
-            body.append(("" if in_table else "<table>") + "<tr>"
-                        + "".join(f"<{tag}>{c}</{tag}>" for c in cells) + "</tr>")
-            in_table = True
-        elif raw.strip():
-            body.append(f"<p>{line}</p>")
-    body += ["</ul>"] if in_list else []
-    body += ["</table>"] if in_table else []
-    style = ("body{font-family:sans-serif;max-width:70em;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}")
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -23,29 +23,37 @@ from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
 from vllm_lab.summary import metric, select
 
-# The figures of an arm's row (medians over its runs): the catalog's heading and display scale.
-ARM_METRICS = {name: (metric(name).heading, metric(name).scale) for name in select(
+# The figures of an arm's row (means over its ok runs): the catalog's heading and display scale.
+ARM_METRICS = {name: (metric(name).heading if metric(name).short else
+                      f"{metric(name).label}{' ms' if metric(name).unit == 's' else ''}",
+                      metric(name).scale) for name in select(
     "output_throughput", "ttft_p50", "tpot_p50", "e2e_p50", "gpu_util_mean", "kv_cache_tokens",
     "preemptions", "errors")}
 
 
-def _median(runs: list[dict], key: str, scale: float) -> float | None:
+def _mean(runs: list[dict], key: str, scale: float) -> float | None:
     ok = [r for r in runs if r["status"] in claims.OK_STATUSES]
     vals = [v for r in ok if (v := r["summary"].figure(key)) is not None]
-    return round(float(pd.Series(vals).median()) * scale, 2) if vals else None
+    return float(pd.Series(vals).mean()) * scale if vals else None
 
 
-def arm_table(measured: dict[str, list[dict]], predicted: dict[str, list[dict]] | None = None) -> pd.DataFrame:
-    """One row per arm: runs, statuses, the median of each figure (and the twin's prediction)."""
+def arm_table(measured: dict[str, list[dict]], predicted: dict[str, list[dict]] | None = None,
+              same: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per arm: runs, statuses, the mean of each figure over its ok runs (and the twin's
+    prediction); an arm that other claims' arms share (the same scenario) names them too."""
     rows = []
+    same = same or {}
     for label, rs in sorted(measured.items()):
-        row = {"arm": label, "runs": len(rs), "status": ",".join(sorted({r["status"] for r in rs}))}
+        also = sorted(a for a, k in same.items() if k == same.get(label) and a != label
+                      and a not in measured)
+        row = {"arm": label + (f" (also {'; '.join(also)})" if also else ""), "runs": len(rs),
+               "status": ",".join(sorted({r["status"] for r in rs}))}
         for key, (name, scale) in ARM_METRICS.items():
-            row[name] = _median(rs, key, scale)
+            row[name] = _mean(rs, key, scale)
         if predicted is not None:
             for key in TWIN_METRICS:
                 name, scale = ARM_METRICS[key]
-                row[f"twin {name}"] = _median(predicted.get(label, []), key, scale)
+                row[f"twin {name}"] = _mean(predicted.get(label, []), key, scale)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -74,6 +82,18 @@ def effects_figure(verdicts: list[claims.Verdict], twin: list[claims.Verdict] | 
     return save(fig, folder / "effects.png")
 
 
+def verdicts(store: Store, exp: dict, runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The verdicts table and its one line ("Verdicts: holds 2, ..."), as the page has them."""
+    table = verdicts_frame(judge_experiment(store, exp, runs, page.context(runs).backend))
+    return table, verdict_line(table)
+
+
+def verdict_line(table: pd.DataFrame) -> str:
+    """How many claims got each verdict."""
+    counts = table["verdict"].value_counts().to_dict()
+    return "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
 def build_claims(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     """Write the claims report folder (index.html, report.md, verdicts.csv, arms.csv)."""
     ctx = page.context(runs)
@@ -82,7 +102,8 @@ def build_claims(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
     judged = judge_experiment(store, exp, runs, ctx.backend)
     table = verdicts_frame(judged)
     table.to_csv(folder / "verdicts.csv", index=False)
-    arms = arm_table(judged.measured, judged.predicted)
+    base = Scenario.model_validate(exp["meta"]["base"])
+    arms = arm_table(judged.measured, judged.predicted, claims.arm_keys(base))
     arms.to_csv(folder / "arms.csv", index=False)
     fig = effects_figure(judged.verdicts, judged.twin, ctx.caption, folder)
     return page.write_page(claims_page(exp, ctx, table, arms, fig, judged.unpredicted), folder)
@@ -109,12 +130,11 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
                 unpredicted: int = 0) -> page.Page:
     """The claims page: the verdicts, the effects figure, the arms."""
     e = html.escape
-    counts = table["verdict"].value_counts().to_dict()
-    verdict_line = "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+    line = verdict_line(table)
     blocks = [
         Block(f"<h1>{e(exp['id'])}: the guide's claims, measured</h1>\n",
               [f"# {exp['id']}: the guide's claims, measured", ""]),
-        Block(f'<p class="ctx">{e(ctx.caption)}</p>\n', ["```", ctx.caption, "```", "", verdict_line, ""]),
+        Block(f'<p class="ctx">{e(ctx.caption)}</p>\n', ["```", ctx.caption, "```", "", line, ""]),
     ]
     if unpredicted:
         text = (f"Twin predictions: no prediction recorded for {unpredicted} arm(s) (measured before "
@@ -123,10 +143,10 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
     blocks += [
         page.table(table, "text"),
         Block(page.img(fig) + "\n" if fig else "\n"),
-        Block("<h2>Arms (medians over their runs)</h2>\n", ["", "## Arms (medians over their runs)", ""]),
-        page.table(arms, "text", groups=["arm" if c in ("arm", "runs", "status") else
-                                         "twin predicts (recorded)" if c.startswith("twin ") else
-                                         "measured (median over runs)" for c in arms.columns]),
+        Block("<h2>Arms (means over their ok runs)</h2>\n", ["", "## Arms (means over their ok runs)", ""]),
+        page.table(arms, groups=["arm" if c in ("arm", "runs", "status") else
+                                 "twin predicts (recorded)" if c.startswith("twin ") else
+                                 "measured (mean over ok runs)" for c in arms.columns]),
     ]
     if fig:
         blocks.append(Block(md=["", *page.md_img(fig)]))
@@ -137,4 +157,5 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
 # Wider than a laptop's window: the padding keeps the text off its edges there.
 CSS = """body{font-family:system-ui,sans-serif;max-width:1300px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}
+td.num{text-align:right;white-space:nowrap}
 th{background:#f3f3f3}img{max-width:100%}.ctx{color:#555;white-space:pre-line}"""

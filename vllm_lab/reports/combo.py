@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import search
-from vllm_lab.analysis.points import best_point, pareto_front, point_table
-from vllm_lab.analysis.search import best_configs, importances, trials_frame, tune_study
+from vllm_lab.analysis.points import best_point, pareto_front
+from vllm_lab.analysis.search import importances, trials_frame, tune_study
 from vllm_lab.reports import page, sweep, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
@@ -114,6 +114,16 @@ def _best_file(runs: pd.DataFrame, params: list[str], best: pd.Series | None, fo
                                {p: best[p] for p in params}, note)
 
 
+def _best_note(source: str, best: pd.Series | None, params: list[str]) -> str:
+    """best.yaml's description: which point, by which rule, with its figures."""
+    if best is None:
+        return ""
+    value = ", ".join(f"{p}={best[p]}" for p in params)
+    return (f"best of {source} by the lab's rule (the cheapest within noise of the top goodput "
+            f"under the SLO): {value}; goodput {best['goodput']:.2f} req/s, "
+            f"{best['output_throughput']:.0f} output tok/s (mean of {best['ok_runs']} run(s))")
+
+
 def _yaml_section(path: Path | None) -> list[Block]:
     """best.yaml shown on the page, ready to copy."""
     if path is None:
@@ -127,16 +137,27 @@ def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pa
     """The combination's report: table, heat maps, Pareto front, best point and best.yaml."""
     params = list(exp["meta"]["params"])
     ctx = page.context(runs, swept=params)
-    table = point_table(runs, params)
+    table = sweep.points(runs, exp, ctx)
     table.to_csv(folder / "summary.csv", index=False)
-    figures = [heatmaps(table, params, ctx, folder), pareto_figure(table, params, ctx, folder)]
+    grid = table[~table["reference"]] if _outside_grid(table, exp) else table
+    figures = [heatmaps(grid, params, ctx, folder), pareto_figure(table, params, ctx, folder)]
     best = best_point(table)
-    headline = sweep.headline(table, best, params)
-    best_path = _best_file(runs, params, best, folder, f"best of {exp['id']} under the SLO: {headline}")
+    headline = sweep.headline(table, best, params, ctx.load)
+    best_path = _best_file(runs, params, best, folder, _best_note(exp["id"], best, params))
     shown = sweep.display_table(table, params)
     return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, sweep.warnings(table), figures,
                                                  _yaml_section(best_path),
-                                                 sweep.column_groups(shown, params)), folder)
+                                                 sweep.column_groups(shown, params),
+                                                 tables=sweep.tables(table, params)), folder)
+
+
+def _outside_grid(table: pd.DataFrame, exp: dict) -> bool:
+    """Whether the reference point (vLLM's defaults) was measured beside the grid, not in it."""
+    grid = exp["meta"].get("grid") or {}
+    if "reference" not in table or not table["reference"].any() or not grid:
+        return False
+    ref = table[table["reference"]].iloc[0]
+    return any(ref[p] not in values for p, values in grid.items())
 
 
 # -- the search -----------------------------------------------------------------------------------
@@ -172,7 +193,8 @@ def importance_figure(imp: dict[str, float], ctx: Context, folder: Path) -> Path
     fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(imp)))
     names = list(imp)[::-1]
     ax.barh(names, [imp[n] for n in names], color="tab:blue")
-    ax.set_xlabel("importance (optuna.importance, PED-ANOVA, normalized)")
+    ax.set_xlabel("importance: how far the flag's values in the best 10% of trials lie from all "
+                  "(PED-ANOVA, sums to 1)", fontsize=8)
     ax.set_title("Parameter importances", fontsize=10)
     # Half an inch under the axes, below the x label, however few bars make the figure short.
     fig.text(0.01, -0.5 / fig.get_figheight(), ctx.caption, fontsize=7, va="top")
@@ -189,26 +211,20 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     study = tune_study(exp, store.path)
     trials = trials_frame(study)
     trials.to_csv(folder / "trials.csv", index=False)
-    table = point_table(runs, params)
+    table = sweep.points(runs, exp, ctx)
     table.to_csv(folder / "summary.csv", index=False)
     figures = [history_figure(trials, meta["objective"], ctx, folder)]
     imp = importances(study)
-    imp_path = importance_figure(imp, ctx, folder)
+    imp_path = importance_figure(imp.values, ctx, folder)
     figures += [imp_path] if imp_path else []
     figures.append(pareto_figure(table, params, ctx, folder))
+    # The one rule (analysis.points.best_point) names the best, as on every step's page: the
+    # star, the headline and best.yaml are the same point.
     figures += [f for f in [traffic.trace_figure(runs, folder, ctx.caption)] if f]
-    configs = best_configs(study, 1, meta["objective"])
-    best = None
-    if configs:
-        match = table[np.logical_and.reduce([table[p] == v for p, v in configs[0].items()])]
-        best = match.iloc[0] if len(match) else None
-    states = trials["state"].value_counts().to_dict()
-    headline = (f"{len(trials)} trials ({', '.join(f'{v} {k.lower()}' for k, v in states.items())}), "
-                f"objective {search.objective_label(meta['objective'])}. ")
-    headline += sweep.headline(table, best, params) if best is not None else \
-        "No trial met the SLO."
-    best_path = _best_file(runs, params, best, folder, f"best of study {meta['study']}: {headline}")
-    notes = [f"importance of {k}: {v:.2f}" for k, v in imp.items()]
+    best = best_point(table)
+    headline = _tune_headline(trials, table, best, params, meta["objective"], ctx.load)
+    best_path = _best_file(runs, params, best, folder, _best_note(f"study {meta['study']}", best, params))
+    notes = [imp.note] + [f"importance of {k}: {v:.2f}" for k, v in imp.values.items()]
     notes += [f"trial {r.trial}: {r.state.lower()} ({r.cause}): {r.error}" for r in
               trials[trials["state"].isin(["PRUNED", "FAIL"])].itertuples()]
     notes.append(f"study {meta['study']} in {meta['storage'] or 'the lab database'}; more workers join "
@@ -216,7 +232,26 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     extra = _yaml_section(best_path) + _confirm_section(store, exp["id"])
     shown = sweep.display_table(table, params)
     return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures, extra,
-                                                 sweep.column_groups(shown, params)), folder)
+                                                 sweep.column_groups(shown, params),
+                                                 tables=sweep.tables(table, params)), folder)
+
+
+def _tune_headline(trials: pd.DataFrame, table: pd.DataFrame, best: pd.Series | None,
+                   params: list[str], objective: str, load: str) -> str:
+    states = trials["state"].value_counts().to_dict()
+    head = (f"{len(trials)} trials ({', '.join(f'{v} {k.lower()}' for k, v in states.items())}), "
+            f"objective {search.objective_label(objective)}. ")
+    return head + (sweep.headline(table, best, params, load) if best is not None else
+                   "No trial met the SLO.")
+
+
+def tune_headline(store: Store, exp: dict, runs: pd.DataFrame) -> str:
+    """A search's headline, as its page has it."""
+    params = list(exp["meta"]["params"])
+    ctx = page.context(runs, swept=params)
+    table = sweep.points(runs, exp, ctx)
+    trials = trials_frame(tune_study(exp, store.path))
+    return _tune_headline(trials, table, best_point(table), params, exp["meta"]["objective"], ctx.load)
 
 
 def _confirm_section(store: Store, exp_id: str) -> list[Block]:

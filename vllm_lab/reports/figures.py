@@ -35,6 +35,9 @@ CAPTIONS = {
               "needs a wider sweep.",
     "combos": "Blue points meet the SLO; the red front is the best throughput each latency allows.",
     "watch": "Red crosses are probes flagged as regressions against their recorded baseline.",
+    "capacities": "Green is the best by the rule above; where grey (predicted) and the measured bar "
+                  "part, the predictor misread that configuration. On the right, each staircase "
+                  "crosses the red SLO line where its capacity ends.",
     "trace": "The traffic the flags were ranked on: the trace's arrivals as sent, and its lengths.",
     "energy": "A lower bar costs fewer joules for each token; where the SLO also holds, it is the "
               "cheaper setting to run.",

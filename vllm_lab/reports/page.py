@@ -23,8 +23,9 @@ from vllm_lab.flags import redact
 from vllm_lab.reports.figures import caption_for
 
 # The stylesheet of an experiment's page; the quarterly report brings its own (print layout).
-CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;color:#222}
-table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
+CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}
+td.num{text-align:right;white-space:nowrap}
 th{background:#f3f3f3}img{max-width:100%}.headline{font-size:1.2em;background:#eef7ee;padding:.6em}
 .ctx{color:#555;white-space:pre-line}"""
 # Every page's tables fit it: a wide or long table scrolls inside its frame, its header stays in
@@ -40,7 +41,7 @@ pre{white-space:pre-wrap;overflow-wrap:break-word;background:#f7f7f7;padding:.6e
 @media print{.table-wrap{max-height:none;overflow:visible;border:0}
   .table-wrap thead{position:static}}"""
 FOOTER_STYLE = "color:#888;font-size:12px"
-_NUMERIC = re.compile(r"[-+<–]?[\d,.]+%?|–")
+_NUMERIC = re.compile(r"[-+<–]?[\d,.]+%?( ± [\d,.]+)?|–")
 
 
 # -- the formatter ----------------------------------------------------------------------------
@@ -48,8 +49,8 @@ _NUMERIC = re.compile(r"[-+<–]?[\d,.]+%?|–")
 def fmt(v: Any, style: str = "sig") -> str:
     """One value as a table shows it.
 
-    Styles: ``sig`` three significant digits (thousands whole, with separators), a missing value
-    "–"; ``fixed`` whole numbers from 100 up, two decimals below; ``pct`` a signed percentage;
+    Styles: ``sig`` three significant digits, never an exponent (thousands whole, with
+    separators), a missing value "–"; ``fixed`` whole numbers from 100 up, two decimals below; ``pct`` a signed percentage;
     ``ms`` seconds as whole milliseconds; ``p`` a p-value; ``text`` the value as written, a missing
     one empty. A mapping reads ``k=v, ...`` ("defaults" when empty).
     """
@@ -69,8 +70,20 @@ def fmt(v: Any, style: str = "sig") -> str:
     if isinstance(v, (float, np.floating)):
         if style == "fixed":
             return f"{v:,.0f}" if float(v).is_integer() or abs(v) >= 100 else f"{v:.2f}"
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return significant(float(v))
     return str(v)
+
+
+def significant(v: float, digits: int = 3) -> str:
+    """``v`` to ``digits`` significant digits, positional (never an exponent), thousands whole
+    with separators; what rounding left of zero (1e-13 of a difference) reads 0."""
+    if abs(v) < 1e-9:
+        return "0"
+    if abs(v) >= 10 ** (digits - 1) - 0.5:
+        return f"{v:,.0f}"
+    v = float(f"{v:.{digits - 1}e}")  # rounded first: 9.996 is 10.0, not 10.00
+    decimals = digits - 1 - int(np.floor(np.log10(abs(v))))
+    return f"{v:.{decimals}f}"
 
 
 # -- what every figure and page states --------------------------------------------------------
@@ -182,7 +195,8 @@ def frame_rows(df: pd.DataFrame, style: str = "sig") -> tuple[list[str], list[li
 def table(df: pd.DataFrame, style: str = "sig", groups: Sequence[str] | None = None) -> Block:
     """A frame as a table block, its column ``groups`` named above it on the HTML page."""
     header, rows = frame_rows(df, style)
-    return Block(html_table(header, rows, groups=groups) + "\n", md_table(header, rows))
+    return Block(html_table(header, rows, numeric_class=True, groups=groups) + "\n",
+                 md_table(header, rows))
 
 
 def img(path: Path) -> str:
@@ -197,6 +211,11 @@ def md_img(path: Path) -> list[str]:
     """A PNG beside report.md, with its caption in italics under it."""
     text = caption_for(path)
     return [f"![{path.stem}]({path.name})"] + ([f"*{text}*", ""] if text else [])
+
+
+def heading(text: str) -> Block:
+    """A section's heading."""
+    return Block(f"<h2>{html.escape(text)}</h2>\n", ["", f"## {text}", ""])
 
 
 def notes(items: Sequence[str]) -> Block:

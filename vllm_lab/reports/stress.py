@@ -14,6 +14,7 @@ import pandas as pd
 
 from vllm_lab.analysis.stress import (
     GROWTH_SLOPE,
+    SERVED_TOLERANCE,
     find_knee,
     levels_table,
     soak_drift,
@@ -59,9 +60,10 @@ def staircase_figure(table: pd.DataFrame, knee: dict, ctx: Context, folder: Path
         if knee.get("max_sustainable") is not None:
             ax.axvline(knee["max_sustainable"], color="green", ls="--",
                        label=f"max sustainable under SLO {knee['max_sustainable']:.3g}")
-        ax.legend(fontsize=7)
+        # Under the axes, never over the data.
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.suptitle("Stress staircase: latency, throughput and errors vs offered load", fontsize=11)
-    fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
+    fig.text(0.01, -0.30, ctx.caption, fontsize=7, va="top")
     return save(fig, folder / "stress.png")
 
 
@@ -95,45 +97,96 @@ def timeline_figure(win: pd.DataFrame, scenario: Scenario, ctx: Context, folder:
     return save(fig, folder / "timeline.png")
 
 
+def staircase(store: Store, exp: dict, runs: pd.DataFrame) -> tuple[pd.DataFrame, dict, str]:
+    """A staircase's levels (``analysis.stress``), its knee and its headline."""
+    table = levels_table(store, exp["id"], runs)
+    knee = find_knee(table)
+    return table, knee, _staircase_headline(knee)
+
+
+def single(store: Store, exp: dict, runs: pd.DataFrame) -> tuple[str, pd.DataFrame, dict, Scenario]:
+    """A spike's or a soak's headline, its run in windows, what it found, and its scenario."""
+    run = runs.iloc[-1]
+    scenario = Scenario.model_validate_json(run["scenario_json"])
+    win = windows(store.samples(exp["id"], run["run_key"]),
+                  store.server_metrics(exp["id"], run["run_key"]))
+    shape = exp["meta"]["shape"]
+    found = spike_behaviour(win, scenario) if shape == "spike" else soak_drift(win)
+    return _single_headline(shape, found), win, found, scenario
+
+
+def verdict_text(row: pd.Series) -> str:
+    """A level's verdict in words: sustainable, or what broke (the served rate, the queue, the
+    SLO), or the status that left it out."""
+    if not row["ok"]:
+        return f"left out: {row['status']}"
+    if row.get("sustainable", row["meets_slo"] and not row["unbounded"]):
+        return "sustainable"
+    why = []
+    if row.get("served_short"):
+        why.append("served below offered")
+    elif row["unbounded"]:
+        why.append("queue grows")
+    if not row["meets_slo"]:
+        why.append("SLO broken")
+    return ", ".join(why)
+
+
+def levels_shown(table: pd.DataFrame) -> pd.DataFrame:
+    """The levels as the page shows them: every load and latency with its unit."""
+    out = pd.DataFrame({"level req/s": table["level"]})
+    if "offered" in table:
+        out["offered req/s"] = table["offered"]
+    out["served req/s"] = table["request_throughput"]
+    out["goodput req/s"] = table["goodput"]
+    for col, heading in (("ttft_p50", "TTFT p50 ms"), ("ttft_p99", "TTFT p99 ms"),
+                         ("e2e_p99", "E2E p99 ms")):
+        out[heading] = table[col] * 1000
+    out["errors"] = table["errors"]
+    out["E2E growth s/s"] = table["latency_growth"]
+    out["verdict"] = [verdict_text(r) for _, r in table.iterrows()]
+    return out
+
+
 def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     """The stress report: a staircase with its knee, or a spike/soak timeline with its figures."""
     ctx = page.context(runs)
     shape = exp["meta"]["shape"]
     if shape in ("ramp", "step"):
-        table = levels_table(store, exp["id"], runs)
-        knee = find_knee(table)
+        table, knee, headline = staircase(store, exp, runs)
         figures = [staircase_figure(table, knee, ctx, folder)]
-        headline = _staircase_headline(knee)
-        shown = table[["level", *(["offered"] if "offered" in table else []), "status", "request_throughput", "goodput", "ttft_p50", "ttft_p99",
-                       "e2e_p99", "errors", "latency_growth", "unbounded", "meets_slo"]]
+        shown = levels_shown(table)
         notes = [(f"knee bracket: levels {knee['bracket'][0]:.3g}–{knee['bracket'][1]:.3g} req/s; loads "
                   "are the rates the runs really sent (a level is the arrival process's mean)")] \
             if knee["bracket"] else []
+        notes.append(f"sustainable: served within {SERVED_TOLERANCE:.0%} of the rate sent inside the "
+                     f"run's steady window (less twice the square root of the requests in flight "
+                     f"at its edges), the queue bounded (E2E growth under {GROWTH_SLOPE:g} "
+                     f"s/s) and the SLO met")
+        table.to_csv(folder / "summary.csv", index=False)
     else:
-        run = runs.iloc[-1]
-        scenario = Scenario.model_validate_json(run["scenario_json"])
-        win = windows(store.samples(exp["id"], run["run_key"]),
-                             store.server_metrics(exp["id"], run["run_key"]))
+        headline, win, found, scenario = single(store, exp, runs)
         figures = [timeline_figure(win, scenario, ctx, folder, f"{shape}: the run against time")]
-        found = spike_behaviour(win, scenario) if shape == "spike" else soak_drift(win)
-        headline = _single_headline(shape, found)
         shown = win
         notes = [f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in found.items()]
-    shown.to_csv(folder / "summary.csv", index=False)
+        shown.to_csv(folder / "summary.csv", index=False)
     figures = [f for f in [*figures, traffic.trace_figure(runs, folder, ctx.caption)] if f]
-    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures), folder)
+    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures,
+                                                 rule=False), folder)
 
 
 def _staircase_headline(knee: dict) -> str:
     parts = []
     if knee["knee"] is not None:
-        parts.append(f"Knee at {knee['knee']:.3g} req/s")
+        parts.append(f"Knee at {knee['knee']:.3g} req/s offered")
     if knee["knee_unbounded"] is not None:
-        parts.append(f"latency grows without bound past {knee['knee_unbounded']:.3g} req/s")
+        parts.append(f"past {knee['knee_unbounded']:.3g} req/s the server serves less than it is "
+                     f"offered and its queue grows")
     if knee["knee_slo"] is not None:
         parts.append(f"the SLO breaks past {knee['knee_slo']:.3g} req/s")
-    parts.append(f"max sustainable load under the SLO: {knee['max_sustainable']:.3g} req/s"
-                 if knee["max_sustainable"] is not None else "no level held under the SLO")
+    parts.append(f"max sustainable load (served as offered, queue bounded, SLO met): "
+                 f"{knee['max_sustainable']:.3g} req/s" if knee["max_sustainable"] is not None
+                 else "no level was sustainable under the SLO")
     return "; ".join(parts) + "."
 
 

@@ -14,10 +14,15 @@ import pandas as pd
 from vllm_lab import stats
 from vllm_lab.analysis.points import (
     AUDIT,
+    BEST_RULE,
     CV_WARN,
+    DETERMINISTIC,
+    SPREAD,
+    STATISTIC,
     TWIN_METRICS,
     best_point,
     point_table,
+    with_effects,
     with_twin_predictions,
     within_noise,
 )
@@ -48,18 +53,6 @@ def _mark_failures(ax, x, table):
                         rotation=90, color="red", fontsize=8, ha="center")
 
 
-def _half_interval(table: pd.DataFrame, m: str) -> np.ndarray:
-    """Half the 95% Student-t interval of each point's mean of ``m`` (nan for a single run)."""
-    out = []
-    for _, row in table.iterrows():
-        n, cv = int(row.get("ok_runs", 0) or 0), row.get(f"{m}_cv", np.nan)
-        if n < 2 or not np.isfinite(cv):
-            out.append(np.nan)
-            continue
-        out.append(stats.t_quantile(n - 1) * cv * row[m] / np.sqrt(n))
-    return np.asarray(out, dtype=float)
-
-
 def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -> list[Path]:
     """The sweep's three pictures: throughput/goodput, latency percentiles, server view."""
     x, ticks, log = _x(table, param)
@@ -80,7 +73,7 @@ def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(x, table["output_throughput"], "o-", label="output tokens/s")
-    half = _half_interval(table, "output_throughput")
+    half = table["output_throughput_ci"].to_numpy(dtype=float)
     if np.isfinite(half).any():  # 95% intervals where a point has repeats
         ax.errorbar(x, table["output_throughput"], yerr=half, fmt="none", ecolor="tab:blue",
                     capsize=3, lw=1)
@@ -127,42 +120,102 @@ def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -
     return out
 
 
+def mean_text(row: pd.Series, m: str, scale: float = 1.0) -> str:
+    """A point's mean of ``m`` with half its 95% interval ("1,005 ± 64"; the mean alone for a
+    single run), in the figure's shown unit."""
+    mean, half = row.get(m), row.get(f"{m}_ci")
+    if mean is None or not np.isfinite(mean):
+        return "–"
+    text = page.fmt(float(mean) * scale)
+    return f"{text} ± {page.fmt(float(half) * scale)}" if half is not None and np.isfinite(half) else text
+
+
+def effect_text(row: pd.Series, m: str) -> str:
+    """A point's effect against the reference on ``m``: "+12% (+8% to +16%)", "reference"."""
+    if row.get("reference"):
+        return "reference"
+    rel, low, high = (row.get(f"{m}_effect{s}") for s in ("", "_low", "_high"))
+    if rel is None or not np.isfinite(rel):
+        return "–"
+    if low == high:  # a deterministic backend: the difference is exact
+        return f"{rel:+.1%}"
+    return f"{rel:+.0%} ({low:+.0%} to {high:+.0%})"
+
+
+# The main table: what a point gave, against vLLM's defaults, and its verdict.
+MAIN = (("output_throughput", "output tok/s", 1.0), ("goodput", "goodput req/s", 1.0),
+        ("ttft_p99", "TTFT p99 ms", 1000.0), ("tpot_p99", "TPOT p99 ms", 1000.0),
+        ("e2e_p99", "E2E p99 ms", 1000.0))
+# The second table: percentiles and the server's own view of each point.
+DETAIL = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90", "queue_len_mean",
+          "kv_usage_max", "preemptions", "gpu_util_mean")
+
+
 def display_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame:
-    """The columns a reader wants, latencies in ms."""
-    cols = params + ["status", "runs", "output_throughput", "goodput", "slo_attainment",
-                     "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
-                     "queue_len_mean", "kv_usage_max", "preemptions", "output_throughput_cv", "meets_slo",
-                     *AUDIT, *[f"twin_{k}{e}" for k in TWIN_METRICS for e in ("", "_error")]]
-    shown = table[[c for c in cols if c in table]].copy()
-
-    def is_latency(c: str) -> bool:
-        base = c.removeprefix("twin_").removeprefix("server_")
-        return base.split("_")[0] in ("ttft", "tpot", "e2e", "itl", "frontend") \
-            and not c.endswith(("cv", "error"))
-
-    for c in shown.columns:
-        if is_latency(c):
-            shown[c] = shown[c] * 1000
-    return shown.rename(columns={c: c + " (ms)" for c in shown.columns if is_latency(c)})
+    """The main table a reader wants: per point its runs, throughput and goodput (mean ± 95%)
+    with their effect against vLLM's defaults, the SLO's latencies, the verdict."""
+    rows = []
+    effects = "output_throughput_effect" in table
+    for _, row in table.iterrows():
+        out = {p: row[p] for p in params}
+        out["status"] = row["status"]
+        out["ok runs"] = f"{row['ok_runs']} of {row['runs']}"
+        for m, heading, scale in MAIN:
+            out[heading] = mean_text(row, m, scale) if m in SPREAD else \
+                page.fmt(row[m] * scale if np.isfinite(row[m]) else np.nan)
+            if effects and m in ("output_throughput", "goodput"):
+                out[f"{heading.split(' ')[0]} vs defaults"] = effect_text(row, m)
+        out["meets SLO"] = "yes" if row["meets_slo"] else "no"
+        rows.append(out)
+    return pd.DataFrame(rows)
 
 
 def column_groups(shown: pd.DataFrame, params: list[str]) -> list[str]:
     """The group each shown column belongs to, named above the columns on the page."""
     def group(c: str) -> str:
-        if c in params or c in ("status", "runs"):
+        if c in params or c in ("status", "ok runs"):
             return "point"
-        if c.startswith("twin_"):
-            return "twin prediction (recorded)"
-        if c.split(" ")[0] in AUDIT:
-            return "client against server"
-        if c.startswith(("ttft", "tpot", "e2e", "itl")):
-            return "latency (ms)"
-        if c in ("queue_len_mean", "kv_usage_max", "preemptions"):
-            return "server (/metrics)"
-        if c in ("output_throughput_cv", "meets_slo"):
+        if c.endswith("vs defaults"):
+            return "effect against vLLM's defaults (95% interval)"
+        if c.endswith(" ms"):
+            return "latency (mean of runs)"
+        if c == "meets SLO":
             return "verdict"
-        return "throughput"
+        return "mean ± 95% interval"
     return [group(str(c)) for c in shown.columns]
+
+
+def detail_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame:
+    """Percentiles, the server's view (/metrics) and, where measured live, the client against the
+    server, each headed with its unit (means over a point's ok runs)."""
+    out = pd.DataFrame({p: table[p] for p in params})
+    for m in DETAIL:
+        entry = metric(m)
+        scale = 100.0 if entry.unit == "share" else entry.scale
+        unit = {"share": "%", "%": "%", "s": "ms"}.get(entry.unit, "")
+        out[f"{entry.label} {unit}".strip()] = table[m] * scale
+    for m in AUDIT:
+        if m in table and table[m].notna().any():
+            entry = metric(m)
+            label = f"{entry.label} ms" if entry.unit == "s" else entry.label
+            out[label] = table[m] * (1000.0 if entry.unit == "s" else 1.0)
+    return out
+
+
+def twin_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame | None:
+    """The twin's recorded predictions beside the measured figures (real vLLM only)."""
+    if "twin_error" not in table:
+        return None
+    out = pd.DataFrame({p: table[p] for p in params})
+    for m in TWIN_METRICS:
+        entry = metric(m)
+        unit = " ms" if entry.unit == "s" else ""
+        out[f"measured {entry.heading}" if entry.heading.endswith(("ms", "tok/s")) else
+            f"measured {entry.label}{unit}"] = table[m] * entry.scale
+        out[f"twin {entry.label}{unit}"] = table[f"twin_{m}"] * entry.scale
+        out[f"twin error {entry.label}"] = [page.fmt(v, "pct") for v in table[f"twin_{m}_error"]]
+    out["twin note"] = table["twin_error"]
+    return out
 
 
 def warnings(table: pd.DataFrame) -> list[str]:
@@ -199,38 +252,75 @@ def baseline_notes(table: pd.DataFrame) -> list[str]:
     cv = row.get("output_throughput_cv")
     if isinstance(cv, float) and not np.isnan(cv):
         return [f"run-to-run spread (coefficient of variation) of output throughput over "
-                f"{row['runs']} runs: {cv:.1%}" + (" — too large to trust small differences"
-                                                    if cv > CV_WARN else "")]
+                f"{row['ok_runs']} runs: {cv:.1%}" + (" — too large to trust small differences"
+                                                       if cv > CV_WARN else "")]
     return []
 
 
-def headline(table: pd.DataFrame, best, params: list[str]) -> str:
-    """The page's one-sentence result."""
+def _runs_said(row: pd.Series) -> str:
+    n = int(row["ok_runs"])
+    return "one run" if n == 1 else f"means of {n} runs"
+
+
+def headline(table: pd.DataFrame, best, params: list[str], load: str = "") -> str:
+    """The page's result in a few sentences: the best by the one rule (``BEST_RULE``), its effect
+    against vLLM's defaults, what else is within noise of it, and what was not measured."""
     if not params:
         row = table.iloc[0]
-        return (f"Baseline: {row['output_throughput']:.0f} output tokens/s, goodput "
-                f"{row['goodput']:.2f} req/s, TTFT p50 {row['ttft_p50'] * 1000:.0f} ms, "
-                f"TPOT p50 {row['tpot_p50'] * 1000:.1f} ms ({row['runs']} runs).")
+        if not row["ok_runs"]:
+            return f"Baseline: no run held ({row['status']})."
+        return (f"Baseline: {mean_text(row, 'output_throughput')} output tokens/s, goodput "
+                f"{mean_text(row, 'goodput')} req/s, TTFT p50 {mean_text(row, 'ttft_p50', 1000)} "
+                f"ms, TPOT p50 {mean_text(row, 'tpot_p50', 1000)} ms ({_runs_said(row)} ± half "
+                f"the 95% interval).")
     if best is None:
-        return f"No value of {', '.join(params)} met every SLO."
+        return f"No value of {', '.join(params)} met every SLO." + _unmeasured(table, params, load)
     value = ", ".join(f"{p}={best[p]}" for p in params)
     text = (f"Best under the SLO: {value} — goodput {best['goodput']:.2f} req/s, "
             f"{best['output_throughput']:.0f} output tokens/s, TTFT p99 "
-            f"{best['ttft_p99'] * 1000:.0f} ms, TPOT p99 {best['tpot_p99'] * 1000:.1f} ms.")
+            f"{best['ttft_p99'] * 1000:.0f} ms, TPOT p99 {best['tpot_p99'] * 1000:.1f} ms "
+            f"({_runs_said(best)}).")
+    if "reference" in table and not best.get("reference"):
+        ref = table[table["reference"]].iloc[0]
+        text += (f" Against vLLM's defaults ({', '.join(f'{p}={ref[p]}' for p in params)}): "
+                 f"goodput {effect_text(best, 'goodput')}, output {effect_text(best, 'output_throughput')}.")
+    elif "reference" in table:
+        text += " It is vLLM's default."
     others = [i for i in within_noise(table, best) if i != best.name]
     if others:
         names = "; ".join(", ".join(f"{p}={table.loc[i, p]}" for p in params) for i in others)
+        exact = table["backend"].iloc[0] in DETERMINISTIC
         single = " (one run each: a single run's spread taken as "\
-            f"{stats.SINGLE_RUN_CV:.0%})" if table["ok_runs"].max() <= 1 else ""
-        text += (f" Within noise of it on goodput{single}: {names}; the best is the cheapest "
-                 f"of them.")
-    return text
+            f"{stats.SINGLE_RUN_CV:.0%})" if table["ok_runs"].max() <= 1 and not exact else ""
+        close = "Equal to it on goodput" if exact else f"Within noise of it on goodput{single}"
+        text += f" {close}: {names}; the best is the cheapest of them."
+    return text + _unmeasured(table, params, load)
+
+
+def _unmeasured(table: pd.DataFrame, params: list[str], load: str) -> str:
+    """What the sweep did not measure: values the load could not tell apart, points left out."""
+    parts = []
+    if params == ["max-num-seqs"] and load.startswith("closed"):
+        users = float(load.split()[3])
+        above = [v for v in table["max-num-seqs"] if isinstance(v, (int, float)) and v > users]
+        if above:
+            parts.append(f"batches of more than {users:g} sequences, which this load ({users:g} "
+                         f"closed-loop users) never makes: above {users:g}, max-num-seqs "
+                         f"({', '.join(str(v) for v in above)}) changed only what else it sizes "
+                         f"here (vLLM captures CUDA graphs of up to twice it, at most 512 tokens)")
+    left = table[table["ok_runs"] < table["runs"]]
+    if len(left):
+        parts.append("left out: " + "; ".join(
+            f"{', '.join(f'{p}={r[p]}' for p in params)} ({r['status']})" for _, r in left.iterrows()))
+    return (" Not measured: " + "; ".join(parts) + ".") if parts else ""
 
 
 def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, notes: list[str],
                     figures: list[Path], extra: list[Block] = (),
-                    groups: list[str] | None = None) -> page.Page:
-    """An experiment's page: headline, context, table, notes, figures, then ``extra`` sections."""
+                    groups: list[str] | None = None, rule: bool = True,
+                    tables: list[tuple[str, pd.DataFrame]] = ()) -> page.Page:
+    """An experiment's page: headline, context, table, notes (the statistic its figures are and,
+    where it names a best, the rule), figures, further ``tables``, then ``extra`` sections."""
     e = html.escape
     step = f"Step: {exp['step']} · scenario: {exp['scenario_name']}"
     slo = ctx.slo_text
@@ -245,22 +335,45 @@ def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, not
               ["Serve flags: " + ", ".join(f"`{k}={v}`" for k, v in ctx.serve.items()), ""]),
         page.table(shown, groups=groups),
         Block(md=[""]),
-        page.notes(notes),
+        page.notes([f"Figures: {STATISTIC}.", *([f"Best: {BEST_RULE}."] if rule else []),
+                    *notes]),
         Block(md=[""]),
         Block("".join(page.img(f) for f in figures) + "\n", [line for f in figures for line in page.md_img(f)]),
+        *[b for title, frame in tables for b in (page.heading(title), page.table(frame), Block(md=[""]))],
         page.footer(f"make report EXPERIMENT={exp['id']}"),
         *extra,
     ]
     return page.Page(exp["id"], blocks)
 
 
-def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
-    """Write a baseline's or a sweep's report folder and return the path of its index.html."""
-    params = list(exp["meta"].get("params") or ([exp["meta"]["param"]] if exp["meta"].get("param") else []))
-    ctx = page.context(runs, swept=params)
-    table = point_table(runs, params)
+def experiment_params(exp: dict) -> list[str]:
+    """The parameters an experiment varies, as its meta names them."""
+    meta = exp["meta"]
+    return list(meta.get("params") or ([meta["param"]] if meta.get("param") else []))
+
+
+def points(runs: pd.DataFrame, exp: dict, ctx: Context) -> pd.DataFrame:
+    """The experiment's table of points (``analysis.points``), with each point's effect against
+    the reference its meta recorded, and the twin's recorded predictions on real vLLM."""
+    params = experiment_params(exp)
+    table = with_effects(point_table(runs, params), exp["meta"].get("reference"))
     if ctx.backend == "vllm":
         table = with_twin_predictions(table, runs, params)
+    return table
+
+
+def tables(table: pd.DataFrame, params: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    """The page's further tables: percentiles and the server's view, the twin's predictions."""
+    out = [("Percentiles and the server's view (means over ok runs)", detail_table(table, params))]
+    twin = twin_table(table, params)
+    return out + ([("The twin's prediction, recorded with each run", twin)] if twin is not None else [])
+
+
+def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
+    """Write a baseline's or a sweep's report folder and return the path of its index.html."""
+    params = experiment_params(exp)
+    ctx = page.context(runs, swept=params)
+    table = points(runs, exp, ctx)
     table.to_csv(folder / "summary.csv", index=False)
     figures = sweep_figures(table, params[0], ctx, folder) if len(params) == 1 and len(table) > 1 else []
     if len(params) == 1 and len(table) > 1:
@@ -270,5 +383,6 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     notes = warnings(table) if params else baseline_notes(table)
     notes += prediction_notes(table)
     shown = display_table(table, params)
-    return page.write_page(experiment_page(exp, ctx, headline(table, best, params), shown, notes,
-                                           figures, groups=column_groups(shown, params)), folder)
+    return page.write_page(experiment_page(exp, ctx, headline(table, best, params, ctx.load), shown,
+                                           notes, figures, groups=column_groups(shown, params),
+                                           rule=bool(params), tables=tables(table, params)), folder)

@@ -13,6 +13,7 @@ from vllm_lab.analysis.points import pareto_front
 from vllm_lab.analysis.quarterly import SIGNIFICANCE, ok_runs
 from vllm_lab.reports.figures import save_captioned
 from vllm_lab.reports.quarterly.period import Period
+from vllm_lab.reports.quarterly.recommended import interval_text
 
 # Inches: a figure of one small panel is still as wide as its title and its caption line.
 MIN_WIDTH = 9.0
@@ -97,8 +98,9 @@ def figure_best(best: pd.DataFrame, folder: Path, caption: str) -> Path | None:
     ax.barh(y - 0.2, best["goodput"], 0.4, color="tab:green", label="best under the SLO")
     for yi, (_, r) in zip(y, best.iterrows()):
         if not np.isnan(r["margin_vs_baseline"]):
-            ax.annotate(f"{r['margin_vs_baseline']:+.0%}", (r["goodput"], yi - 0.2), xytext=(6, 0),
-                        textcoords="offset points", va="center", fontsize=8)
+            text = interval_text(r["margin_vs_baseline"], r["margin_low"], r["margin_high"])
+            ax.annotate(text if r["gain_is_real"] else f"{text}: noise", (r["goodput"], yi - 0.2),
+                        xytext=(6, 0), textcoords="offset points", va="center", fontsize=8)
     ax.set_yticks(y, best["label"], fontsize=8)
     ax.set_xlabel("goodput (requests/s meeting every SLO)")
     ax.set_title("Best configuration found this period vs the baseline", fontsize=10)
@@ -173,16 +175,14 @@ def figure_stress(points: pd.DataFrame, stress: pd.DataFrame, folder: Path,
         group["level"] = group["point"].map(lambda p: p.get("load.shape.level", np.nan))
         group = group.sort_values("level")
         line, = ax.plot(group["level"], group["ttft_p99"] * 1000, "o-", ms=3, label=s["label"])
-        if not np.isnan(s["knee_level"]):
-            knee = group[group["level"] == s["knee_level"]]
-            ax.plot(knee["level"], knee["ttft_p99"] * 1000, "D", ms=8, color=line.get_color(),
-                    markerfacecolor="none")
+        if s["max_sustainable"] is not None and np.isfinite(s["max_sustainable"]):
+            ax.axvline(s["max_sustainable"], color=line.get_color(), ls=":", lw=1)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("offered load (users or requests/s)")
+    ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("TTFT p99 (ms)")
-    ax.set_title("Stress tests: latency against load (◇ = knee: the highest load meeting the SLO)",
-                 fontsize=10)
+    ax.set_title("Stress tests: latency against load (dotted: the maximum sustainable load, as "
+                 "each stress report reads it)", fontsize=10)
     _grid_and_legend(ax, 7, which="both")
     return save_captioned(fig, folder / "stress.png", caption)
 

@@ -29,8 +29,10 @@ def load_runs(store_path: Path, start: float, end: float) -> pd.DataFrame:
         exps = store.experiments()
     runs["scenario"] = runs["scenario_json"].map(json.loads)
     runs["label"] = runs["scenario_name"] + " · " + runs["gpu_model"]
-    params = {r.id: _params(json.loads(r.meta_json)) for r in exps.itertuples()}
-    runs["params"] = runs["experiment_id"].map(lambda e: params.get(e, []))
+    metas = {r.id: json.loads(r.meta_json) for r in exps.itertuples()}
+    runs["params"] = runs["experiment_id"].map(lambda e: _params(metas.get(e, {})))
+    # vLLM's defaults, the point each tuning experiment's effects are read against (if recorded).
+    runs["reference"] = runs["experiment_id"].map(lambda e: metas.get(e, {}).get("reference"))
     return runs.drop(columns=["scenario_json"])
 
 

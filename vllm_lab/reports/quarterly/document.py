@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from vllm_lab.analysis.points import BEST_RULE, STATISTIC
 from vllm_lab.analysis.quarterly import sweep_rollup
 from vllm_lab.reports import page
 from vllm_lab.reports.page import Block, fmt
 from vllm_lab.reports.quarterly.period import Period
+from vllm_lab.reports.quarterly.recommended import interval_text
 
 CSS = """
 body{font-family:"DejaVu Sans",system-ui,sans-serif;max-width:1180px;margin:1.5em auto;color:#222;
@@ -26,7 +28,7 @@ figure{margin:.8em 0} img{max-width:100%} .lead{font-size:1.05em;background:#eef
 .ctx{color:#555;white-space:pre-line;font-size:12px} code{font-size:12px}
 @page{size:A4;margin:12mm}
 @media print{body{max-width:none;margin:0;font-size:11px} table{font-size:9px}
-  h2{break-before:page} h2.first{break-before:auto} figure,tr,.lead{break-inside:avoid}
+  h2{break-after:avoid} .lead{break-after:avoid} figure,tr,.lead{break-inside:avoid}
   thead{display:table-header-group}}
 """
 
@@ -95,16 +97,22 @@ def _baseline(period: Period, cmp: pd.DataFrame, figures: dict[str, Path | None]
 
 
 def _best(best: pd.DataFrame, figures: dict[str, Path | None]) -> Section:
+    shown = best.assign(
+        vs_base=[interval_text(r["margin_vs_baseline"], r["margin_low"], r["margin_high"])
+                 for _, r in best.iterrows()],
+        vs_runner=[interval_text(r["vs_runner_up"], r["vs_runner_up_low"], r["vs_runner_up_high"])
+                   for _, r in best.iterrows()]) if len(best) else best
     return Section(
         "Best configuration per scenario",
-        "The tuned point (sweep, combination or tuning run) with the highest goodput among those "
-        "meeting every SLO; its margin over the baseline, and over the runner-up in run-to-run "
-        "standard deviations (below 2 the win is not clear).",
-        [section_table(best, [("label", "scenario · GPU", ""), ("point", "flags varied", ""),
-                       ("goodput", "goodput", ""), ("base_goodput", "baseline", ""),
-                       ("margin_vs_baseline", "margin", "pct"),
-                       ("margin_vs_runner_up_sd", "vs runner-up (sd)", ""),
-                       ("ttft_p99", "TTFT p99 (ms)", "ms"), ("tpot_p99", "TPOT p99 (ms)", "ms"),
+        f"Each tuning experiment's best by the rule its own report states ({BEST_RULE}); per "
+        f"scenario and GPU the one with the highest goodput, and its goodput against the baseline "
+        f"and the runner-up with the 95% interval of the difference: an interval that holds 0 is "
+        f"no gain. Figures: {STATISTIC}.",
+        [section_table(shown, [("label", "scenario · GPU", ""), ("point", "flags varied", ""),
+                       ("goodput", "goodput req/s", ""), ("base_goodput", "baseline req/s", ""),
+                       ("vs_base", "against the baseline", ""),
+                       ("vs_runner", "against the runner-up", ""),
+                       ("ttft_p99", "TTFT p99 ms", "ms"), ("tpot_p99", "TPOT p99 ms", "ms"),
                        ("experiment_id", "experiment", "")])],
         _figures(figures, "best"), [])
 
@@ -118,12 +126,14 @@ def _tuning(sweeps: pd.DataFrame, stress: pd.DataFrame, points: pd.DataFrame,
         [section_table(sweep_rollup(sweeps),
                 [("label", "scenario · GPU", ""), ("param", "flag", ""), ("sweeps", "sweeps", ""),
                  ("best_values", "best under SLO (how often)", ""),
-                 ("gain_median", "median gain vs worst", "pct"), ("latest", "latest sweep", "")],
+                 ("gain_median", "best's goodput vs defaults (median)", "pct"),
+                 ("real_gains", "gains outside the noise", ""), ("latest", "latest sweep", "")],
                 limit=60),
          section_table(stress, [("label", "scenario · GPU", ""), ("levels", "levels", ""),
-                         ("knee_level", "knee (highest load under SLO)", ""),
+                         ("knee", "knee req/s", ""),
+                         ("max_sustainable", "max sustainable req/s", ""),
                          ("peak_throughput", "peak tok/s", ""),
-                         ("ttft_p99_at_peak_s", "TTFT p99 at peak (ms)", "ms"),
+                         ("ttft_p99_at_peak_s", "TTFT p99 at peak ms", "ms"),
                          ("experiment_id", "experiment", "")], limit=30)],
         _figures(figures, "sweeps", "combos", "stress"), [])
 
@@ -156,12 +166,13 @@ def _findings(found: pd.DataFrame) -> Section:
 
 
 def _recommended(recs: pd.DataFrame) -> Section:
-    rows = [[r["label"], fmt(r["changes"], "fixed"), f"{r['margin']:+.0%}", str(r["file"].name)]
+    rows = [[r["label"], fmt(r["changes"], "fixed"), r["margin"], str(r["file"].name)]
             for r in recs.to_dict("records")]
     return Section(
         "Recommended flag changes",
-        "Ready scenario files, written next to this report: run `make baseline "
-        "SCENARIO=<file>` to confirm a change on your own traffic before adopting it.",
+        "Ready scenario files, written next to this report, for a best whose gain over the "
+        "baseline is outside the noise: run `make baseline SCENARIO=<file>` to confirm a change "
+        "on your own traffic before adopting it.",
         [(["scenario · GPU", "change", "goodput vs baseline", "file"], rows)], [], [])
 
 
@@ -171,9 +182,8 @@ def quarterly_page(period: Period, parts: list[Section], caption: str) -> page.P
     title = f"Quarterly report {period.name}"
     blocks = [Block(f"<h1>{e(title)}</h1>", [f"# {title}", ""]),
               Block(f'<p class="ctx">{e(caption)}</p>', ["```", caption, "```", ""])]
-    for i, s in enumerate(parts):
-        first = ' class="first"' if i == 0 else ""
-        blocks.append(Block(f"<h2{first}>{e(s.title)}</h2>", [f"## {s.title}", ""]))
+    for s in parts:
+        blocks.append(Block(f"<h2>{e(s.title)}</h2>", [f"## {s.title}", ""]))
         blocks.append(Block(f'<p class="lead">{e(s.lead)}</p>', [s.lead, ""]))
         for header, rows in s.tables:
             if rows:

@@ -5,9 +5,24 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from vllm_lab.reports.scenario_files import write_scenario_file
+
+
+def gain_text(b) -> str:
+    """The best's goodput against the baseline with its 95% interval: "+25% (+8% to +42%)"."""
+    return interval_text(b["margin_vs_baseline"], b["margin_low"], b["margin_high"])
+
+
+def interval_text(rel: float, low: float, high: float) -> str:
+    """A relative effect and its 95% interval as a person reads it ("–" when unknown)."""
+    if rel is None or not np.isfinite(rel):
+        return "–"
+    if low == high:
+        return f"{rel:+.1%}"
+    return f"{rel:+.0%} ({low:+.0%} to {high:+.0%})"
 
 
 def recommendations(best: pd.DataFrame, runs: pd.DataFrame, folder: Path) -> pd.DataFrame:
@@ -16,8 +31,8 @@ def recommendations(best: pd.DataFrame, runs: pd.DataFrame, folder: Path) -> pd.
     rows = []
     for _, b in best.iterrows():
         changes = {k: v for k, v in b["serve"].items() if b["base_serve"].get(k) != v}
-        if not changes or not (b["margin_vs_baseline"] > 0):
-            continue
+        if not changes or not b["gain_is_real"]:
+            continue  # a gain inside the noise of the repeats is no reason to change
         source = runs[(runs["label"] == b["label"]) & (runs["experiment_id"] == b["experiment_id"])]
         scenario = source["scenario"].iloc[-1]
         # The best point's flags, and enough repeats to confirm it against the baseline.
@@ -32,7 +47,6 @@ def recommendations(best: pd.DataFrame, runs: pd.DataFrame, folder: Path) -> pd.
                    + f"\n# Check it before adopting it:  make baseline SCENARIO={path}\n")
         write_scenario_file(path, scenario, {}, f"Recommended by the quarterly report: "
                             f"{b['scenario_name']} on {b['gpu_model']}, goodput "
-                            f"{b['margin_vs_baseline']:+.0%} vs baseline", comment)
-        rows.append({"label": b["label"], "file": path, "changes": changes,
-                     "margin": b["margin_vs_baseline"]})
+                            f"{gain_text(b)} vs baseline", comment)
+        rows.append({"label": b["label"], "file": path, "changes": changes, "margin": gain_text(b)})
     return pd.DataFrame(rows)
