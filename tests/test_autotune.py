@@ -97,11 +97,12 @@ def chat():
 
 
 def test_predictor_end_to_end_and_resume(tmp_path):
-    """Search, measure and report on the predictor; a resume measures nothing again."""
+    """Search, measure and report on the predictor; a resume measures nothing again (15 s levels,
+    half the predictor's own: the same staircases, sooner)."""
     scenario = chat()
     space = autotune.load_space(None, scenario)
     said: list[str] = []
-    summary = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
+    summary = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1, step_s=15),
                            said.append)
     assert SUMMARY_KEYS <= set(summary) and summary["backend"] == "predict"
     assert summary["defaults_capacity"] > 0 and summary["best_capacity"] >= summary["defaults_capacity"]
@@ -124,14 +125,14 @@ def test_predictor_end_to_end_and_resume(tmp_path):
     store = Store(tmp_path / "lab.db")
     runs = len(store.runs())
     store.close()
-    again = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1),
+    again = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, trials=4, seed=3, top=1, step_s=15),
                          said.append)
     store = Store(tmp_path / "lab.db")
     assert len(store.runs()) == runs  # everything was recorded: nothing measured twice
     store.close()
     assert again["best_capacity"] == summary["best_capacity"]
     with pytest.raises(ScenarioError, match="experiment at measures on predict: resume it with BACKEND=predict"):
-        autotune_command.run(scenario, space, Slow(), settings(tmp_path, trials=4, seed=3, top=1), said.append)
+        autotune_command.run(scenario, space, Slow(), settings(tmp_path, trials=4, seed=3, top=1, step_s=15), said.append)
 
 
 class Slow(PredictBackend):
@@ -169,7 +170,7 @@ def test_minutes_spent_are_kept_when_the_deadline_cuts_a_server_stop(tmp_path):
     scenario = chat()
     with pytest.raises(KeyboardInterrupt):
         autotune_command.run(scenario, autotune.load_space(None, scenario), StopInterrupted(),
-                     settings(tmp_path, trials=3, seed=1, top=1), lambda _: None)
+                     settings(tmp_path, trials=3, seed=1, top=1, step_s=15), lambda _: None)
     with Store(tmp_path / "lab.db") as store:
         spent = store.experiment("at")["meta"]["spend"]["defaults"]
     assert spent["runs"] >= 3 and spent["measure_s"] > 0
@@ -193,8 +194,10 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
                     "measure:\n  max-num-partial-prefills: [2]\n")
     space = autotune.load_space(str(spec), scenario)
     assert space.measure == {"max-num-partial-prefills": [2]}
-    summary = autotune_command.run(scenario, space, OnVllm(), settings(tmp_path, minutes=60, trials=3, seed=1, top=2),
-                           lambda _: None)
+    # 10 s levels rather than real vLLM's 60: the plan is what is asserted, not the capacities.
+    summary = autotune_command.run(scenario, space, OnVllm(),
+                                   settings(tmp_path, minutes=60, trials=3, seed=1, top=2, step_s=10),
+                                   lambda _: None)
     names = [c["name"] for c in summary["candidates"]]
     assert names == ["defaults", "m1", "c1", "c2"]
     m1 = summary["candidates"][1]
@@ -204,7 +207,7 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
     assert m1["centre"] == pytest.approx(summary["defaults_capacity"], rel=0.16)
     md = (tmp_path / "at" / "report.md").read_text()
     assert "| m1" in md and "not modelled" in md and "max-num-partial-prefills=2 on defaults" in md
-    twin_plan = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1),
+    twin_plan = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1, step_s=10),
                              lambda _: None)
     assert [c["name"] for c in twin_plan["candidates"]] == ["defaults", "c1"]
 
@@ -297,7 +300,7 @@ def test_make_report_rebuilds_an_autotune_from_its_store(tmp_path, capsys):
         assert (tmp_path / exp / name).read_text() == (example / exp / name).read_text(), name
     out = tmp_path / "new"
     autotune_command.run(chat(), autotune.load_space(None, chat()), PredictBackend(),
-                         settings(out, trials=3, seed=1, top=1), lambda _: None)
+                         settings(out, trials=3, seed=1, top=1, step_s=10), lambda _: None)
     first = (out / "at" / "report.md").read_text()
     (out / "at" / "report.md").unlink()
     assert cli.main(["report", "--out", str(out), "--experiment", "at"]) == 0

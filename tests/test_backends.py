@@ -22,10 +22,25 @@ URL = "http://127.0.0.1:8000"
 
 @pytest.fixture
 def health(monkeypatch):
-    """The server's /health status as measure_on sees it (200 unless a test says otherwise)."""
+    """The server's /health status as measure_on sees it (200 unless a test says otherwise).
+
+    The scripted runs scrape no /metrics: the server's account of a run is taken as given here
+    (test_a_live_run_vllm_gave_no_account_of_is_unaudited checks the rule itself)."""
     answers = {"status": 200}
     monkeypatch.setattr(backends, "_get", lambda url, timeout=5.0: answers["status"])
+    monkeypatch.setattr(backends, "_unaudited", lambda summary: "")
     return answers
+
+
+def test_a_live_run_vllm_gave_no_account_of_is_unaudited():
+    from vllm_lab.run_summary import RunSummary
+
+    read = {"output_throughput": 100.0}
+    assert "no two scrapes" in backends._unaudited(RunSummary.of(read))
+    silent = backends._unaudited(RunSummary.of(read, server_requests=5.0, server_generation_tokens=0.0))
+    assert "counted no generated token while the client read 100 tok/s" in silent
+    assert backends._unaudited(RunSummary.of(read, server_requests=5.0,
+                                             server_generation_tokens=800.0)) == ""
 
 
 class Scripted(LiveBackend):

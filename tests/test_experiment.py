@@ -242,7 +242,7 @@ def test_autotune_stops_at_the_deadline_reports_what_it_has_and_resumes(tmp_path
     out = tmp_path / "reports"
     at = time.time() + 3600
     deadline = Deadline(at, "test", clock=lambda: time.time() if _family_runs(out / "lab.db", "at") < 4 else at + 1)
-    source = Source("realtime-chat")
+    source = Source("realtime-chat", None, ("load.stop.duration_s=15",))  # 15 s levels: sooner
     options = AutotuneOptions(gpu_minutes=20, trials=3, seed=1, top=1)
     settings = Settings(backend="predict", out=out, experiment="at", deadline=deadline,
                         resume_command=lambda e: f"make autotune RESUME=1 EXPERIMENT={e}")
@@ -265,7 +265,7 @@ def test_autotune_shows_its_levels_as_progress(tmp_path):
     """Each level is a progress run naming its candidate; make status reads the heartbeat."""
     out = tmp_path / "reports"
     rc = autotune(Settings(backend="predict", out=out, experiment="at"),
-                             Source("realtime-chat"),
+                             Source("realtime-chat", None, ("load.stop.duration_s=15",)),
                              AutotuneOptions(trials=3, seed=1, top=1))
     assert rc == 0
     beat = json.loads((out / ".work" / "status.json").read_text())

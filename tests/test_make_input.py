@@ -235,7 +235,8 @@ def test_negative_values_reach_the_sweep(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LAB_MAKE_BACKEND", "predict")
     monkeypatch.setenv("LAB_MAKE_OUT", str(tmp_path))
     monkeypatch.setenv("LAB_MAKE_EXPERIMENT", "neg")
-    monkeypatch.setenv("LAB_MAKE_SET", "load.shape.level=2")
+    # The scenario's own max-logprobs (the sweep's reference point) is one of the values swept.
+    monkeypatch.setenv("LAB_MAKE_SET", "load.shape.level=2 serve.max-logprobs=5")
     monkeypatch.setenv("LAB_MAKE_HARDWARE", "cpu-demo")
     assert cli.main(["make", "sweep"]) == 0, capsys.readouterr().err
     points = Store(tmp_path / "lab.db").runs("neg")["point"]

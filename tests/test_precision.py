@@ -42,7 +42,8 @@ def test_points_repeat_until_precise_or_capped_in_interleaved_rounds(tmp_path, m
     monkeypatch.setattr(command_backend, "make_backend", lambda settings, exp_id="", hooks=None: backend)
     settings = Settings(backend="predict", out=tmp_path, experiment="prec",
                         precision=Precision.parse("throughput=2%,max=6"))
-    code = sweep(settings, Source("default", None, ()), "max-num-seqs", "8,64")
+    # The scenario's own max-num-seqs (the sweep's reference point) is one of the two swept.
+    code = sweep(settings, Source("default", None, ("serve.max-num-seqs=64",)), "max-num-seqs", "8,64")
     assert code == 0
     out = capsys.readouterr().out
     assert "precision reached: max-num-seqs=64" in out and "after 3 runs" in out

@@ -8,10 +8,11 @@ import pytest
 
 from vllm_lab import audit
 from vllm_lab.backends import Measurement, PredictBackend
+from vllm_lab.failures import request_failures
 from vllm_lab.run_summary import FIELDS, RunSummary
 from vllm_lab.scenarios import resolve
 from vllm_lab.store import STATUSES, RunRecord, RunStatus, Store, run_identity
-from vllm_lab.summary import CATALOG, FACTS, request_failures, summarize
+from vllm_lab.summary import CATALOG, FACTS, summarize
 
 
 def test_every_entry_of_the_catalog_is_a_typed_attribute_described_by_it():

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 
 from vllm_lab import flags, scenarios, store
+from vllm_lab.failures import request_failures
 from vllm_lab.scenarios import ScenarioError
 from vllm_lab.store import SCHEMA, SCHEMA_VERSION, RunRecord, Store, run_identity
-from vllm_lab.summary import request_failures
 from vllm_lab.traffic.spec import FAILED_REQUESTS_THRESHOLD, Load
 
 KEY = "sk-unit-secret-5f3a"

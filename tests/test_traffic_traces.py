@@ -11,7 +11,7 @@ import pytest
 from tests.support.scripted_server import running
 from vllm_lab import scenarios
 from vllm_lab.backends import PredictBackend
-from vllm_lab.summary import energy_view
+from vllm_lab.energy import energy_view
 from vllm_lab.traffic import Load, Workload, run_load
 from vllm_lab.traffic.arrivals import planned_arrivals
 from vllm_lab.traffic.spec import Replay

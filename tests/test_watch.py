@@ -71,7 +71,7 @@ def test_probe_on_slower_flags_is_flagged_and_same_flags_are_not(tmp_path):
 
 
 def test_a_probe_past_the_failed_requests_threshold_is_failed_requests():
-    from vllm_lab.summary import RequestFailures
+    from vllm_lab.failures import RequestFailures
 
     assert watch._probe_status(RequestFailures(100, 1, "HTTP 500", 1, ""), 0.05)[0] == "ok"
     status, error = watch._probe_status(RequestFailures(100, 10, "HTTP 500", 10, ""), 0.05)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import pandas as pd
 
 from vllm_lab import audit, serving, shutdown
+from vllm_lab.failures import request_failures
 from vllm_lab.prediction import (
     modelled_energy,
     predicted_arrivals,
@@ -32,7 +33,7 @@ from vllm_lab.prediction import (
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
-from vllm_lab.summary import request_failures, summarize, unsteady_reason
+from vllm_lab.summary import summarize, unsteady_reason
 from vllm_lab.traffic.runner import TrafficError
 
 log = logging.getLogger(__name__)

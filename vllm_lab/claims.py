@@ -12,7 +12,6 @@ Verdicts: "holds", "holds partly", "does not hold", "not testable here" (with wh
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,15 +19,23 @@ from typing import Any
 from vllm_lab import flags as flagcat
 from vllm_lab import lint as lint_mod
 from vllm_lab import stats
+from vllm_lab.claim_evidence import (
+    HOLDS,
+    NO,
+    PARTLY,
+    UNTESTABLE,
+    Evidence,
+    Part,
+    absent,
+    compare,
+    overall,
+    pct,
+    tok,
+)
 from vllm_lab.inputs import shown
 from vllm_lab.plans import Point
-from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, deep_merge, read_yaml, scenario_path
-from vllm_lab.store import DETERMINISTIC_BACKENDS
 
-HOLDS, PARTLY, NO, UNTESTABLE = "holds", "holds partly", "does not hold", "not testable here"
-NOISE_FLOOR = 0.03  # below 3% a difference is not claimed even when the repeats agree closely
-OK_STATUSES = ("ok",)  # a client-limited run measured the client, not vLLM
 TEMPLATES = ("realtime-chat", "offline-batch", "high-concurrency-api")
 
 
@@ -85,17 +92,6 @@ class Arm:
 
 
 @dataclass(frozen=True)
-class Part:
-    """One checkable statement of a claim, its verdict and the numbers behind it."""
-
-    statement: str
-    verdict: str
-    evidence: str
-    claimed: float | None = None   # the claimed relative change, where the claim gives one
-    measured: float | None = None  # the measured relative change
-
-
-@dataclass(frozen=True)
 class Claim:
     """A statement of the guide, the experiment that tests it and how its verdict is reached."""
 
@@ -104,121 +100,6 @@ class Claim:
     method: str
     arms: tuple[Arm, ...]
     judge: Callable[[Evidence], list[Part]]
-
-
-class Evidence:
-    """Each arm's runs (summaries and statuses), read by the judges.
-
-    An arm's runs are those of its label or, where another claim's arm ran the same scenario
-    under another label (the base traffic is 64 closed-loop users, as near-capacity is), that
-    one's: an identical arm is measured once and counts for every claim. On a deterministic
-    backend (the predictor) a repeat reads the same figures: no noise floor is assumed for it.
-    """
-
-    def __init__(self, runs_by_label: Mapping[str, Sequence[dict]], arms: Sequence[Arm],
-                 same: Mapping[str, str] | None = None):
-        same = same or {}
-        by_key: dict[str, Sequence[dict]] = {}
-        for label, runs in runs_by_label.items():
-            if runs and label in same:
-                by_key.setdefault(same[label], runs)
-        # Each run's summary typed, whether it came from the store or as a mapping of figures.
-        self._runs = {a.name: [{**r, "summary": RunSummary.of(r.get("summary"))}
-                               for r in (runs_by_label.get(a.label)
-                                         or by_key.get(same.get(a.label, ""), []))] for a in arms}
-        runs = [r for rs in self._runs.values() for r in rs]
-        self.deterministic = bool(runs) and all(r.get("backend") in DETERMINISTIC_BACKENDS for r in runs)
-
-    def measured(self, arm: str) -> bool:
-        """The arm has at least one run."""
-        return bool(self._runs.get(arm))
-
-    def ok(self, arm: str) -> bool:
-        """The arm has at least one run that produced figures."""
-        return any(r["status"] in OK_STATUSES for r in self._runs.get(arm, []))
-
-    def status(self, arm: str) -> str:
-        """The arm's statuses, and the first error line of a failed run."""
-        runs = self._runs.get(arm, [])
-        if not runs:
-            return "not measured"
-        bad = [r for r in runs if r["status"] not in OK_STATUSES]
-        if not bad:
-            return "ok"
-        return f"{bad[0]['status']}: {(bad[0].get('error') or '').splitlines()[0][:160] if bad[0].get('error') else ''}"
-
-    def values(self, arm: str, metric: str) -> list[float]:
-        """The metric over the arm's runs that produced figures."""
-        out = []
-        for r in self._runs.get(arm, []):
-            v = r["summary"].figure(metric)
-            if r["status"] in OK_STATUSES and isinstance(v, (int, float)) and not math.isnan(v):
-                out.append(float(v))
-        return out
-
-    def mean(self, arm: str, metric: str) -> float | None:
-        """The arm's mean of the metric over its ok runs (None where it has none): the statistic
-        every figure of the lab is."""
-        v = self.values(arm, metric)
-        return statistics.mean(v) if v else None
-
-    def spread(self, arm: str, metric: str) -> float | None:
-        """Run-to-run spread (coefficient of variation) of the arm's metric; None under 2 runs."""
-        v = self.values(arm, metric)
-        if len(v) < 2 or not statistics.mean(v):
-            return None
-        return statistics.stdev(v) / abs(statistics.mean(v))
-
-    def change(self, arm: str, ref: str, metric: str) -> tuple[float | None, float]:
-        """(relative change of arm against ref, noise floor) for the metric; the floor is 0 on
-        a deterministic backend, which has no run-to-run noise."""
-        a, b = self.mean(arm, metric), self.mean(ref, metric)
-        spreads = [s for s in (self.spread(ref, metric), self.spread(arm, metric)) if s is not None]
-        floor = 0.0 if self.deterministic else max([NOISE_FLOOR] + [2 * s for s in spreads])
-        if a is None or b is None or b == 0:
-            return None, floor
-        return (a - b) / b, floor
-
-
-def _ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{v * 1000:.1f} ms"
-
-
-def _pct(rel: float | None, floor: float | None = None) -> str:
-    if rel is None:
-        return "n/a"
-    if floor == 0.0:  # a deterministic backend: the difference is exact
-        return f"{rel:+.1%} (deterministic: no run-to-run noise)"
-    return f"{rel:+.0%}" + (f" (noise ±{floor:.0%})" if floor is not None else "")
-
-
-def _compare(ev: Evidence, arm: str, ref: str, metric: str, fmt=_ms) -> str:
-    rel, floor = ev.change(arm, ref, metric)
-    return f"{fmt(ev.mean(ref, metric))} → {fmt(ev.mean(arm, metric))} ({_pct(rel, floor)})"
-
-
-def _tok(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.0f} tok/s"
-
-
-def _missing(ev: Evidence, *arms: str) -> str | None:
-    """Why the arms give no figures (not measured, or failed), or None when they all have some."""
-    for a in arms:
-        if not ev.ok(a):
-            return f"arm {a}: {ev.status(a)}"
-    return None
-
-
-def overall(parts: Sequence[Part]) -> str:
-    """A claim's verdict from its parts: untestable parts do not count against it."""
-    tested = [p.verdict for p in parts if p.verdict != UNTESTABLE]
-    if not tested:
-        return UNTESTABLE
-    if all(v == HOLDS for v in tested):
-        return HOLDS
-    if all(v == NO for v in tested):
-        return NO
-    return PARTLY
 
 
 # -- the nine claims ---------------------------------------------------------------------------------
@@ -246,13 +127,13 @@ def _judge_memory(ev: Evidence) -> list[Part]:
             verdict, why = NO, "every setting ran equally clean: 0.7 buys no stability, only a smaller KV cache"
         parts.append(Part("0.7 is the most stable", verdict, f"{why}; {kv}"
                           + (f"; {', '.join(failed)}: {ev.status(failed[0])}" if failed else "")))
-    if missing := _missing(ev, "util-0.85", "util-0.7"):
+    if missing := absent(ev, "util-0.85", "util-0.7"):
         parts.append(Part("0.85-0.9 is the best balance", UNTESTABLE, missing))
     else:
         best = max(ran, key=lambda a: ev.mean(a, "output_throughput") or 0)
         rel_best, floor = ev.change("util-0.85", best, "output_throughput")
         rel_low, _ = ev.change("util-0.85", "util-0.7", "output_throughput")
-        thr = ", ".join(f"{a} {_tok(ev.mean(a, 'output_throughput'))}" for a in ran)
+        thr = ", ".join(f"{a} {tok(ev.mean(a, 'output_throughput'))}" for a in ran)
         spread = [ev.mean(a, "output_throughput") or 0 for a in ran]
         if max(spread) <= min(spread) * (1 + floor):
             verdict = NO  # no setting differs: there is no balance to strike at this load
@@ -263,30 +144,30 @@ def _judge_memory(ev: Evidence) -> list[Part]:
         else:
             verdict = NO
         parts.append(Part("0.85-0.9 is the best balance", verdict,
-                          f"output throughput {thr}; 0.85 vs 0.7 {_pct(rel_low)}, vs best "
-                          f"({best}) {_pct(rel_best, floor)}"))
+                          f"output throughput {thr}; 0.85 vs 0.7 {pct(rel_low)}, vs best "
+                          f"({best}) {pct(rel_best, floor)}"))
     if not ev.measured("util-0.98"):
         parts.append(Part("above 0.95 out-of-memory becomes likely", UNTESTABLE, "util-0.98 not measured"))
     else:
         oom = "oom" in ev.status("util-0.98")
         parts.append(Part("above 0.95 out-of-memory becomes likely", HOLDS if oom else NO,
                           f"0.98: {ev.status('util-0.98')}"
-                          + ("" if oom else f", {_tok(ev.mean('util-0.98', 'output_throughput'))}")))
+                          + ("" if oom else f", {tok(ev.mean('util-0.98', 'output_throughput'))}")))
     return parts
 
 
 def _judge_budget(ev: Evidence) -> list[Part]:
     parts = []
     util = {a: ev.mean(a, "gpu_util_mean") for a in ("small", "defaults", "4096", "large")}
-    if (missing := _missing(ev, "small")) or util["small"] is None:
+    if (missing := absent(ev, "small")) or util["small"] is None:
         parts.append(Part("too small a budget leaves the GPU under 50% utilized", UNTESTABLE,
                           missing or "no GPU utilization was scraped"))
     else:
         parts.append(Part("too small a budget leaves the GPU under 50% utilized",
                           HOLDS if util["small"] < 50 else NO,
                           f"GPU utilization {util['small']:.0f}% at the smallest budget vLLM accepts "
-                          f"(defaults {util['defaults'] or 0:.0f}%); output {_compare(ev, 'small', 'defaults', 'output_throughput', _tok)}"))
-    if missing := _missing(ev, "large", "defaults"):
+                          f"(defaults {util['defaults'] or 0:.0f}%); output {compare(ev, 'small', 'defaults', 'output_throughput', tok)}"))
+    if missing := absent(ev, "large", "defaults"):
         parts.append(Part("a large budget lifts utilization above 90% and raises per-request latency",
                           UNTESTABLE, missing))
     else:
@@ -296,16 +177,16 @@ def _judge_budget(ev: Evidence) -> list[Part]:
         parts.append(Part("a large budget lifts utilization above 90% and raises per-request latency",
                           HOLDS if high and slower else PARTLY if high or slower else NO,
                           f"GPU utilization {util['large'] or 0:.0f}%; E2E p50 "
-                          f"{_compare(ev, 'large', 'defaults', 'e2e_p50')}; TTFT p50 "
-                          f"{_compare(ev, 'large', 'defaults', 'ttft_p50')}", measured=rel))
-    if missing := _missing(ev, "4096", "defaults"):
+                          f"{compare(ev, 'large', 'defaults', 'e2e_p50')}; TTFT p50 "
+                          f"{compare(ev, 'large', 'defaults', 'ttft_p50')}", measured=rel))
+    if missing := absent(ev, "4096", "defaults"):
         parts.append(Part("4096 shortens per-request processing", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("4096", "defaults", "e2e_p50")
         parts.append(Part("4096 shortens per-request processing",
                           HOLDS if rel is not None and rel < -floor else NO,
-                          f"E2E p50 {_compare(ev, '4096', 'defaults', 'e2e_p50')}; TTFT p50 "
-                          f"{_compare(ev, '4096', 'defaults', 'ttft_p50')}", measured=rel))
+                          f"E2E p50 {compare(ev, '4096', 'defaults', 'e2e_p50')}; TTFT p50 "
+                          f"{compare(ev, '4096', 'defaults', 'ttft_p50')}", measured=rel))
     return parts
 
 
@@ -329,40 +210,40 @@ def _judge_eager(ev: Evidence) -> list[Part]:
     for regime, words in REGIMES:
         statement = f"--enforce-eager cuts time to first token by about 30% ({words})"
         eager, dflt = f"eager-{regime}", f"defaults-{regime}"
-        if missing := _missing(ev, eager, dflt):
+        if missing := absent(ev, eager, dflt):
             parts.append(Part(statement, UNTESTABLE, missing, claimed=-0.3))
             continue
         rel, floor = ev.change(eager, dflt, "ttft_p50")
         verdict = HOLDS if rel <= -0.2 else PARTLY if rel < -floor else NO
         parts.append(Part(statement, verdict,
-                          f"TTFT p50 {_compare(ev, eager, dflt, 'ttft_p50')}, "
+                          f"TTFT p50 {compare(ev, eager, dflt, 'ttft_p50')}, "
                           f"{_interval(ev, eager, dflt, 'ttft_p50')}; TPOT p50 "
-                          f"{_compare(ev, eager, dflt, 'tpot_p50')}; output "
-                          f"{_compare(ev, eager, dflt, 'output_throughput', _tok)}",
+                          f"{compare(ev, eager, dflt, 'tpot_p50')}; output "
+                          f"{compare(ev, eager, dflt, 'output_throughput', tok)}",
                           claimed=-0.3, measured=rel))
     return parts
 
 
 def _judge_seqs(ev: Evidence) -> list[Part]:
     statement = "max-num-seqs below 64 markedly lowers scheduling overhead"
-    if missing := _missing(ev, "seqs-32", "defaults"):
+    if missing := absent(ev, "seqs-32", "defaults"):
         return [Part(statement, UNTESTABLE, missing)]
     # 16 users keep the batch under both caps: any change in step time is the cap's own overhead.
     rel, floor = ev.change("seqs-32", "defaults", "tpot_p50")
     cost = ""
     if ev.ok("seqs-32-base") and ev.ok("defaults-base"):
         cost = (f"; at the scenario's own load the cap changes output "
-                f"{_compare(ev, 'seqs-32-base', 'defaults-base', 'output_throughput', _tok)} and TTFT p50 "
-                f"{_compare(ev, 'seqs-32-base', 'defaults-base', 'ttft_p50')}")
+                f"{compare(ev, 'seqs-32-base', 'defaults-base', 'output_throughput', tok)} and TTFT p50 "
+                f"{compare(ev, 'seqs-32-base', 'defaults-base', 'ttft_p50')}")
     verdict = HOLDS if rel <= -0.1 else PARTLY if rel < -floor else NO
     return [Part(statement, verdict, f"per-token step time (TPOT p50) at 16 users, same batch under "
-                 f"both caps: {_compare(ev, 'seqs-32', 'defaults', 'tpot_p50')}{cost}",
+                 f"both caps: {compare(ev, 'seqs-32', 'defaults', 'tpot_p50')}{cost}",
                  claimed=-0.1, measured=rel)]
 
 
 def _judge_blocks(ev: Evidence, small_refused: str | None) -> list[Part]:
     parts = []
-    if missing := _missing(ev, "block-32-base", "defaults-base"):
+    if missing := absent(ev, "block-32-base", "defaults-base"):
         parts.append(Part("block 16 suits chat (less fragmentation)", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("defaults-base", "block-32-base", "output_throughput")
@@ -370,18 +251,18 @@ def _judge_blocks(ev: Evidence, small_refused: str | None) -> list[Part]:
         kv16, kv32 = ev.mean("defaults-base", "kv_usage_mean"), ev.mean("block-32-base", "kv_usage_mean")
         verdict = HOLDS if rel > floor or tpot < -floor else PARTLY if rel > -floor else NO
         parts.append(Part("block 16 suits chat (less fragmentation)", verdict,
-                          f"block 32 → 16 on chat: output {_pct(rel, floor)}, TPOT p50 {_pct(tpot)}; "
+                          f"block 32 → 16 on chat: output {pct(rel, floor)}, TPOT p50 {pct(tpot)}; "
                           f"KV usage mean {kv32 or 0:.1%} → {kv16 or 0:.1%}"
                           + (f"; block 8: {small_refused}" if small_refused else "")))
-    if missing := _missing(ev, "block-32-long", "defaults-long"):
+    if missing := absent(ev, "block-32-long", "defaults-long"):
         parts.append(Part("block 32+ suits long generation (less scheduling overhead)", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("block-32-long", "defaults-long", "tpot_p50")
         parts.append(Part("block 32+ suits long generation (less scheduling overhead)",
                           HOLDS if rel < -floor else NO,
                           f"1024-token outputs, block 16 → 32: TPOT p50 "
-                          f"{_compare(ev, 'block-32-long', 'defaults-long', 'tpot_p50')}; output "
-                          f"{_compare(ev, 'block-32-long', 'defaults-long', 'output_throughput', _tok)}",
+                          f"{compare(ev, 'block-32-long', 'defaults-long', 'tpot_p50')}; output "
+                          f"{compare(ev, 'block-32-long', 'defaults-long', 'output_throughput', tok)}",
                           measured=rel))
     return parts
 
@@ -396,7 +277,7 @@ def _judge_dtype(ev: Evidence) -> list[Part]:
                           f"float32: {ev.status('float32')}"))
     else:
         t16, t32 = ev.mean("defaults", "kv_cache_tokens"), ev.mean("float32", "kv_cache_tokens")
-        thr = _compare(ev, "float32", "defaults", "output_throughput", _tok)
+        thr = compare(ev, "float32", "defaults", "output_throughput", tok)
         if not t16 or not t32:
             parts.append(Part("float32 doubles memory", UNTESTABLE, f"no KV cache size was scraped; output {thr}"))
         else:
@@ -408,21 +289,21 @@ def _judge_dtype(ev: Evidence) -> list[Part]:
     parts.append(Part("float32's quality gain over float16 is negligible", UNTESTABLE,
                       "quality needs real weights and an evaluation set; the lab serves dummy "
                       "weights and measures speed and memory"))
-    if missing := _missing(ev, "float16", "defaults"):
+    if missing := absent(ev, "float16", "defaults"):
         parts.append(Part("bfloat16 is more efficient than float16 on A100/H100-class GPUs", UNTESTABLE, missing))
     else:
         rel, floor = ev.change("defaults", "float16", "output_throughput")
         parts.append(Part("bfloat16 is more efficient than float16 on A100/H100-class GPUs",
                           HOLDS if rel > floor else NO,
-                          f"float16 → bfloat16: output {_pct(rel, floor)}, TPOT p50 "
-                          f"{_compare(ev, 'defaults', 'float16', 'tpot_p50')}", measured=rel))
+                          f"float16 → bfloat16: output {pct(rel, floor)}, TPOT p50 "
+                          f"{compare(ev, 'defaults', 'float16', 'tpot_p50')}", measured=rel))
     return parts
 
 
 def _judge_templates(ev: Evidence) -> list[Part]:
     parts = []
     s = "the low-latency template cuts TTFT by 40% or more at about 15% throughput cost"
-    if missing := _missing(ev, "realtime-chat", "defaults-realtime-chat"):
+    if missing := absent(ev, "realtime-chat", "defaults-realtime-chat"):
         parts.append(Part(s, UNTESTABLE, missing, claimed=-0.4))
     else:
         ttft, floor = ev.change("realtime-chat", "defaults-realtime-chat", "ttft_p50")
@@ -431,22 +312,22 @@ def _judge_templates(ev: Evidence) -> list[Part]:
         priced = -0.25 <= cost <= -0.05
         parts.append(Part(s, HOLDS if cut and priced else PARTLY if cut or ttft < -floor else NO,
                           f"on its own traffic: TTFT p50 "
-                          f"{_compare(ev, 'realtime-chat', 'defaults-realtime-chat', 'ttft_p50')}; output "
-                          f"{_compare(ev, 'realtime-chat', 'defaults-realtime-chat', 'output_throughput', _tok)}",
+                          f"{compare(ev, 'realtime-chat', 'defaults-realtime-chat', 'ttft_p50')}; output "
+                          f"{compare(ev, 'realtime-chat', 'defaults-realtime-chat', 'output_throughput', tok)}",
                           claimed=-0.4, measured=ttft))
     s = "the offline-batch template raises throughput 3-5x"
-    if missing := _missing(ev, "offline-batch", "defaults-offline-batch"):
+    if missing := absent(ev, "offline-batch", "defaults-offline-batch"):
         parts.append(Part(s, UNTESTABLE, missing, claimed=2.0))
     else:
         rel, floor = ev.change("offline-batch", "defaults-offline-batch", "output_throughput")
         ratio = 1 + rel
         parts.append(Part(s, HOLDS if ratio >= 2.7 else PARTLY if rel > floor else NO,
                           f"on its own traffic (512 users): output "
-                          f"{_compare(ev, 'offline-batch', 'defaults-offline-batch', 'output_throughput', _tok)}"
+                          f"{compare(ev, 'offline-batch', 'defaults-offline-batch', 'output_throughput', tok)}"
                           f" = ×{ratio:.2f} the defaults", claimed=2.0, measured=rel))
     s = "the high-concurrency template holds GPU utilization near 85%"
     util = ev.mean("high-concurrency-api", "gpu_util_mean")
-    if (missing := _missing(ev, "high-concurrency-api")) or util is None:
+    if (missing := absent(ev, "high-concurrency-api")) or util is None:
         parts.append(Part(s, UNTESTABLE, missing or "no GPU utilization scraped"))
     else:
         parts.append(Part(s, HOLDS if abs(util - 85) <= 7 else NO,

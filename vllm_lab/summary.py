@@ -35,6 +35,7 @@ import pandas as pd
 
 from vllm_lab import stats
 from vllm_lab.audit import HISTOGRAMS
+from vllm_lab.energy import energy_view
 
 if TYPE_CHECKING:  # the store reads the catalog: no scenario (and traffic) import at run time
     from vllm_lab.scenarios import Slo
@@ -400,60 +401,6 @@ def served_share(ok: pd.DataFrame, t0: float, t1: float) -> np.ndarray:
     return np.where(n > 0, part, whole)
 
 
-ENERGY_COUNTER = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"   # mJ since the driver (or twin) started
-POWER = "DCGM_FI_DEV_POWER_USAGE"                          # W
-
-
-def energy_view(metrics: pd.DataFrame | None, t0: float, t1: float,
-                output_tokens: float) -> dict[str, Any]:
-    """The GPUs' energy over [t0, t1] and per output token, from the run's GPU series: each
-    GPU's energy counter read at both ends (interpolated between scrapes), else its power samples
-    integrated; {} when the run has neither."""
-    if metrics is None or metrics.empty or t1 <= t0:
-        return {}
-    joules, source = _counter_energy(metrics, t0, t1), "energy counter"
-    if joules is None:
-        joules, source = _power_energy(metrics, t0, t1), "power samples"
-    if joules is None:
-        return {}
-    out: dict[str, Any] = {"energy_j": joules, "power_mean_w": joules / (t1 - t0),
-                           "energy_source": source}
-    if output_tokens > 0 and joules > 0:
-        out["joules_per_output_token"] = joules / output_tokens
-        out["output_tokens_per_joule"] = output_tokens / joules
-    return out
-
-
-def _per_gpu(metrics: pd.DataFrame, name: str):
-    rows = metrics[metrics["name"] == name]
-    for _labels, g in rows.groupby("labels"):
-        g = g.sort_values("ts")
-        yield g["ts"].to_numpy(dtype=float), g["value"].to_numpy(dtype=float)
-
-
-def _counter_energy(metrics: pd.DataFrame, t0: float, t1: float) -> float | None:
-    total, seen = 0.0, False
-    for ts, v in _per_gpu(metrics, ENERGY_COUNTER):
-        if len(ts) < 2 or ts[0] > t0 or ts[-1] < t1:
-            continue  # a counter that does not cover the window says nothing about it
-        total += float(np.interp(t1, ts, v) - np.interp(t0, ts, v)) / 1000.0
-        seen = True
-    return total if seen else None
-
-
-def _power_energy(metrics: pd.DataFrame, t0: float, t1: float) -> float | None:
-    total, seen = 0.0, False
-    for ts, v in _per_gpu(metrics, POWER):
-        inside = (ts > t0) & (ts < t1)
-        if len(ts) < 2 or inside.sum() < 1:
-            continue
-        grid = np.concatenate([[t0], ts[inside], [t1]])
-        watts = np.interp(grid, ts, v)
-        total += float(np.sum((watts[1:] + watts[:-1]) / 2 * np.diff(grid)))
-        seen = True
-    return total if seen else None
-
-
 def _window_note(share: float, finished: float) -> str:
     """What a reader must know about a window too small to stand for its run ("" when none)."""
     why = []
@@ -590,67 +537,3 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
 
 
 # Why most requests of a run failed, by HTTP status (0: no connection) or error class, and what to do.
-_HINTS = {
-    401: "the server wants an API key the load generator did not send (or sent another): give it "
-         "where the lab reads it and passes it to both server and load (serve.api-key in the scenario, vllm_api_key in the "
-         "inventory or ansible-vault, or VLLM_API_KEY in the lab's environment); a server the lab "
-         "did not start needs VLLM_API_KEY",
-    403: "the server refused the API key the load generator sent: check it matches the server's "
-         "(serve.api-key, vllm_api_key, VLLM_API_KEY)",
-    404: "the server does not know the model or the route: check served-model-name and workload.api",
-    400: "the server refused the requests: prompt plus output longer than max-model-len, or a "
-         "parameter it does not take (see error_detail in the samples)",
-    0: "no connection to the server: is it reachable from the load generator (vllm_listen_host, "
-       "vllm_advertise_host, a firewall)?",
-    "broken_stream": "streams ended early: the server dropped connections (see its log)",
-    "empty_output": "replies carried no tokens: check max_tokens and the model",
-}
-
-
-@dataclass(frozen=True)
-class RequestFailures:
-    """How many of a run's requests failed, the most common failure, and a hint about its cause."""
-
-    requests: int
-    failed: int
-    dominant: str  # e.g. "HTTP 401" or "broken_stream"
-    dominant_count: int
-    hint: str
-
-    @property
-    def rate(self) -> float:
-        """The failed share (1.0 for a run that sent nothing)."""
-        return self.failed / self.requests if self.requests else 1.0
-
-    def message(self) -> str:
-        """One line for the store's error column: the share, the dominant failure, the hint."""
-        if not self.requests:
-            return "no request was sent: the run measured nothing"
-        text = (f"{self.failed} of {self.requests} requests failed ({self.rate:.0%}); most: "
-                f"{self.dominant} ({self.dominant_count})")
-        return f"{text} — {self.hint}" if self.hint else text
-
-    def as_summary(self) -> dict[str, Any]:
-        """The figures a run's summary keeps."""
-        return {"failed_requests": float(self.failed), "failed_requests_rate": self.rate,
-                "dominant_error": self.dominant}
-
-
-def request_failures(samples: pd.DataFrame) -> RequestFailures:
-    """The run's failed requests, timeouts aside: a timeout is the server being slow (overload, the
-    stress test's evidence), any other failure means the request was not served as asked."""
-    if samples is None or samples.empty:
-        return RequestFailures(0, 0, "", 0, "")
-    failed = samples[(samples["status"] != "ok") & (samples["error"] != "timeout")]
-    if failed.empty:
-        return RequestFailures(len(samples), 0, "", 0, "")
-    status = failed.get("http_status", pd.Series(0, index=failed.index)).fillna(0).astype(int)
-    key = [f"HTTP {c}" if e == "http_error" and c else ("no connection" if e == "http_error" else e)
-           for e, c in zip(failed["error"], status)]
-    counts = pd.Series(key).value_counts()
-    dominant = str(counts.index[0])
-    code = dominant.removeprefix("HTTP ")
-    lookup: Any = int(code) if code.isdigit() else (0 if dominant == "no connection" else dominant)
-    hint = _HINTS.get(lookup, "the server answered with an error: see its log"
-                      if isinstance(lookup, int) and lookup >= 500 else "")
-    return RequestFailures(len(samples), len(failed), dominant, int(counts.iloc[0]), hint)

@@ -81,7 +81,8 @@ def probe_scenario(model: str, hardware: str | None = None, overrides: list[str]
 def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | None = None,
           overrides: list[str] | None = None, api_key: str | None = None) -> RunRecord:
     """Run one probe against ``url``, store it (step watch, point {"role": role}); its record."""
-    from vllm_lab.summary import request_failures, summarize
+    from vllm_lab.failures import request_failures
+    from vllm_lab.summary import summarize
     from vllm_lab.traffic import run_load  # Locust's gevent patching stays out of plain imports
 
     model = served_model(url, api_key)

@@ -38,7 +38,7 @@ SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50")
 # and how many Locust processes sent the load. Means over every run of a point, limited ones too.
 AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
                "audit_span_diff")
-# The GPUs' energy over each ok run's window (summary.energy_view; the twin's power model on the
+# The GPUs' energy over each ok run's window (energy.energy_view; the twin's power model on the
 # twin and the predictor): means over a point's ok repeats.
 ENERGY = select("power_mean_w", "joules_per_output_token", "output_tokens_per_joule")
 # The figures the twin's recorded prediction is compared on.

@@ -16,6 +16,7 @@ import pandas as pd
 from vllm_lab import claims
 from vllm_lab.analysis.claims import Judged, judge_experiment
 from vllm_lab.analysis.points import TWIN_METRICS
+from vllm_lab.claim_evidence import OK_STATUSES
 from vllm_lab.reports import page
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block
@@ -32,7 +33,7 @@ ARM_METRICS = {name: (metric(name).heading if metric(name).short else
 
 
 def _mean(runs: list[dict], key: str, scale: float) -> float | None:
-    ok = [r for r in runs if r["status"] in claims.OK_STATUSES]
+    ok = [r for r in runs if r["status"] in OK_STATUSES]
     vals = [v for r in ok if (v := r["summary"].figure(key)) is not None]
     return float(pd.Series(vals).mean()) * scale if vals else None
 

@@ -1,0 +1,148 @@
+"""What a claim's verdict is read from: each arm's runs (``Evidence``), the parts of a verdict,
+and the figures as the verdicts write them. A difference inside the noise is no difference: the
+reference's run-to-run spread (at least ``NOISE_FLOOR``) on a measured backend, none on the
+deterministic predictor."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm_lab.run_summary import RunSummary
+from vllm_lab.store import DETERMINISTIC_BACKENDS
+
+if TYPE_CHECKING:
+    from vllm_lab.claims import Arm
+
+HOLDS, PARTLY, NO, UNTESTABLE = "holds", "holds partly", "does not hold", "not testable here"
+NOISE_FLOOR = 0.03  # below 3% a difference is not claimed even when the repeats agree closely
+OK_STATUSES = ("ok",)  # a client-limited run measured the client, not vLLM
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkable statement of a claim, its verdict and the numbers behind it."""
+
+    statement: str
+    verdict: str
+    evidence: str
+    claimed: float | None = None   # the claimed relative change, where the claim gives one
+    measured: float | None = None  # the measured relative change
+
+
+class Evidence:
+    """Each arm's runs (summaries and statuses), read by the judges.
+
+    An arm's runs are those of its label or, where another claim's arm ran the same scenario
+    under another label (the base traffic is 64 closed-loop users, as near-capacity is), that
+    one's: an identical arm is measured once and counts for every claim. On a deterministic
+    backend (the predictor) a repeat reads the same figures: no noise floor is assumed for it.
+    """
+
+    def __init__(self, runs_by_label: Mapping[str, Sequence[dict]], arms: Sequence[Arm],
+                 same: Mapping[str, str] | None = None):
+        same = same or {}
+        by_key: dict[str, Sequence[dict]] = {}
+        for label, runs in runs_by_label.items():
+            if runs and label in same:
+                by_key.setdefault(same[label], runs)
+        # Each run's summary typed, whether it came from the store or as a mapping of figures.
+        self._runs = {a.name: [{**r, "summary": RunSummary.of(r.get("summary"))}
+                               for r in (runs_by_label.get(a.label)
+                                         or by_key.get(same.get(a.label, ""), []))] for a in arms}
+        runs = [r for rs in self._runs.values() for r in rs]
+        self.deterministic = bool(runs) and all(r.get("backend") in DETERMINISTIC_BACKENDS for r in runs)
+
+    def measured(self, arm: str) -> bool:
+        """The arm has at least one run."""
+        return bool(self._runs.get(arm))
+
+    def ok(self, arm: str) -> bool:
+        """The arm has at least one run that produced figures."""
+        return any(r["status"] in OK_STATUSES for r in self._runs.get(arm, []))
+
+    def status(self, arm: str) -> str:
+        """The arm's statuses, and the first error line of a failed run."""
+        runs = self._runs.get(arm, [])
+        if not runs:
+            return "not measured"
+        bad = [r for r in runs if r["status"] not in OK_STATUSES]
+        if not bad:
+            return "ok"
+        return f"{bad[0]['status']}: {(bad[0].get('error') or '').splitlines()[0][:160] if bad[0].get('error') else ''}"
+
+    def values(self, arm: str, metric: str) -> list[float]:
+        """The metric over the arm's runs that produced figures."""
+        out = []
+        for r in self._runs.get(arm, []):
+            v = r["summary"].figure(metric)
+            if r["status"] in OK_STATUSES and isinstance(v, (int, float)) and not math.isnan(v):
+                out.append(float(v))
+        return out
+
+    def mean(self, arm: str, metric: str) -> float | None:
+        """The arm's mean of the metric over its ok runs (None where it has none): the statistic
+        every figure of the lab is."""
+        v = self.values(arm, metric)
+        return statistics.mean(v) if v else None
+
+    def spread(self, arm: str, metric: str) -> float | None:
+        """Run-to-run spread (coefficient of variation) of the arm's metric; None under 2 runs."""
+        v = self.values(arm, metric)
+        if len(v) < 2 or not statistics.mean(v):
+            return None
+        return statistics.stdev(v) / abs(statistics.mean(v))
+
+    def change(self, arm: str, ref: str, metric: str) -> tuple[float | None, float]:
+        """(relative change of arm against ref, noise floor) for the metric; the floor is 0 on
+        a deterministic backend, which has no run-to-run noise."""
+        a, b = self.mean(arm, metric), self.mean(ref, metric)
+        spreads = [s for s in (self.spread(ref, metric), self.spread(arm, metric)) if s is not None]
+        floor = 0.0 if self.deterministic else max([NOISE_FLOOR] + [2 * s for s in spreads])
+        if a is None or b is None or b == 0:
+            return None, floor
+        return (a - b) / b, floor
+
+
+def ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1000:.1f} ms"
+
+
+def pct(rel: float | None, floor: float | None = None) -> str:
+    if rel is None:
+        return "n/a"
+    if floor == 0.0:  # a deterministic backend: the difference is exact
+        return f"{rel:+.1%} (deterministic: no run-to-run noise)"
+    return f"{rel:+.0%}" + (f" (noise ±{floor:.0%})" if floor is not None else "")
+
+
+def compare(ev: Evidence, arm: str, ref: str, metric: str, fmt=ms) -> str:
+    rel, floor = ev.change(arm, ref, metric)
+    return f"{fmt(ev.mean(ref, metric))} → {fmt(ev.mean(arm, metric))} ({pct(rel, floor)})"
+
+
+def tok(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f} tok/s"
+
+
+def absent(ev: Evidence, *arms: str) -> str | None:
+    """Why the arms give no figures (not measured, or failed), or None when they all have some."""
+    for a in arms:
+        if not ev.ok(a):
+            return f"arm {a}: {ev.status(a)}"
+    return None
+
+
+def overall(parts: Sequence[Part]) -> str:
+    """A claim's verdict from its parts: untestable parts do not count against it."""
+    tested = [p.verdict for p in parts if p.verdict != UNTESTABLE]
+    if not tested:
+        return UNTESTABLE
+    if all(v == HOLDS for v in tested):
+        return HOLDS
+    if all(v == NO for v in tested):
+        return NO
+    return PARTLY
