@@ -31,7 +31,11 @@ SETS = ["load.stop.duration_s=3", "workload.source=alpaca-like", "run.warmup_req
 
 
 def lab_cmd(inventory: Path, out: Path, *args: str) -> list[str]:
-    sets = [x for s in SETS for x in ("--set", s)]
+    # The scenario's own max-num-seqs is the first value swept: the sweep's reference point (the
+    # scenario's flags) is then one of its points, and no other joins the runs counted here.
+    first = args[args.index("--values") + 1].split(",")[0] if "--values" in args else None
+    sets = [x for s in SETS + ([f"serve.max-num-seqs={first}"] if first else [])
+            for x in ("--set", s)]
     return [sys.executable, str(REPO / "scripts/lab.py"), "sweep", "--param", "max-num-seqs",
             "--hardware", "cpu-demo", "--inventory", str(inventory), "--out", str(out), *sets, *args]
 
@@ -184,7 +188,7 @@ def test_unreachable_host_is_its_own_status_and_resume_retries_it(tmp_path):
     assert runs.iloc[0]["host"] == "ghost"
     assert Store(tmp_path / "reports/lab.db").finished_keys("unreach") == set()
     again = run_lab(*args, "--resume")
-    assert again.returncode == 0 and "{'unreachable': 1}" in again.stdout, again.stdout + again.stderr
+    assert again.returncode == 0 and "runs taken now: 1 unreachable" in again.stdout, again.stdout + again.stderr
 
 
 # --- two lab processes on one host --------------------------------------------------------------

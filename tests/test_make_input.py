@@ -361,7 +361,7 @@ def test_lab_make_exits_with_the_labs_status_where_make_exits_2(tmp_path):
     assert make(*lint).returncode == 2  # make's own status for any failed recipe
     assert lab_make(*lint).returncode == 1, lab_make(*lint).stderr  # the lab's: a lint error
     deadline = ["sweep", "BACKEND=predict", "HARDWARE=cpu-demo", "PARAM=max-num-seqs", "VALUES=8,16",
-                "DEADLINE=2s", f"OUT={tmp_path}"]
+                "SET=serve.max-num-seqs=16", "DEADLINE=2s", f"OUT={tmp_path}"]  # no reference point joins
     stopped = lab_make(*deadline)
     assert stopped.returncode == 75, stopped.stderr
     assert "lab: stopped for DEADLINE=" in stopped.stderr and "0 of 2 runs done" in stopped.stderr

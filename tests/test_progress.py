@@ -175,8 +175,9 @@ def make(*args: str, **kw) -> subprocess.Popen | subprocess.CompletedProcess:
 def test_piped_sweep_is_plain_and_make_status_follows_it(tmp_path):
     """A piped `make sweep` (a terminal's TERM, but stdout is a pipe): no escape codes, point i/N;
     `make status` during the run says running, after it says not running and when it was seen."""
+    # The scenario's own max-num-seqs is one of the four: no reference point joins them.
     sweep = make("sweep", "PARAM=max-num-seqs", "BACKEND=predict", "VALUES=8,16,32,64",
-                 "REPEATS=24", f"OUT={tmp_path}", background=True)
+                 "SET=serve.max-num-seqs=64", "REPEATS=24", f"OUT={tmp_path}", background=True)
     beat = tmp_path / ".work/status.json"
     during, still = "", False
     try:
