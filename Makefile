@@ -39,7 +39,7 @@ STUDY_STORAGE ?=                      # Optuna storage URL (default: the lab dat
 SEED      ?=                          # sampler seed
 CONFIRM   ?=                          # re-measure the best N configurations on CONFIRM_BACKEND
 CONFIRM_BACKEND ?=                    # with CONFIRM=N: twin (default) | vllm
-#= make autotune (also SEED, CONFIRM: the candidates measured)
+#= make autotune (also SEED, CONFIRM: the candidates measured; OBJECTIVE: capacity (default) | energy, tokens/J at the SLO capacity)
 GPU_MINUTES ?=                        # wall minutes of the measuring backend, server starts counted (default 20)
 #= make stress
 SHAPE     ?=                          # ramp | step (staircases of runs) | spike | soak (one run)
@@ -139,7 +139,7 @@ stress: venv ## Step 4: make stress SHAPE=ramp|step|spike|soak [LEVELS=2,4,8]: k
 	@$(LAB) stress
 
 .PHONY: autotune
-autotune: venv ## Flags by SLO capacity: search on the predictor, measure defaults + best within GPU_MINUTES [CONFIRM=N TRIALS= SPACE=]
+autotune: venv ## Flags by SLO capacity: search on the predictor, measure defaults + best within GPU_MINUTES [CONFIRM=N TRIALS= SPACE= OBJECTIVE=energy]
 	@$(LAB) autotune
 
 ##@ The guide's claims

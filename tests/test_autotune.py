@@ -306,3 +306,25 @@ def test_make_report_rebuilds_an_autotune_from_its_store(tmp_path, capsys):
     assert cli.main(["report", "--out", str(out), "--experiment", "at"]) == 0
     assert (out / "at" / "report.md").read_text() == first
     assert capsys.readouterr().out.strip().endswith("at/index.html")
+
+
+def test_an_energy_autotune_ranks_by_tokens_per_joule_at_the_slo_capacity(tmp_path):
+    """OBJECTIVE=energy: the search and the best by output tokens per joule at each candidate's
+    SLO capacity (the twin's power model on the predictor); a resume by capacity is refused."""
+    scenario = chat()
+    space = autotune.load_space(None, scenario)
+    energy = settings(tmp_path, trials=3, seed=1, top=1, step_s=10, objective="energy")
+    summary = autotune_command.run(scenario, space, PredictBackend(), energy, lambda _: None)
+    assert summary["objective"] == "energy"
+    per_joule = summary["tokens_per_joule"]
+    assert per_joule["defaults"] > 0 and summary["defaults_tokens_per_joule"] == per_joule["defaults"]
+    best = summary["best"]
+    assert summary["best_tokens_per_joule"] == per_joule[best]
+    # The best is within noise of the most tokens per joule measured, and the cheapest such.
+    assert per_joule[best] >= max(v for v in per_joule.values() if v) / (1 + autotune.NOISE)
+    assert "tok/J" in summary["verdict"] or "output tokens per joule" in summary["verdict"]
+    md = (tmp_path / "at" / "report.md").read_text()
+    assert "tok/J at capacity" in md and "output tokens per joule at its SLO capacity" in md
+    with pytest.raises(ScenarioError, match="ranks by energy: resume it with OBJECTIVE=energy"):
+        autotune_command.run(scenario, space, PredictBackend(),
+                             settings(tmp_path, trials=3, seed=1, top=1, step_s=10), lambda _: None)

@@ -12,7 +12,7 @@ and is read from there. The study itself holds only its trials.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pandas as pd
 
 from vllm_lab import search
 from vllm_lab.analysis.stress import levels_table, offered_axis, sustainable
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import Store, StoreError
 
 STEP = "autotune"  # the step of an autotune's own experiment, whose meta holds its plan
@@ -28,6 +29,9 @@ NOISE = 0.05
 # The rule that names the best candidate, said on the page (the lab's one rule, on capacities).
 BEST_RULE = (f"the best is the cheapest candidate (the fewest flags changed from vLLM's defaults) "
              f"whose SLO capacity is within {NOISE:.0%} (a staircase step) of the highest measured")
+ENERGY_RULE = (f"the best is the cheapest candidate (the fewest flags changed from vLLM's defaults) "
+               f"whose output tokens per joule at its SLO capacity are within {NOISE:.0%} of the "
+               f"most measured")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Capacity:
     bound: str | None = None
     bracket: tuple[float | None, float | None] | None = None
     status: str = "not measured"
+    tokens_per_joule: float | None = None  # output tokens per joule at the last level that held
 
     @property
     def measured(self) -> float | None:
@@ -88,7 +93,19 @@ def measured_capacity(store_path: Path, experiment_id: str) -> Capacity:
     with Store(store_path) as store:
         runs = store.runs(experiment_id)
         table = levels_table(store, experiment_id, runs) if len(runs) else pd.DataFrame()
-    return capacity_from_levels(table)
+    found = capacity_from_levels(table)
+    return replace(found, tokens_per_joule=_tokens_per_joule_at(runs, found))
+
+
+def _tokens_per_joule_at(runs: pd.DataFrame, found: Capacity) -> float | None:
+    """The output tokens per joule of the ok runs at the last level that held (their mean)."""
+    level = found.bracket[0] if found.measured and found.bracket else None
+    if level is None or runs.empty:
+        return None
+    values = [RunSummary.of_row(r).output_tokens_per_joule for _, r in runs.iterrows()
+              if r["status"] == "ok" and float(r["point"]["load.shape.level"]) == level]
+    values = [v for v in values if v]
+    return round(sum(values) / len(values), 4) if values else None
 
 
 @dataclass
@@ -139,6 +156,7 @@ class Plan:
     trials: int
     saturation: float
     candidates: list[Candidate]
+    objective: str = "capacity"  # what ranks the candidates: SLO capacity, or energy (tok/J at it)
 
     def to_record(self) -> dict[str, Any]:
         """The plan as the store keeps it."""
@@ -150,7 +168,8 @@ class Plan:
         """A plan from its record."""
         fields = {k: record[k] for k in ("scenario", "defaults", "space", "backend", "step_s",
                                          "search_s", "trials", "saturation")}
-        return cls(**fields, candidates=[Candidate.from_record(c) for c in record["candidates"]])
+        return cls(**fields, candidates=[Candidate.from_record(c) for c in record["candidates"]],
+                   objective=record.get("objective", "capacity"))  # a plan from before: capacity
 
     def candidate(self, name: str) -> Candidate:
         """The candidate named ``name``."""
@@ -222,11 +241,20 @@ class Row:
     candidate: Candidate
     found: Capacity
     spend: Spend
+    objective: str = "capacity"
 
     @property
     def measured(self) -> float | None:
         """The measured SLO capacity (None: not measured)."""
         return self.found.measured
+
+    @property
+    def score(self) -> float | None:
+        """What the objective ranks by: the measured SLO capacity, or (energy) the output tokens
+        per joule at it; None where the SLO held at no level (no winner, defaults included)."""
+        if self.measured is None or self.measured <= 0:
+            return None
+        return self.found.tokens_per_joule if self.objective == "energy" else self.measured
 
 
 @dataclass(frozen=True)
@@ -246,23 +274,27 @@ class Outcome:
         return self.rows[0]
 
     @property
+    def objective(self) -> str:
+        """What ranks the candidates (the plan's): capacity, or energy."""
+        return self.record.plan.objective
+
+    @property
     def top(self) -> Row | None:
-        """The highest measured capacity above 0 (the defaults win a tie): a configuration that
-        met the SLO at no level is no winner, defaults included."""
-        return max((r for r in self.rows if r.measured is not None and r.measured > 0),
-                   key=lambda r: (r.measured, r.candidate.name == "defaults"), default=None)
+        """The highest score (the defaults win a tie): a configuration that met the SLO at no
+        level is no winner, defaults included."""
+        return max((r for r in self.rows if r.score is not None),
+                   key=lambda r: (r.score, r.candidate.name == "defaults"), default=None)
 
     @property
     def best(self) -> Row | None:
         """The best by the lab's one rule (``BEST_RULE``): the cheapest candidate within noise
         of the top, cheaper meaning fewer flags changed from vLLM's defaults (the defaults
-        first); within noise: a capacity within ``NOISE`` (a staircase step) of the top's."""
+        first); within noise: a score within ``NOISE`` (a staircase step) of the top's."""
         top = self.top
         if top is None:
             return None
-        close = [r for r in self.rows if r.measured is not None and r.measured > 0
-                 and r.measured >= top.measured / (1 + NOISE)]
-        return min(close, key=lambda r: (len(r.candidate.flags or {}), -r.measured))
+        close = [r for r in self.rows if r.score is not None and r.score >= top.score / (1 + NOISE)]
+        return min(close, key=lambda r: (len(r.candidate.flags or {}), -r.score))
 
     @property
     def any_measured(self) -> bool:
@@ -271,9 +303,9 @@ class Outcome:
 
     @property
     def gain(self) -> float | None:
-        """The best's capacity over the defaults', less one."""
-        best, dflt = self.best, self.defaults.measured
-        return best.measured / dflt - 1 if best and dflt else None
+        """The best's score over the defaults', less one."""
+        best, dflt = self.best, self.defaults.score
+        return best.score / dflt - 1 if best and dflt else None
 
     def minutes(self) -> tuple[float, float]:
         """Minutes of the measuring backend spent starting (and stopping) servers, and measuring."""
@@ -282,6 +314,8 @@ class Outcome:
 
     def verdict(self) -> str:
         """The headline in one sentence, honest when the defaults are as good as it gets."""
+        if self.objective == "energy" and self.best is not None:
+            return self._energy_verdict()
         best, dflt, gain = self.best, self.defaults.measured, self.gain
         if not self.any_measured:
             return "nothing was measured within the budget; raise GPU_MINUTES and run again with RESUME=1"
@@ -303,6 +337,20 @@ class Outcome:
                 f"{dflt:.2f} for vLLM's defaults: {gain:+.0%}")
 
 
+    def _energy_verdict(self) -> str:
+        best, dflt, gain = self.best, self.defaults.score, self.gain
+        name, at = best.candidate.name, f"at {best.measured:.2f} req/s within the SLO"
+        if dflt is None:
+            return (f"the most output tokens per joule measured: {name}, {best.score:.2f} tok/J "
+                    f"{at}; vLLM's defaults held the SLO at no level or were not measured")
+        if name == "defaults" or (gain is not None and gain <= NOISE):
+            return (f"the defaults are within {max(self.top.score / dflt - 1, 0):.0%} of the most "
+                    f"output tokens per joule reachable on this traffic ({dflt:.2f} against "
+                    f"{self.top.score:.2f} tok/J): keep them")
+        return (f"{name} gives {best.score:.2f} output tokens per joule {at}, against {dflt:.2f} "
+                f"for vLLM's defaults: {gain:+.0%}")
+
+
 def outcome(store_path: Path, experiment_id: str, storage: str) -> Outcome:
     """The autotune's outcome from the store: its record, each candidate's staircase, its study."""
     from optuna.trial import TrialState
@@ -311,7 +359,8 @@ def outcome(store_path: Path, experiment_id: str, storage: str) -> Outcome:
     if record is None:
         raise StoreError(f"{store_path}: no autotune {experiment_id!r} with a plan")
     rows = [Row(c, measured_capacity(store_path, f"{experiment_id}-{c.name}"),
-                record.spend.get(c.name, Spend())) for c in record.plan.candidates]
+                record.spend.get(c.name, Spend()), record.plan.objective)
+            for c in record.plan.candidates]
     trials = search.load_study(experiment_id, storage).get_trials(deepcopy=False)
     return Outcome(experiment_id, record, rows, len(trials),
                    sum(t.state == TrialState.PRUNED for t in trials))

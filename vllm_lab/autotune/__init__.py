@@ -21,7 +21,7 @@ from vllm_lab.autotune.candidates import (
            staircase_centre,
 )
 from vllm_lab.autotune.measure import Settings, search_and_measure
-from vllm_lab.autotune.ranking import newest_study, predicted_slo_capacity
+from vllm_lab.autotune.ranking import OBJECTIVES, newest_study, predicted_slo_capacity
 from vllm_lab.autotune.space import (
            MEASURE_ONLY,
            MODELLED,
@@ -31,7 +31,7 @@ from vllm_lab.autotune.space import (
            with_flags,
 )
 
-__all__ = ["MEASURE_ONLY", "MEASURING", "MODELLED", "NOISE", "Candidate", "Capacity", "Measuring", "Plan",
+__all__ = ["MEASURE_ONLY", "MEASURING", "MODELLED", "NOISE", "OBJECTIVES", "Candidate", "Capacity", "Measuring", "Plan",
            "Settings", "best_measured", "capacity_from_levels", "defaults_scenario", "load_space",
            "measuring", "newest_study", "open_loop", "plan_candidates", "predicted_slo_capacity",
            "refine_level", "search_and_measure", "staircase_centre", "with_flags"]

@@ -50,6 +50,7 @@ class Settings:
     step_s: float | None = None
     repeats: int = 1
     plan: dict[str, Any] | None = None  # the command's recorded plan (commands.plan_record)
+    objective: str = "capacity"  # ranking.OBJECTIVES
 
 
 def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: Backend,
@@ -75,7 +76,7 @@ def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: B
         f"{sat.value:.2f} req/s on the predictor; searching {settings.trials} configurations "
         f"of {', '.join(space.space)}")
     study = run_search(base, space, settings.experiment_id, settings.storage, settings.trials,
-                       settings.seed, start, step_s, say)
+                       settings.seed, start, step_s, say, settings.objective)
     record = _record(settings, scenario, defaults, space, backend, study, how, sat.value, start, t0)
     record.budget = settings.gpu_minutes
     records.keep(settings.store_path, settings.experiment_id, record, settings.plan)
@@ -102,8 +103,13 @@ def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: s
             scenario=redact(scenario.to_record()), defaults=redact(defaults.to_record()),
             space=list(space.space), backend=backend.name, step_s=step_s,
             search_s=round(time.time() - t0, 1), trials=settings.trials, saturation=saturated,
+            objective=settings.objective,
             candidates=candidates.plan_candidates(predicted.value, top_configs(study, top),
                                                   measure_section(space, backend.name))))
+    if record.plan.objective != settings.objective:
+        raise ScenarioError(f"experiment {settings.experiment_id} ranks by {record.plan.objective}: "
+                            f"resume it with OBJECTIVE={record.plan.objective}, or leave out "
+                            f"EXPERIMENT and RESUME to start a new one by {settings.objective}")
     if record.plan.backend != backend.name:
         raise ScenarioError(f"experiment {settings.experiment_id} measures on {record.plan.backend}: "
                             f"resume it with BACKEND={record.plan.backend}, or leave out EXPERIMENT and "

@@ -29,12 +29,25 @@ def say_now(line: str) -> None:
     print(line, flush=True)
 
 
+# What autotune ranks configurations by: their SLO capacity (req/s), or the output tokens per
+# joule they give at it (the SLO as a constraint, energy as the figure to beat).
+OBJECTIVES = ("capacity", "energy")
+
+
 @dataclass(frozen=True)
 class Predicted:
-    """A figure the predictor gave (req/s), or why the configuration would not start."""
+    """A figure the predictor gave (req/s), or why the configuration would not start; with it,
+    the output tokens per joule at that rate (None where no rate held)."""
 
     value: float = 0.0
     error: str = ""
+    tokens_per_joule: float | None = None
+
+    def score(self, objective: str) -> float:
+        """The figure ``objective`` ranks by (0 where nothing held the SLO)."""
+        if objective == "energy":
+            return round(self.tokens_per_joule or 0.0, 4)
+        return self.value
 
 
 def level_holds(level: float, m: Measurement) -> bool:
@@ -55,13 +68,14 @@ def predicted_slo_capacity(scenario: Scenario, start: float, duration_s: float,
     backend = PredictBackend()
     base = open_loop(scenario, duration_s)
     low, high, rate = 0.0, math.inf, start
+    tokens_per_joule = None
     for _ in range(probes):
         point = stress.staircase_points(base, [round(rate, 4)])[0]
         m = backend.measure(point.scenario, None, Path("."))
-        if m.status != "ok":
+        if m.status not in (RunStatus.OK, RunStatus.UNSTEADY):  # a run that did not hold: no level
             return Predicted(error=m.error or m.status)
         if level_holds(rate, m):
-            low = rate
+            low, tokens_per_joule = rate, m.summary.output_tokens_per_joule
         else:
             high = rate
         if math.isinf(high):
@@ -72,7 +86,7 @@ def predicted_slo_capacity(scenario: Scenario, start: float, duration_s: float,
                 break
         else:
             rate = (low + high) / 2
-    return Predicted(round(low, 3))
+    return Predicted(round(low, 3), tokens_per_joule=tokens_per_joule)
 
 
 def saturation(scenario: Scenario) -> Predicted:
@@ -85,8 +99,9 @@ def saturation(scenario: Scenario) -> Predicted:
 
 def run_search(base: Scenario, space: search.SearchSpace, study_name: str, storage: str,
                trials: int, seed: int | None, start: float, duration_s: float,
-               say: Callable[[str], Any] = say_now):
-    """Optuna over ``space`` on the predictor, maximizing the SLO capacity; resumes its study."""
+               say: Callable[[str], Any] = say_now, objective: str = "capacity"):
+    """Optuna over ``space`` on the predictor, maximizing the SLO capacity or (energy) the output
+    tokens per joule at it; each trial keeps both; resumes its study."""
     from optuna.trial import TrialState
 
     study = search.open_study(study_name, storage, "goodput", seed, startup_trials=min(8, max(trials // 2, 1)))
@@ -104,9 +119,13 @@ def run_search(base: Scenario, space: search.SearchSpace, study_name: str, stora
             study.tell(trial, state=TrialState.PRUNED)
             say(f"  trial {trial.number} {point_label(values)}: does not start")
         else:
-            study.tell(trial, result.value)
+            trial.set_user_attr("capacity", result.value)
+            trial.set_user_attr("tokens_per_joule", result.tokens_per_joule)
+            study.tell(trial, result.score(objective))
+            per_joule = (f", {result.tokens_per_joule:.2f} tok/J at it"
+                         if objective == "energy" and result.tokens_per_joule else "")
             say(f"  trial {trial.number} {point_label(values)}: predicted SLO capacity "
-                f"{result.value:.2f} req/s")
+                f"{result.value:.2f} req/s{per_joule}")
     return study
 
 
@@ -116,8 +135,8 @@ def tidy(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def top_configs(study, k: int) -> list[Candidate]:
-    """The ``k`` distinct configurations of the highest predicted SLO capacity (above 0), as
-    candidates c1, c2, ..."""
+    """The ``k`` distinct configurations of the highest objective (above 0: the SLO capacity, or
+    tokens per joule at it), as candidates c1, c2, ... with their predicted SLO capacity."""
     from optuna.trial import TrialState
 
     ranked = sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)),
@@ -128,7 +147,8 @@ def top_configs(study, k: int) -> list[Candidate]:
         key = json.dumps(t.params, sort_keys=True)
         if t.value > 0 and key not in seen:
             seen.add(key)
-            out.append(Candidate(f"c{len(out) + 1}", tidy(t.params), t.value))
+            out.append(Candidate(f"c{len(out) + 1}", tidy(t.params),
+                                 t.user_attrs.get("capacity", t.value)))
         if len(out) == k:
             break
     return out

@@ -31,6 +31,7 @@ class AutotuneOptions:
     space: str | None = None
     seed: int | None = None
     top: int | None = None
+    objective: str = "capacity"
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -43,11 +44,13 @@ class AutotuneOptions:
         p.add_argument("--seed", type=int, default=None, help="sampler seed")
         p.add_argument("--top", type=count(0), default=None,
                        help="best configurations measured besides the defaults (default: twin 2, vllm 3)")
+        p.add_argument("--objective", default="capacity", choices=tuning.OBJECTIVES,
+                       help="rank by SLO capacity (req/s), or energy: output tokens per joule at it")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> AutotuneOptions:
         """The autotune's options from the command line."""
-        return cls(args.gpu_minutes, args.trials, args.space, args.seed, args.top)
+        return cls(args.gpu_minutes, args.trials, args.space, args.seed, args.top, args.objective)
 
 
 @stopping.stoppable
@@ -66,7 +69,8 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
         o.startswith("load.stop.duration_s=") for o in source.overrides) else None
     tuned = tuning.Settings(exp_id, settings.store_path, settings.out, storage, options.gpu_minutes,
                             trials=options.trials, seed=options.seed, top=options.top, step_s=step_s,
-                            repeats=settings.repeats or 1, plan=settings.plan)
+                            repeats=settings.repeats or 1, plan=settings.plan,
+                            objective=options.objective)
     shown = Progress("autotune", exp_id, settings.backend, settings.out, noun="level",
                      window_s=step_s or tuning.measuring(settings.backend).step_s)
 

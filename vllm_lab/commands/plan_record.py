@@ -31,7 +31,7 @@ SHAPING: dict[str, tuple[str, ...]] = {
     "stress": _COMMON + ("--shape", "--levels", "--refine"),
     "claims": _COMMON + ("--claims",),
     "calibrate": _COMMON + ("--reference",),
-    "autotune": _COMMON + ("--trials", "--space", "--seed", "--top"),
+    "autotune": _COMMON + ("--trials", "--space", "--seed", "--top", "--objective"),
 }
 # Options whose repeats are a list of items (order aside, the same list is the same plan).
 _LISTS = ("--set", "--reference")

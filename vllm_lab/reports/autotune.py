@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import search
-from vllm_lab.analysis.autotune import BEST_RULE, Outcome, Row, outcome
+from vllm_lab.analysis.autotune import BEST_RULE, ENERGY_RULE, Outcome, Row, outcome
 from vllm_lab.analysis.stress import levels_table, offered_axis
 from vllm_lab.autotune.space import MEASURE_ONLY
 from vllm_lab.reports import page
@@ -135,7 +135,15 @@ def summary_of(found: Outcome) -> dict[str, Any]:
         "candidates": [_candidate_summary(r) for r in found.rows],
         "verdict": found.verdict(),
         "measure_only_flags": sorted(MEASURE_ONLY),
-    }
+    } | (_energy_summary(found) if found.objective == "energy" else {})
+
+
+def _energy_summary(found: Outcome) -> dict[str, Any]:
+    """An energy autotune's own figures: output tokens per joule at each SLO capacity."""
+    best = found.best
+    return {"objective": "energy", "defaults_tokens_per_joule": found.defaults.score,
+            "best_tokens_per_joule": best.score if best else None,
+            "tokens_per_joule": {r.candidate.name: r.found.tokens_per_joule for r in found.rows}}
 
 
 def _candidate_summary(row: Row) -> dict[str, Any]:
@@ -184,8 +192,12 @@ def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path) -> page
          f"{plan.step_s:g} s levels (as a stress report reads it)"),
         (f"measured on: {plan.backend}; predicted by the twin's predictor ({found.trials} "
          f"configurations searched in {plan.search_s:g} s, {found.pruned} would not start)"),
-        f"Best: {BEST_RULE}.",
+        f"Best: {ENERGY_RULE if found.objective == 'energy' else BEST_RULE}.",
     ]
+    if found.objective == "energy":
+        facts.insert(3, "ranked by: output tokens per joule at each candidate's SLO capacity (the "
+                        "GPUs' energy counter on real vLLM, the twin's power model on the twin and "
+                        "the predictor), the SLO a constraint")
     e = html.escape
     title = f"autotune {summary['experiment']}"
     blocks = [Block(f"<h1>{e(title)}</h1>\n", [f"# {title}", ""]),
@@ -207,9 +219,15 @@ def candidates_frame(summary: dict[str, Any], found: Outcome) -> pd.DataFrame:
         rows.append({"candidate": r.candidate.name + (" (best)" if r.candidate.name == summary["best"] else ""),
                      "flags over vLLM's defaults": _candidate_flags(r),
                      "predicted req/s": _predicted_text(r), "measured req/s": r.found.describe(),
+                     **({"tok/J at capacity": _per_joule(r.found.tokens_per_joule)}
+                        if found.objective == "energy" else {}),
                      "start min": f"{r.spend.start_s / 60:.2f}",
                      "measuring min": f"{r.spend.measure_s / 60:.2f}"})
     return pd.DataFrame(rows)
+
+
+def _per_joule(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _minutes_lines(summary: dict[str, Any], budget: float | None, found: Outcome) -> list[str]:
