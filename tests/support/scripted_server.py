@@ -3,7 +3,8 @@
 
 Modes (the request's `model` name picks one, else `--mode`, or `--cycle` deals them in turn):
 ok (first token after --ttft-ms, then one token every --itl-ms), broken (closes the connection
-mid-stream), http500, stall (stops sending after a few tokens), empty (a stream with no content).
+mid-stream), http500, stall (stops sending after a few tokens), empty (a stream with no content),
+malformed (an event that is not JSON after a few tokens, then the stream goes on).
 The final usage chunk carries `script`, and --truth-log gets a line per request keyed by its
 X-Request-Id: the server's perf_counter at receipt and at each content send, the ground truth a
 client's measurement is compared with (same host, same monotonic clock).
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-MODES = ("ok", "broken", "http500", "stall", "empty")
+MODES = ("ok", "broken", "http500", "stall", "empty", "malformed")
 
 
 class Script:
@@ -129,6 +130,8 @@ async def _emit(request, resp, script, kind, rid, model, mode, n, prompt_tokens,
                         request.transport.abort()
                         return resp
                     await asyncio.sleep(script.stall_s)
+                if mode == "malformed" and k == script.fail_after:
+                    await resp.write(b'data: {"choices": [{"text": " tok"\n\n')
                 sent.append(time.perf_counter())
                 await resp.write(_chunk(kind, rid, model, " tok"))
                 emitted += 1
