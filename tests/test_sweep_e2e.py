@@ -1,53 +1,26 @@
 """The main job end to end on the twin: playbook -> twin -> Locust -> store -> report.
 
-Runs the lab's own CLI as a user would (through `scripts/lab.py`), on a private inventory (its own
-port and host folder), the cpu-demo GPU so two shared cores keep real time, and short runs.
+Runs the lab's own CLI as a user would (through `scripts/lab.py`, tests/support/e2e.py). A killed
+server and a resume are tests/test_sweep_resume.py's, apart so the two run on two cores at once.
 """
 
-import json
-import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from tests.support.processes import private_inventory
+from tests.support.e2e import REPO, lab_cmd, private_lab, runs_by_value
 from vllm_lab import scenarios
 from vllm_lab.store import Store
 from vllm_lab.summary import summarize
 
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-# 30 s of load: a closed loop's window ends at its last send, and a run whose fill and drain
-# take more than its window is unsteady (store.RunStatus), not measured; one sequence at a time
-# for six users drains for about 20 s on cpu-demo.
-SETS = ["load.shape.level=6", "load.stop.duration_s=30", "workload.source=alpaca-like",
-        "run.warmup_requests=2"]
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A private local inventory and reports folder."""
-    tmp = tmp_path_factory.mktemp("e2e")
-    private_inventory(tmp)
-    return tmp
-
-
-def lab_cmd(lab: Path, *args: str) -> list[str]:
-    sets = [x for s in SETS for x in ("--set", s)]
-    return [sys.executable, str(REPO / "scripts/lab.py"), "sweep", "--param", "max-num-seqs",
-            "--hardware", "cpu-demo", "--inventory", str(lab / "inv.yml"), "--out", str(lab / "reports"),
-            *sets, *args]
-
-
-def runs_by_value(store: Store, exp: str) -> pd.DataFrame:
-    runs = store.runs(exp)
-    return runs.assign(value=runs["point"].map(lambda p: p["max-num-seqs"])).set_index("value")
+    return private_lab(tmp_path_factory)
 
 
 def test_sweep_report_matches_the_store(lab):
@@ -77,51 +50,6 @@ def test_sweep_report_matches_the_store(lab):
     assert runs.loc[8, "output_throughput"] > 2 * runs.loc[1, "output_throughput"]
     html = index.read_text()
     assert "cpu-demo" in html and "vLLM 0.26.0" in html and "data:image/png;base64" in html
-
-
-def twin_pid(lab: Path) -> int | None:
-    for pidfile in (lab / "host").rglob("*.pid"):
-        fields = pidfile.read_text().split()  # "pid starttime"
-        if fields and fields[0].isdigit():
-            return int(fields[0])
-    return None
-
-
-def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
-    args = lab_cmd(lab, "--set", "serve.max-num-seqs=4", "--values", "2,4", "--experiment", "e2e-crash")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO, start_new_session=True)
-    try:
-        store_path = lab / "reports/lab.db"
-        deadline = time.time() + 300
-        # Wait until the first point is recorded and the second point's load is running.
-        while time.time() < deadline:
-            if store_path.exists() and len(Store(store_path).runs("e2e-crash")) == 1:
-                break
-            time.sleep(0.5)
-        pid = None
-        while time.time() < deadline and pid is None:
-            work = lab / "reports/.work/e2e-crash"
-            if len(list(work.glob("*/samples"))) >= 2:
-                pid = twin_pid(lab)
-            time.sleep(0.3)
-        assert pid, "the second point's server never started"
-        time.sleep(2)
-        os.killpg(os.getpgid(pid), signal.SIGKILL)  # the twin's own process group
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    runs = runs_by_value(Store(lab / "reports/lab.db"), "e2e-crash")
-    assert runs.loc[2, "status"] == "ok" and runs.loc[4, "status"] == "crashed", out
-    first_ok = runs.loc[2, "started"]
-    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300,
-                             cwd=REPO, check=False)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    runs = runs_by_value(Store(lab / "reports/lab.db"), "e2e-crash")
-    assert dict(runs["status"]) == {2: "ok", 4: "ok"}
-    assert runs.loc[2, "started"] == first_ok  # the finished point was kept, not measured again
-    assert json.loads(runs.loc[4, "summary_json"]) is not None
 
 
 def test_claim_six_on_the_live_twin(lab):
