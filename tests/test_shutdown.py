@@ -71,6 +71,19 @@ def test_a_second_signal_is_noted_not_raised(capsys):
     assert "stopping the servers first" in capsys.readouterr().err
 
 
+def test_make_passing_on_a_sigterm_the_lab_already_got_is_the_same_stop(capsys):
+    # make sends a SIGTERM on to its children, who got it from the group too: one stop, no note.
+    with pytest.raises(shutdown.Terminated), shutdown.handling():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except shutdown.Terminated:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            raise
+    assert "stopping the servers first" not in capsys.readouterr().err
+
+
 def test_an_inherited_ignore_is_kept():
     """nohup ignores SIGHUP for the lab: it stays ignored."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -22,6 +22,7 @@ import atexit
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +47,12 @@ class _State:
     pending: int | None = None  # a signal that came inside such a block
     noted = False           # the "still stopping" line was said
     installed = False
+    raised: tuple[int, float] | None = None  # the signal raised, and when (monotonic)
+
+
+# make passes a SIGTERM on to its children, who also got it as members of its process group (a job
+# scheduler or scripts/lab-make signals the group): the same signal again this soon is that copy.
+ECHO_S = 1.0
 
 
 _state = _State()
@@ -59,6 +66,7 @@ def exit_code(stop: KeyboardInterrupt) -> int:
 
 def _raise(signum: int) -> None:
     _state.stopping = True
+    _state.raised = (signum, time.monotonic())
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated(signum)
@@ -68,6 +76,8 @@ def on_signal(signum: int, frame) -> None:
     """The handler of every stop signal: the first raised, later ones noted (see the module);
     outside a command's block (a test calling a command's function) every one is raised."""
     if _state.active and (_state.stopping or _state.shield_depth):
+        if _echo(signum):
+            return
         if not _state.stopping and _state.pending is None:
             _state.pending = signum
         if not _state.noted:
@@ -78,6 +88,13 @@ def on_signal(signum: int, frame) -> None:
     _raise(signum)
 
 
+def _echo(signum: int) -> bool:
+    """Whether ``signum`` is a copy of the signal just raised (see ECHO_S), not a second stop."""
+    raised = _state.raised
+    return (signum == signal.SIGTERM and raised is not None and raised[0] == signum
+            and time.monotonic() - raised[1] < ECHO_S)
+
+
 @contextmanager
 def handling() -> Iterator[None]:
     """One command's block: SIGINT, SIGTERM and SIGHUP taken as stops (an inherited ignore kept),
@@ -86,6 +103,7 @@ def handling() -> Iterator[None]:
         yield
         return
     _state.stopping, _state.pending, _state.noted, _state.shield_depth = False, None, False, 0
+    _state.raised = None
     before = {}
     for signum in SIGNALS:
         if signum != signal.SIGTERM and signal.getsignal(signum) is signal.SIG_IGN:
