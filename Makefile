@@ -186,7 +186,7 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # module fixtures start once), the longest first (tests/conftest.py orders them); test-fast's tests
 # are short and fixture-light, so they are dealt out one by one. The tests marked timing run first,
 # alone: their millisecond margins would not hold beside another test on the same cores.
-test: venv ## Every test (about 17 min on 2 cores); installs the system packages it needs first, or says what is missing
+test: venv ## Every test (17-19 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@rc=0; LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m timing -p no:xdist || rc=$$?; \
 	  LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m "not timing" -n auto --dist loadfile \
