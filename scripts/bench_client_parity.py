@@ -473,17 +473,20 @@ def _median(values: list[float | None]) -> float | None:
     return float(statistics.median(vals)) if vals else None
 
 
+# vLLM's own view of each client figure, as server_raw records it.
+SERVER_KEY = {"ttft_p50": "server_ttft_p50", "ttft_p99": "server_ttft_p99",
+              "tpot_p50": "server_tpot_p50"}
+
+
 def _figure(run: dict, metric: str) -> tuple[float | None, float | None]:
     """One run's figure for ``metric`` and the server's view of it (None: it has none)."""
-    server_key = {"ttft_p50": "server_ttft_p50", "ttft_p99": "server_ttft_p99",
-                  "tpot_p50": "server_tpot_p50"}
     if metric == "output_throughput":  # the lab's on the bench's definition, to compare one thing
         key = "bench_def_output_throughput" if run["run"] == "lab" else metric
         return run["figures"].get(key), None
     if metric == "output_throughput_window":  # against the server: the bench has no window
         return (run["figures"]["output_throughput"] if run["run"] == "lab" else None,
                 run.get("server_output_throughput"))
-    return run["figures"].get(metric), run["server"].get(server_key[metric])
+    return run["figures"].get(metric), run["server"].get(SERVER_KEY[metric])
 
 
 def write_csv(args) -> Path:

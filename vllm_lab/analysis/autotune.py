@@ -26,12 +26,14 @@ from vllm_lab.store import Store, StoreError
 STEP = "autotune"  # the step of an autotune's own experiment, whose meta holds its plan
 # Below this gain the defaults are as good as the best: one staircase step is about this wide.
 NOISE = 0.05
-# The rule that names the best candidate, said on the page (the lab's one rule, on capacities).
-BEST_RULE = (f"the best is the cheapest candidate (the fewest flags changed from vLLM's defaults) "
-             f"whose SLO capacity is within {NOISE:.0%} (a staircase step) of the highest measured")
-ENERGY_RULE = (f"the best is the cheapest candidate (the fewest flags changed from vLLM's defaults) "
-               f"whose output tokens per joule at its SLO capacity are within {NOISE:.0%} of the "
-               f"most measured")
+# The rule that names the best candidate, said on the page (the lab's one rule, on the figure the
+# objective ranks by: the SLO capacity, or the output tokens per joule at it).
+_RULE = "the best is the cheapest candidate (the fewest flags changed from vLLM's defaults) whose "
+RULES = {
+    "capacity": _RULE + f"SLO capacity is within {NOISE:.0%} (a staircase step) of the highest measured",
+    "energy": _RULE + (f"output tokens per joule at its SLO capacity are within {NOISE:.0%} of the "
+                       f"most measured"),
+}
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,11 @@ class Outcome:
         return self.record.plan.objective
 
     @property
+    def rule(self) -> str:
+        """The rule naming the best, in words, for this objective."""
+        return RULES[self.objective]
+
+    @property
     def top(self) -> Row | None:
         """The highest score (the defaults win a tie): a configuration that met the SLO at no
         level is no winner, defaults included."""
@@ -287,7 +294,7 @@ class Outcome:
 
     @property
     def best(self) -> Row | None:
-        """The best by the lab's one rule (``BEST_RULE``): the cheapest candidate within noise
+        """The best by the lab's one rule (``RULES``): the cheapest candidate within noise
         of the top, cheaper meaning fewer flags changed from vLLM's defaults (the defaults
         first); within noise: a score within ``NOISE`` (a staircase step) of the top's."""
         top = self.top

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import search
-from vllm_lab.analysis.autotune import BEST_RULE, ENERGY_RULE, Outcome, Row, outcome
+from vllm_lab.analysis.autotune import Outcome, Row, outcome
 from vllm_lab.analysis.stress import levels_table, offered_axis
 from vllm_lab.autotune.space import MEASURE_ONLY
 from vllm_lab.reports import page
@@ -192,7 +192,7 @@ def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path) -> page
          f"{plan.step_s:g} s levels (as a stress report reads it)"),
         (f"measured on: {plan.backend}; predicted by the twin's predictor ({found.trials} "
          f"configurations searched in {plan.search_s:g} s, {found.pruned} would not start)"),
-        f"Best: {ENERGY_RULE if found.objective == 'energy' else BEST_RULE}.",
+        f"Best: {found.rule}.",
     ]
     if found.objective == "energy":
         facts.insert(3, "ranked by: output tokens per joule at each candidate's SLO capacity (the "
