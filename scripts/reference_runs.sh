@@ -10,8 +10,10 @@
 #
 # PHASE: start (vLLM with its defaults), parity-a (closed loops of 1-512 users), parity-b (1024
 #        users, a ShareGPT-format file at 64 and 256 users, Poisson at two rates, gamma with
-#        burstiness 0.5, chat at 64 users), repeats (three runs of each tool, taking turns, on
-#        64 users, the ShareGPT file and Poisson at 30 and 45 req/s; parity.csv gives medians), open (Poisson up to saturation, the realtime-chat
+#        burstiness 0.5, chat at 64 users), repeats (runs of each tool taking turns: 64 users and
+#        the ShareGPT file at 64, three of the bench and five of the lab, as repeats-closed; Poisson
+#        at 30 and 45 req/s, three of each, as repeats-open; parity.csv gives medians), open
+#        (Poisson up to saturation, the realtime-chat
 #        traffic at four rates), budget (restarts with max-num-batched-tokens=2048: Poisson and
 #        the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
 #        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
@@ -49,11 +51,17 @@ for phase in "$@"; do
     parity-b) parity measure parity --cases closed:1024,sharegpt:64,sharegpt:256,poisson:$r1,poisson:$r2,gamma:30:0.5,chat:64 \
                 --requests-per-user 2 --sharegpt-per-user 4 --open-s 20 --min-requests 24
               parity csv parity ;;
-    # Three runs of each tool, taking turns, where one run of each left the difference unsure.
-    repeats) parity measure parity-repeats --url "$(url_of parity)" --runs bench+lab+bench+lab+bench+lab \
-               --cases closed:64,sharegpt:64,poisson:30,poisson:45 --sharegpt-per-user 10 --open-s 30 \
-               --requests-per-user 4 --min-requests 64
-             parity csv parity-repeats ;;
+    # Runs of each tool taking turns, where one run of each left the difference unsure: three of
+    # the bench, five of the lab (whose spread over five is the precision its examples quote).
+    # Closed loops and open loops are two phases, each within one call of ten minutes.
+    repeats|repeats-closed)
+      parity measure parity-repeats --url "$(url_of parity)" --runs bench+lab+bench+lab+bench+lab+lab+lab \
+        --cases closed:64,sharegpt:64 --sharegpt-per-user 10 --requests-per-user 4 --min-requests 64 ;;&
+    repeats|repeats-open)
+      parity measure parity-repeats --url "$(url_of parity)" --runs bench+lab+bench+lab+bench+lab \
+        --cases poisson:30,poisson:45 --open-s 30
+      parity csv parity-repeats ;;
+    repeats-closed) ;;
     open) parity measure twin-open --url "$(url_of parity)" --runs bench --open-s 20 \
             --cases poisson:10,poisson:50,poisson:60
           parity measure twin-open --url "$(url_of parity)" --runs lab --open-s 25 \
