@@ -21,13 +21,16 @@ A run spec is `bench` or `lab`, with `:key=value` options: `processes=N` (lab: L
 default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no periodic
 /metrics and GPU scrapes during the run). Phases: `start` leaves the server running and writes
 server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
-`all` does all four. `--levels 1,16` is short for `--cases closed:1,closed:16`.
+`all` does all four; `export --out STORE [--out STORE ...] --to DIR` writes a reference folder
+(runs.jsonl, every request in requests.csv.gz, server-raw.jsonl.gz, power.csv.gz) that
+`vllm_lab.twin.reference` replays. `--levels 1,16` is short for `--cases closed:1,closed:16`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import math
 import statistics
@@ -527,14 +530,63 @@ def write_csv(args) -> Path:
     return path
 
 
+# ---- a reference folder from one or more stores ---------------------------------------------
+def _requests_of(store: Path, run: dict) -> pd.DataFrame:
+    """One run's requests, as both tools recorded them: start, TTFT, e2e, lengths, longest gap."""
+    tag = run["tag"]
+    if run["tool"] == "bench":
+        ref = json.loads((store / "bench" / f"{tag}.json").read_text())
+        ttft = np.array([x if x is not None else np.nan for x in ref["ttfts"]], dtype=float)
+        df = pd.DataFrame({"start_ts": ref["start_times"], "ttft_s": ttft,
+                           "e2e_s": ttft + np.array([sum(x) for x in ref["itls"]]),
+                           "prompt_tokens": ref["input_lens"], "output_tokens": ref["output_lens"],
+                           "itl_max_s": [max(x, default=np.nan) for x in ref["itls"]],
+                           "scheduled_ts": np.nan, "ok": [not e for e in ref["errors"]]})
+    else:
+        rows = [json.loads(x) for f in sorted((store / "lab" / tag / "samples").glob("*.jsonl"))
+                for x in f.read_text().splitlines() if x.strip()]
+        df = pd.DataFrame(rows)
+        df["itl_max_s"] = [max(x or [], default=np.nan) for x in df["itl_s"]]
+        df["ok"] = df["status"] == "ok"
+        df["scheduled_ts"] = df.get("scheduled_ts", np.nan)
+    df = df[df.pop("ok")].sort_values("start_ts")
+    t0 = df.start_ts.min()
+    return pd.DataFrame({"tag": tag, "start_s": df.start_ts - t0, "ttft_s": df.ttft_s,
+                         "e2e_s": df.e2e_s, "prompt_tokens": df.prompt_tokens,
+                         "output_tokens": df.output_tokens, "itl_max_s": df.itl_max_s,
+                         "scheduled_s": df.scheduled_ts - t0})
+
+
+def export(stores: list[Path], to: Path, config: str = "defaults") -> None:
+    to.mkdir(parents=True, exist_ok=True)
+    runs, requests, raw = [], [], []
+    for store in stores:
+        for line in (store / "runs.jsonl").read_text().splitlines():
+            run = {**json.loads(line), "config": config}
+            requests.append(_requests_of(store, run))
+            runs.append(json.dumps(run, default=float))
+        if (store / "server-raw.jsonl").exists():
+            raw += (store / "server-raw.jsonl").read_text().splitlines()
+    (to / "runs.jsonl").write_text("\n".join(runs) + "\n")
+    pd.concat(requests).to_csv(to / "requests.csv.gz", index=False, float_format="%.6f")
+    with gzip.open(to / "server-raw.jsonl.gz", "wt") as f:
+        f.write("\n".join(raw) + "\n")
+    power = stores[0].parent / "power.csv"   # the session's power log sits beside its stores
+    if power.exists():
+        pd.read_csv(power).to_csv(to / "power.csv.gz", index=False)
+    print(f"{to}: {len(runs)} runs, {sum(map(len, requests))} requests")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=["start", "measure", "stop", "csv", "all"])
+    ap.add_argument("phase", choices=["start", "measure", "stop", "csv", "all", "export"])
     ap.add_argument("--inventory", type=Path)
     ap.add_argument("--backend", default="vllm")
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default="", help="the model folder (every phase but csv and export)")
     ap.add_argument("--url", default="")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, action="append", required=True,
+                    help="the store (export: one or more, in order)")
+    ap.add_argument("--to", type=Path, help="export: the reference folder to write")
     ap.add_argument("--cases", default="",
                     help="traffic cases, e.g. closed:64,sharegpt:256,poisson:30,gamma:30:0.5,chat:64")
     ap.add_argument("--levels", default="1,16,64,256,512,1024",
@@ -552,6 +604,16 @@ def main() -> int:
                     help="a scenario override (start: the server's flags, measure: what the lab records), "
                          "e.g. serve.enforce-eager=true")
     args = ap.parse_args()
+    if args.phase == "export":
+        if not args.to:
+            ap.error("export needs --to DIR, the reference folder to write")
+        export(args.out, args.to)
+        return 0
+    if len(args.out) > 1:
+        ap.error(f"{args.phase} takes one --out store; several are for export")
+    args.out = args.out[0]
+    if args.phase not in ("csv",) and not args.model:
+        ap.error(f"{args.phase} needs --model, the model folder on this host")
     args.out.mkdir(parents=True, exist_ok=True)
     args.cases = [Case.parse(c) for c in (args.cases or ",".join(
         f"closed:{x}" for x in args.levels.split(","))).split(",") if c]

@@ -146,10 +146,12 @@ def by_kind(profile, model) -> None:
     from vllm_lab.twin import reference
 
     pd.set_option("display.width", 200)
-    for label, points in (("held out", reference.held_out_set()),
-                          ("fitted", [p for p, fit in reference.session_points() if fit])):
+    sets = [("held out", reference.TRAFFIC, reference.held_out_set()),
+            ("fitted", reference.TRAFFIC, [p for p, fit in reference.session_points() if fit])]
+    sets += [("held out", later, reference.held_out_set((later,))) for later in reference.LATER]
+    for label, folder, points in sets:
         errs = reference.errors(points, profile, model)
-        print(f"\n## Fidelity by traffic kind, {label}: {profile.name} vs {reference.TRAFFIC}")
+        print(f"\n## Fidelity by traffic kind, {label}: {profile.name} vs {folder.name}")
         print(errs.pivot_table(index="point", columns="metric", values="error", sort=False)
               .map(lambda v: f"{v:+.1%}").to_string())
         table = reference.by_kind(errs)

@@ -5,14 +5,18 @@ single requests of long prompts) and ``traffic-2026-12-01/``: one H200 session o
 kind, `vllm bench serve` and the lab's client taking turns on one server (closed loops of 1 to
 1024 users, a ShareGPT-format file of variable lengths at 64 and 256 users, Poisson at 25 and 40
 req/s, gamma arrivals of burstiness 0.5, chat), then the same server restarted with
-``--max-num-batched-tokens 2048``. Each of its runs is replayed request for request.
+``--max-num-batched-tokens 2048``; and ``traffic-2026-12-02/``: another H200 host a day later,
+closed loops of 1 to 512 users once, then 64 users and the ShareGPT file at 64 (three bench runs,
+five of the lab) and Poisson at 30 and 45 req/s (three of each), taking turns. Each run is
+replayed request for request.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
 (`FITTED`): the older bench files, and of the session's bench runs one of each traffic kind at
 vLLM's defaults (closed 16 and 256 users, the ShareGPT file at 64, Poisson at 25 req/s). Held
 out: every other load of those kinds (closed 1, 64, 512 and 1024 users, the ShareGPT file at
 256, Poisson at 40, gamma), the chat kind whole, the whole ``max-num-batched-tokens=2048``
-configuration, and every run of the lab's client (another client, another draw of each load).
+configuration, every run of the lab's client (another client, another draw of each load), and
+the second session whole (another host, other draws, rates the fit never saw).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from vllm_lab.twin.fit import BenchPoint, load_point
 
 ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
+# Sessions taken after the fit, held out whole.
+LATER = (ROOT / "traffic-2026-12-02",)
 
 # The session's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
@@ -42,7 +48,8 @@ def bench_files(root: Path = ROOT) -> list[BenchPoint]:
 
 
 def session_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
-    """Every run of the traffic session as (point, fitted), replayed request for request."""
+    """Every run of a traffic session as (point, fitted), replayed request for request."""
+    later = folder in LATER
     requests = pd.read_csv(folder / "requests.csv.gz")
     by_tag = {tag: g for tag, g in requests.groupby("tag", sort=False)}
     out = []
@@ -74,7 +81,8 @@ def session_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
             output_lens=rq.output_tokens.astype(int).tolist(),
             arrival_times=(rq.start_s - rq.start_s.min()).tolist() if open_loop else None,
             chat=run["case"] == "chat", kind=KINDS[run["case"]])
-        fitted = run["config"] == "defaults" and (run["tool"], run["case"], run["level"]) in FITTED
+        fitted = not later and run["config"] == "defaults" \
+            and (run["tool"], run["case"], run["level"]) in FITTED
         out.append((pt, fitted))
     return out
 
@@ -84,9 +92,9 @@ def fit_set() -> list[BenchPoint]:
     return bench_files() + [p for p, fitted in session_points() if fitted]
 
 
-def held_out_set() -> list[BenchPoint]:
-    """The session's points the fit never saw."""
-    return [p for p, fitted in session_points() if not fitted]
+def held_out_set(folders: tuple[Path, ...] = (TRAFFIC,)) -> list[BenchPoint]:
+    """The sessions' points the fit never saw."""
+    return [p for folder in folders for p, fitted in session_points(folder) if not fitted]
 
 
 # The fidelity goals per traffic kind: median |error| of each metric, and the worst for the first three.
