@@ -254,7 +254,10 @@ def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path)
 def test_live_twin_autotune(tmp_path):
     """Defaults and one candidate on the live twin (cpu-demo), short levels, within the budget."""
     inventory = private_inventory(tmp_path)
-    sets = ["slo.tpot.threshold_ms=45", "load.stop.duration_s=6", "run.warmup_requests=2"]
+    # Short replies (alpaca-like): a level ends when its last reply does, and on cpu-demo a
+    # ShareGPT-like reply of 1,000 tokens takes 40 s.
+    sets = ["slo.tpot.threshold_ms=45", "load.stop.duration_s=6", "run.warmup_requests=2",
+            "workload.source=alpaca-like"]
     cmd = [sys.executable, str(REPO / "scripts/lab.py"), "autotune", "--scenario", "realtime-chat",
            "--hardware", "cpu-demo", "--inventory", str(inventory), "--out", str(tmp_path / "reports"),
            "--experiment", "live-at", "--trials", "4", "--top", "1", "--seed", "1",

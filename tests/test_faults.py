@@ -21,8 +21,10 @@ from tests.support.processes import private_inventory, process_table
 from vllm_lab.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
+# serve.max-num-seqs=2: the scenario's own value is the first swept, so the sweep's reference
+# point is one of its two points and no third server start joins them.
 SETS = ["load.stop.duration_s=8", "workload.source=alpaca-like", "run.warmup_requests=1",
-        "load.shape.level=2"]
+        "load.shape.level=2", "serve.max-num-seqs=2"]
 
 
 def locust_groups(lab_pid: int) -> set[int]:

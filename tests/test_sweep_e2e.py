@@ -25,7 +25,9 @@ def lab(tmp_path_factory):
 
 def test_sweep_report_matches_the_store(lab):
     # The scenario's own max-num-seqs (8) is the sweep's reference, among the values: no third point.
+    # Four users: at one sequence three wait, a drain of about 7 s, so 16 s of load is steady.
     out = subprocess.run(lab_cmd(lab, "--set", "serve.max-num-seqs=8", "--values", "1,8",
+                                 "--set", "load.shape.level=4", "--set", "load.stop.duration_s=16",
                                  "--experiment", "e2e-sweep"), check=False,
                          capture_output=True, text=True, timeout=400, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -45,7 +47,7 @@ def test_sweep_report_matches_the_store(lab):
         again = summarize(samples, scenarios.Scenario.model_validate_json(run["scenario_json"]).slo)
         assert again["ttft_p50"] == pytest.approx(run["ttft_p50"])
         assert store.server_metrics("e2e-sweep", run["run_key"])["name"].str.startswith("vllm:").any()
-    # One running sequence queues the other five users: TTFT is far higher than at 8.
+    # One running sequence queues the other three users: TTFT is far higher than at 8.
     assert runs.loc[1, "ttft_p50"] > 3 * runs.loc[8, "ttft_p50"]
     assert runs.loc[8, "output_throughput"] > 2 * runs.loc[1, "output_throughput"]
     html = index.read_text()

@@ -30,7 +30,9 @@ def twin_pid(lab: Path) -> int | None:
 
 
 def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
-    args = lab_cmd(lab, "--set", "serve.max-num-seqs=4", "--values", "2,4", "--experiment", "e2e-crash")
+    # Three users on four sequences or more: no queue, so 12 s of load is a steady run.
+    args = lab_cmd(lab, "--set", "serve.max-num-seqs=4", "--values", "4,8", "--experiment", "e2e-crash",
+                   "--set", "load.shape.level=3", "--set", "load.stop.duration_s=12")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO, start_new_session=True)
     try:
@@ -55,12 +57,12 @@ def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     runs = runs_by_value(Store(lab / "reports/lab.db"), "e2e-crash")
-    assert runs.loc[2, "status"] == "ok" and runs.loc[4, "status"] == "crashed", out
-    first_ok = runs.loc[2, "started"]
+    assert runs.loc[4, "status"] == "ok" and runs.loc[8, "status"] == "crashed", out
+    first_ok = runs.loc[4, "started"]
     resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300,
                              cwd=REPO, check=False)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     runs = runs_by_value(Store(lab / "reports/lab.db"), "e2e-crash")
-    assert dict(runs["status"]) == {2: "ok", 4: "ok"}
-    assert runs.loc[2, "started"] == first_ok  # the finished point was kept, not measured again
-    assert json.loads(runs.loc[4, "summary_json"]) is not None
+    assert dict(runs["status"]) == {4: "ok", 8: "ok"}
+    assert runs.loc[4, "started"] == first_ok  # the finished point was kept, not measured again
+    assert json.loads(runs.loc[8, "summary_json"]) is not None

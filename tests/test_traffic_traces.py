@@ -183,6 +183,8 @@ def test_locust_replays_a_trace_as_one_schedule_over_two_processes(tmp_path):
     want = np.array([row["timestamp"] * 2 for row in rows])  # speed 0.5: twice as slow
     assert np.abs(got - want).max() < 0.02
     assert (df.target_output_tokens.to_numpy() == [row["output_tokens"] for row in rows]).all()
+    # The trace's 60 requests take 7 s at half speed: the run ends with them, not at its 60 s.
+    assert r.stop_reason == "schedule"
 
 
 def test_stress_levels_scale_the_traces_own_pattern():
@@ -205,3 +207,14 @@ def test_tune_can_maximize_tokens_per_joule_under_the_slo():
     got = search.objective_values(RunSummary.of(m.summary), "energy", s)
     assert got == [pytest.approx(m.summary["output_tokens_per_joule"])] and got[0] > 0
     assert search.directions("energy") == ["maximize"] and "energy" in search.CONSTRAINED
+
+
+def test_an_open_loop_ends_once_every_arrival_of_its_schedule_has_ended():
+    from vllm_lab.traffic.shapes import stop_reason
+    from vllm_lab.traffic.spec import Stop
+
+    stop = Stop(duration_s=60)
+    assert stop_reason(stop, 7.0, 60, 0, finished=59, scheduled=60) is None  # one still in flight
+    assert stop_reason(stop, 7.0, 60, 0, finished=60, scheduled=60) == "schedule"
+    assert stop_reason(stop, 7.0, 60, 0, finished=60) is None  # no schedule: the duration ends it
+    assert stop_reason(stop, 60.0, 60, 0, finished=10, scheduled=60) == "duration"

@@ -21,6 +21,7 @@ own master-worker messages (`lab_take` / `lab_ticket`), and reports each finishe
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import multiprocessing
@@ -198,6 +199,12 @@ def _on_spawned(**_kw):
 SPAWN_RATE = 10_000
 
 
+def _schedule_length(cap: int = 10_000_000) -> int | None:
+    """An open loop's arrivals in all (the schedule every process deals from), None past ``cap``."""
+    n = sum(1 for _ in itertools.islice(planned_arrivals(LOAD, _CFG["seed"], WORKLOAD), cap + 1))
+    return n if n <= cap else None
+
+
 class LabShape(LoadTestShape):
     """Drives users from the run's `Load` and stops on the first stop condition that holds."""
 
@@ -210,6 +217,7 @@ class LabShape(LoadTestShape):
         self._queue: deque = deque(maxlen=10_000)
         self._last_scrape = 0.0
         self.stop_reason: str | None = None
+        self.scheduled = _schedule_length() if LOAD.open_loop else None
 
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -245,7 +253,7 @@ class LabShape(LoadTestShape):
         stop = load.stop
         # A counted run ends when its last request has ended, which the pool hears at once (the
         # workers' statistics reach a master only every few seconds).
-        reason = stop_reason(stop, t, *self._e2e_stats(), finished=POOL.ended)
+        reason = stop_reason(stop, t, *self._e2e_stats(), finished=POOL.ended, scheduled=self.scheduled)
         if reason is None and stop.saturation and self._check_saturation():
             reason = "saturation"
         if reason:

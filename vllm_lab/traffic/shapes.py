@@ -56,18 +56,23 @@ def waiting_requests(metrics_text: str) -> float:
 
 
 def stop_reason(stop: Stop, t: float, requests: int, failures: int,
-                finished: int | None = None) -> str | None:
-    """Return which of duration, request count and error rate ends the run now, or None.
+                finished: int | None = None, scheduled: int | None = None) -> str | None:
+    """Return which of duration, request count, the end of the schedule and error rate ends the
+    run now, or None.
 
     ``requests`` and ``failures`` are the HTTP requests so far (each turn of a conversation
     counts); ``finished``, when known, the requests (conversations) of the run that have ended,
-    which the request count is judged on.
+    which the request count is judged on; ``scheduled``, an open loop's arrivals in all: once
+    each has ended there is nothing left to send or to wait for (a trace shorter than the
+    duration ends the run with it).
     """
     if t >= stop.duration_s:
         return "duration"
     done = requests if finished is None else finished
     if stop.max_requests is not None and done >= stop.max_requests:
         return "max_requests"
+    if scheduled is not None and finished is not None and finished >= scheduled:
+        return "schedule"
     if (
         stop.max_error_rate is not None
         and requests >= stop.min_requests_for_error_rate
