@@ -5,6 +5,7 @@ arrivals in, per-request samples and the modelled energy out. ``backends.Predict
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,8 @@ def predicted_requests(scenario: Scenario, count: int):
     prompts, outputs = sample_lengths(lin, rng, count), sample_lengths(lout, rng, count)
     shared = int(scenario.workload.shared_prefix_ratio * lin.mean)
     chat = scenario.workload.api == "chat"
+    if chat:  # the server prefills the message in its chat template, not the message alone
+        prompts = prompts + chat_template_tokens(scenario)
     if not shared:
         return [PredictRequest(int(p), int(o), chat) for p, o in zip(prompts, outputs)]
     # Token ids only matter for prefix caching: a common system prompt, then unique tokens. The
@@ -69,6 +72,22 @@ def predicted_requests(scenario: Scenario, count: int):
         unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest))
         out.append(PredictRequest(prefix[i % groups] + unique, int(o), chat))
     return out
+
+
+@lru_cache(maxsize=32)
+def _template_tokens(tokenizer: str, chat_template: str | None) -> int:
+    from vllm_lab.twin.tokenizer import load_tokenizer
+
+    return len(load_tokenizer(tokenizer, chat_template=chat_template)
+               .encode_chat([{"role": "user", "content": ""}]))
+
+
+def chat_template_tokens(scenario: Scenario) -> int:
+    """The tokens the served model's chat template puts around one user message (the start, the
+    role headers, the end-of-turn and the assistant's header): about 10 for Llama-3's, counted
+    with the model folder's own template and tokenizer, or the twin's when it has none."""
+    serve = scenario.serve
+    return _template_tokens(str(serve.get("tokenizer") or serve["model"]), serve.get("chat-template"))
 
 
 def trace_predict_requests(scenario: Scenario, count: int):

@@ -37,6 +37,10 @@ _WORDS = [
     "market", "letter", "summer", "answer", "question", "system", "model", "data", "result",
     "value", "method", "range", "level", "plan", "test", "early", "late",
 ]
+# Words of at most four letters: one token each for real tokenizers' vocabularies and for the
+# twin's approximation (one token per four characters of a word), so a prompt built without a
+# tokenizer has the length asked for on the twin, and about it on vLLM.
+_SHORT_WORDS = [w for w in _WORDS if len(w) <= 4]
 
 APPROXIMATION = "1 token per common English word; file texts: 1 token per 4 characters"
 # File records whose tokens a load generator counts before the run when it does not know how many
@@ -143,7 +147,7 @@ class PromptBuilder:
         """Return random text of about n_tokens tokens (within 5% with a tokenizer)."""
         n_tokens = max(1, int(n_tokens))
         if self.tokenizer is None:
-            return " ".join(rng.choice(_WORDS, n_tokens))
+            return " ".join(rng.choice(_SHORT_WORDS, n_tokens))
         if self.words is not None:
             return " ".join(rng.choice(self.words, n_tokens))
         words = " ".join(rng.choice(_WORDS, int(n_tokens * 1.3) + 8))

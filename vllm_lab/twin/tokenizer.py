@@ -6,7 +6,8 @@ chat prompts rendered through the folder's ``chat_template`` and encoded without
 usage counts match what real vLLM reports for that folder.
 
 Otherwise the count is a deterministic approximation: words and punctuation are split with a regex,
-words longer than four characters count one token per four characters (about 1.3 tokens per English
+a special token such as ``<|eot_id|>`` counts one, words longer than four characters count one
+token per four characters (about 1.3 tokens per English
 word, close to Llama-3's tokenizer on prose), and ids are a hash of the piece. Only usage counts and
 the length checks depend on it; /v1/models is unaffected.
 
@@ -36,7 +37,8 @@ _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "de", "po", "an", 
               "ul", "ba", "ce", "fi", "go", "ha")
 # 20**3 words of three syllables: plenty of variety, cheap to index.
 _WORDS = tuple(" " + a + b + c for a in _SYLLABLES for b in _SYLLABLES for c in _SYLLABLES)
-_PIECE = re.compile(r"\w+|[^\w\s]")
+# A special token (<|eot_id|>) is one piece and one token, as in every real tokenizer.
+_PIECE = re.compile(r"<\|[^|<>\s]+\|>|\w+|[^\w\s]")
 
 # ShareGPT-like reply lengths when the simulated model may stop on its own (median ~200 tokens).
 EOS_MEDIAN_TOKENS = 200.0
@@ -81,6 +83,9 @@ class TwinTokenizer:
         ids = []
         for m in _PIECE.finditer(text):
             piece = m.group()
+            if piece.startswith("<|"):
+                ids.append(zlib.crc32(piece.encode()) % self.vocab_size)
+                continue
             for i in range(0, len(piece), 4):
                 ids.append(zlib.crc32(piece[i:i + 4].encode()) % self.vocab_size)
         return ids
