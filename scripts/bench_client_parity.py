@@ -571,7 +571,7 @@ def export(stores: list[Path], to: Path, config: str = "defaults") -> None:
     pd.concat(requests).to_csv(to / "requests.csv.gz", index=False, float_format="%.6f")
     with gzip.open(to / "server-raw.jsonl.gz", "wt") as f:
         f.write("\n".join(raw) + "\n")
-    power = stores[0].parent / "power.csv"   # the session's power log sits beside its stores
+    power = stores[0].parent / "power.csv"   # the measurement's power log sits beside its stores
     if power.exists():
         pd.read_csv(power).to_csv(to / "power.csv.gz", index=False)
     print(f"{to}: {len(runs)} runs, {sum(map(len, requests))} requests")

@@ -139,7 +139,7 @@ def staircases(db: Path = STAIRCASES) -> None:
 
 
 def by_kind(profile, model) -> None:
-    """The traffic session's runs, held out and fitted, re-predicted request for request: the
+    """The traffic measurement's runs, held out and fitted, re-predicted request for request: the
     errors by traffic kind against the goals (vllm_lab/twin/reference.py says which were fitted)."""
     import pandas as pd
 
@@ -147,7 +147,7 @@ def by_kind(profile, model) -> None:
 
     pd.set_option("display.width", 200)
     sets = [("held out", reference.TRAFFIC, reference.held_out_set()),
-            ("fitted", reference.TRAFFIC, [p for p, fit in reference.session_points() if fit])]
+            ("fitted", reference.TRAFFIC, [p for p, fit in reference.traffic_points() if fit])]
     sets += [("held out", later, reference.held_out_set((later,))) for later in reference.LATER]
     for label, folder, points in sets:
         errs = reference.errors(points, profile, model)

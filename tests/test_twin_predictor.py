@@ -247,11 +247,11 @@ def test_held_out_h200_runs_are_predicted_within_the_goals(capsys):
         assert np.median(errs[metric]) <= 0.10 and max(errs[metric]) <= 0.25, (metric, errs[metric])
 
 
-def test_the_traffic_session_is_predicted_by_kind():
-    """The 2026-12-01 H200 session re-predicted request for request, runs the fit never saw
+def test_the_traffic_measurement_is_predicted_by_kind():
+    """The 2026-12-01 H200 measurement re-predicted request for request, runs the fit never saw
     (vllm_lab/twin/reference.py chose them before fitting). Open loops and chat, where prefill
     chunks and decodes share steps all the time, were the twin's weakest part (TTFT -36 to -42%,
-    TPOT -27 to -29% on Poisson; reference.py's session reproduces it with the older step model);
+    TPOT -27 to -29% on Poisson; reference.py's measurement reproduces it with the older step model);
     the launch floor of a step past the largest CUDA graph and the API server's chunked output
     loop bring them within these bounds. Closed loops of variable lengths are not there yet
     (TTFT p50 -47% median: at 256 users vLLM's API server held new requests 1.3-1.8 s, the

@@ -1,7 +1,7 @@
 """The twin's reference measurements as fit points, by traffic kind, with the held-out split.
 
 ``reference/h200-vllm0.26/`` holds `vllm bench serve` result files (closed loops of fixed lengths,
-single requests of long prompts) and ``traffic-2026-12-01/``: one H200 session of every traffic
+single requests of long prompts) and ``traffic-2026-12-01/``: one H200 measurement of every traffic
 kind, `vllm bench serve` and the lab's client taking turns on one server (closed loops of 1 to
 1024 users, a ShareGPT-format file of variable lengths at 64 and 256 users, Poisson at 25 and 40
 req/s, gamma arrivals of burstiness 0.5, chat), then the same server restarted with
@@ -11,12 +11,12 @@ five of the lab) and Poisson at 30 and 45 req/s (three of each), taking turns. E
 replayed request for request.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
-(`FITTED`): the older bench files, and of the session's bench runs one of each traffic kind at
+(`FITTED`): the older bench files, and of the measurement's bench runs one of each traffic kind at
 vLLM's defaults (closed 16 and 256 users, the ShareGPT file at 64, Poisson at 25 req/s). Held
 out: every other load of those kinds (closed 1, 64, 512 and 1024 users, the ShareGPT file at
 256, Poisson at 40, gamma), the chat kind whole, the whole ``max-num-batched-tokens=2048``
 configuration, every run of the lab's client (another client, another draw of each load), and
-the second session whole (another host, other draws, rates the fit never saw).
+the second measurement whole (another host, other draws, rates the fit never saw).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from vllm_lab.twin.fit import BenchPoint, load_point
 
 ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
-# Sessions taken after the fit, held out whole.
+# Measurements taken after the fit, held out whole.
 LATER = (ROOT / "traffic-2026-12-02",)
 
-# The session's runs whose configuration the fit sees: (tool, case, level).
+# The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
           ("bench", "poisson", 25)}
-# How each case of the session is read: a fidelity table per kind.
+# How each case of the measurement is read: a fidelity table per kind.
 KINDS = {"closed": "closed fixed", "sharegpt": "closed variable", "poisson": "open",
          "gamma b=0.5": "open", "chat": "chat"}
 CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048}}
@@ -47,8 +47,8 @@ def bench_files(root: Path = ROOT) -> list[BenchPoint]:
     return [load_point(f) for f in sorted(root.glob("*.json"))]
 
 
-def session_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
-    """Every run of a traffic session as (point, fitted), replayed request for request."""
+def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
+    """Every run of a traffic measurement as (point, fitted), replayed request for request."""
     later = folder in LATER
     requests = pd.read_csv(folder / "requests.csv.gz")
     by_tag = {tag: g for tag, g in requests.groupby("tag", sort=False)}
@@ -89,12 +89,12 @@ def session_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
 
 def fit_set() -> list[BenchPoint]:
     """The points the H200 profile is fitted to."""
-    return bench_files() + [p for p, fitted in session_points() if fitted]
+    return bench_files() + [p for p, fitted in traffic_points() if fitted]
 
 
 def held_out_set(folders: tuple[Path, ...] = (TRAFFIC,)) -> list[BenchPoint]:
-    """The sessions' points the fit never saw."""
-    return [p for folder in folders for p, fitted in session_points(folder) if not fitted]
+    """The measurements' points the fit never saw."""
+    return [p for folder in folders for p, fitted in traffic_points(folder) if not fitted]
 
 
 # The fidelity goals per traffic kind: median |error| of each metric, and the worst for the first three.
