@@ -50,6 +50,7 @@ import pandas as pd
 from vllm_lab import audit, scenarios, serving
 from vllm_lab.summary import summarize
 from vllm_lab.traffic.arrivals import planned_arrivals
+from vllm_lab.traffic.samples import merge_dir
 from vllm_lab.traffic.scrape import frame, parse_metrics
 
 METRICS = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50")
@@ -316,6 +317,20 @@ def _opts(spec: str) -> tuple[str, dict]:
     return tool, opts
 
 
+def bench_samples(ref: dict) -> pd.DataFrame:
+    """A `vllm bench serve --save-detailed` result's requests in the lab's sample columns."""
+    ttfts = np.array([x if x is not None else np.nan for x in ref["ttfts"]], dtype=float)
+    itls = ref["itls"]
+    outs = np.array(ref["output_lens"], dtype=float)
+    e2e = ttfts + np.array([sum(x) for x in itls])
+    return pd.DataFrame({"start_ts": np.array(ref["start_times"], dtype=float), "ttft_s": ttfts,
+                         "e2e_s": e2e,
+                         "tpot_s": np.where(outs > 1, (e2e - ttfts) / np.maximum(outs - 1, 1), np.nan),
+                         "output_tokens": outs, "prompt_tokens": ref["input_lens"],
+                         "status": ["ok" if not e else "error" for e in ref["errors"]],
+                         "itl_s": itls, "scheduled_ts": np.nan})
+
+
 def run_bench(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
     result = args.out / "bench" / f"{tag}.json"
     result.parent.mkdir(parents=True, exist_ok=True)
@@ -343,16 +358,7 @@ def run_bench(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
                 print(f"in-process bench failed ({e!r}); running the command", file=log, flush=True)
                 subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
     ref = json.loads(result.read_text())
-    starts = np.array(ref["start_times"], dtype=float)
-    ttfts = np.array([x if x is not None else np.nan for x in ref["ttfts"]], dtype=float)
-    itls = ref["itls"]
-    outs = np.array(ref["output_lens"], dtype=float)
-    e2e = ttfts + np.array([sum(x) for x in itls])
-    samples = pd.DataFrame({"start_ts": starts, "ttft_s": ttfts, "e2e_s": e2e,
-                            "tpot_s": np.where(outs > 1, (e2e - ttfts) / np.maximum(outs - 1, 1), np.nan),
-                            "output_tokens": outs, "prompt_tokens": ref["input_lens"],
-                            "status": ["ok" if not e else "error" for e in ref["errors"]],
-                            "itl_s": itls})
+    samples = bench_samples(ref)
     fig = {"output_throughput": ref["output_throughput"], "ttft_p50": ref["p50_ttft_ms"] / 1e3,
            "ttft_p99": ref["p99_ttft_ms"] / 1e3, "tpot_p50": ref["p50_tpot_ms"] / 1e3,
            "ttft_mean": ref["mean_ttft_ms"] / 1e3, "tpot_mean": ref["mean_tpot_ms"] / 1e3,
@@ -535,25 +541,15 @@ def _requests_of(store: Path, run: dict) -> pd.DataFrame:
     """One run's requests, as both tools recorded them: start, TTFT, e2e, lengths, longest gap."""
     tag = run["tag"]
     if run["tool"] == "bench":
-        ref = json.loads((store / "bench" / f"{tag}.json").read_text())
-        ttft = np.array([x if x is not None else np.nan for x in ref["ttfts"]], dtype=float)
-        df = pd.DataFrame({"start_ts": ref["start_times"], "ttft_s": ttft,
-                           "e2e_s": ttft + np.array([sum(x) for x in ref["itls"]]),
-                           "prompt_tokens": ref["input_lens"], "output_tokens": ref["output_lens"],
-                           "itl_max_s": [max(x, default=np.nan) for x in ref["itls"]],
-                           "scheduled_ts": np.nan, "ok": [not e for e in ref["errors"]]})
+        df = bench_samples(json.loads((store / "bench" / f"{tag}.json").read_text()))
     else:
-        rows = [json.loads(x) for f in sorted((store / "lab" / tag / "samples").glob("*.jsonl"))
-                for x in f.read_text().splitlines() if x.strip()]
-        df = pd.DataFrame(rows)
-        df["itl_max_s"] = [max(x or [], default=np.nan) for x in df["itl_s"]]
-        df["ok"] = df["status"] == "ok"
-        df["scheduled_ts"] = df.get("scheduled_ts", np.nan)
-    df = df[df.pop("ok")].sort_values("start_ts")
+        df = merge_dir(store / "lab" / tag / "samples")
+    df = df[df.status == "ok"].sort_values("start_ts")
     t0 = df.start_ts.min()
     return pd.DataFrame({"tag": tag, "start_s": df.start_ts - t0, "ttft_s": df.ttft_s,
                          "e2e_s": df.e2e_s, "prompt_tokens": df.prompt_tokens,
-                         "output_tokens": df.output_tokens, "itl_max_s": df.itl_max_s,
+                         "output_tokens": df.output_tokens,
+                         "itl_max_s": [max(x or [], default=np.nan) for x in df.itl_s],
                          "scheduled_s": df.scheduled_ts - t0})
 
 
@@ -612,7 +608,7 @@ def main() -> int:
     if len(args.out) > 1:
         ap.error(f"{args.phase} takes one --out store; several are for export")
     args.out = args.out[0]
-    if args.phase not in ("csv",) and not args.model:
+    if args.phase != "csv" and not args.model:
         ap.error(f"{args.phase} needs --model, the model folder on this host")
     args.out.mkdir(parents=True, exist_ok=True)
     args.cases = [Case.parse(c) for c in (args.cases or ",".join(

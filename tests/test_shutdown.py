@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.processes import private_inventory, process_table
+from tests.support.processes import private_inventory, process_table, server_pid
 from vllm_lab import shutdown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,14 +139,6 @@ def heartbeat(out: Path) -> dict:
 
 def in_phase(out: Path, phase: str) -> bool:
     return any(f.get("phase") == phase for f in heartbeat(out).get("in_flight", []))
-
-
-def server_pid(tmp: Path) -> int | None:
-    for pidfile in (tmp / "host").rglob("*.pid"):
-        fields = pidfile.read_text().split()  # "pid starttime"
-        if fields and fields[0].isdigit():
-            return int(fields[0])
-    return None
 
 
 def groups_of(lab_pid: int, server: int | None) -> set[int]:

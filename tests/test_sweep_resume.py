@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.support.e2e import REPO, lab_cmd, private_lab, runs_by_value
+from tests.support.processes import server_pid
 from vllm_lab.store import Store
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -19,14 +19,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     return private_lab(tmp_path_factory)
-
-
-def twin_pid(lab: Path) -> int | None:
-    for pidfile in (lab / "host").rglob("*.pid"):
-        fields = pidfile.read_text().split()  # "pid starttime"
-        if fields and fields[0].isdigit():
-            return int(fields[0])
-    return None
 
 
 def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
@@ -47,7 +39,7 @@ def test_killed_server_is_a_crashed_point_and_resume_finishes(lab):
         while time.time() < deadline and pid is None:
             work = lab / "reports/.work/e2e-crash"
             if len(list(work.glob("*/samples"))) >= 2:
-                pid = twin_pid(lab)
+                pid = server_pid(lab)
             time.sleep(0.3)
         assert pid, "the second point's server never started"
         time.sleep(2)

@@ -43,6 +43,15 @@ _PORTS = slice_of(20000, 32768)
 _NEXT = itertools.count(random.randrange(len(_PORTS)))
 
 
+def server_pid(folder: Path) -> int | None:
+    """The pid of the server a private inventory's host folder (``folder``/host) holds, if any."""
+    for pidfile in (folder / "host").rglob("*.pid"):
+        fields = pidfile.read_text().split()  # "pid starttime"
+        if fields and fields[0].isdigit():
+            return int(fields[0])
+    return None
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, from this worker's slice; the next call gives another."""
     for _ in range(len(_PORTS)):

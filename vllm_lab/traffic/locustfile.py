@@ -31,6 +31,7 @@ import sys
 import time
 import urllib.request
 from collections import deque
+from functools import cached_property
 from pathlib import Path
 
 import gevent
@@ -217,7 +218,12 @@ class LabShape(LoadTestShape):
         self._queue: deque = deque(maxlen=10_000)
         self._last_scrape = 0.0
         self.stop_reason: str | None = None
-        self.scheduled = _schedule_length() if LOAD.open_loop else None
+
+    @cached_property
+    def scheduled(self) -> int | None:
+        """An open loop's arrivals in all, counted on the first tick: only the process that ticks
+        (the master, or a run of one process) needs it, and a worker's start must not wait on it."""
+        return _schedule_length() if LOAD.open_loop else None
 
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
