@@ -16,7 +16,10 @@ A case is `kind:level[:burstiness]`:
 - `sharegpt:U` U users over a ShareGPT-format file of variable lengths (--sharegpt FILE, or one
   this script writes: `make_sharegpt`), the bench's `--dataset-name sharegpt` on the same file;
 - `poisson:R`, `gamma:R:B` an open loop at R req/s (the bench's --request-rate, --burstiness B);
-- `chat:U` U users on /v1/chat/completions (the bench's openai-chat backend).
+- `chat:U` U users on /v1/chat/completions (the bench's openai-chat backend);
+- `filefixed:U` U users over a ShareGPT-format file whose prompts and replies are all of
+  --input-len and --output-len tokens: `closed:U`'s lengths, the same text sent by both clients,
+  which tells the prompt's text apart from the client.
 A run spec is `bench` or `lab`, with `:key=value` options: `processes=N` (lab: Locust processes;
 default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no periodic
 /metrics and GPU scrapes during the run). Phases: `start` leaves the server running and writes
@@ -60,7 +63,10 @@ METRICS = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50")
 # Shorthands: closed:64 is random/closed:64, sharegpt:64 sharegpt/closed:64, poisson:30
 # random/poisson:30, gamma:30:0.5 random/gamma:30:0.5, chat:64 chat/closed:64.
 _SHORT = {"closed": ("random", "closed"), "sharegpt": ("sharegpt", "closed"),
-          "chat": ("chat", "closed"), "poisson": ("random", "poisson"), "gamma": ("random", "gamma")}
+          "chat": ("chat", "closed"), "poisson": ("random", "poisson"), "gamma": ("random", "gamma"),
+          "filefixed": ("filefixed", "closed")}
+# The workloads read from a ShareGPT-format file, by both clients.
+_FILES = ("sharegpt", "filefixed")
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ class Case:
     @property
     def benchable(self) -> bool:
         """Whether vllm bench serve can send it (a scenario's workload it cannot)."""
-        return self.workload in ("random", "sharegpt", "chat")
+        return self.workload in ("random", "chat", *_FILES)
 
     @property
     def users(self) -> int:
@@ -122,13 +128,14 @@ class Case:
         """How many requests a run of this case sends (the same for both clients)."""
         if self.open:
             return max(args.min_requests, round(self.level * args.open_s))
-        per_user = args.requests_per_user if self.workload in ("random", "chat") else args.sharegpt_per_user
+        fixed = self.workload in ("random", "chat", "filefixed")
+        per_user = args.requests_per_user if fixed else args.sharegpt_per_user
         return max(args.min_requests, self.users * per_user)
 
     def lab_overrides(self, args, n: int) -> list[str]:
         """The scenario overrides that make the lab send this case's traffic."""
         out = [f"load.stop.max_requests={n}"]
-        if self.workload == "sharegpt":
+        if self.workload in _FILES:
             # In the file's order, as the bench is run: the same sequence of lengths on both sides
             # (a run's span, the bench's throughput figure, depends on which requests come last).
             out += ["workload.source=sharegpt-file", f"workload.path={sharegpt_file(args, self, n)}",
@@ -154,7 +161,7 @@ class Case:
     def bench_args(self, args, n: int) -> list[str]:
         """`vllm bench serve`'s arguments for this case's traffic."""
         out = ["--num-prompts", str(n)]
-        if self.workload == "sharegpt":
+        if self.workload in _FILES:
             out += ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt_file(args, self, n)),
                     "--disable-shuffle"]
         else:
@@ -171,8 +178,10 @@ class Case:
         return out
 
 
-def make_sharegpt(path: Path, model: str, n: int, seed: int = 0) -> Path:
-    """Write a ShareGPT-format file of n conversations with ShareGPT-like variable lengths.
+def make_sharegpt(path: Path, model: str, n: int, seed: int = 0,
+                  fixed: tuple[int, int] | None = None) -> Path:
+    """Write a ShareGPT-format file of n conversations with ShareGPT-like variable lengths, or all
+    of ``fixed`` (prompt, reply) tokens: the prompt one token short, the server adds BOS.
 
     Lognormal prompt and reply lengths (means ~160 / ~340 tokens, the PagedAttention paper's
     ShareGPT statistics), inside what `vllm bench serve` keeps of a ShareGPT file (prompts of
@@ -185,8 +194,11 @@ def make_sharegpt(path: Path, model: str, n: int, seed: int = 0) -> Path:
     rng = np.random.default_rng([seed, 11])
     rows = []
     while len(rows) < n:
-        p = int(np.clip(rng.lognormal(np.log(120), 0.8), 8, 1000))
-        o = int(np.clip(rng.lognormal(np.log(260), 0.75), 8, 2040 - p))
+        if fixed:
+            p, o = fixed[0] - 1, fixed[1]
+        else:
+            p = int(np.clip(rng.lognormal(np.log(120), 0.8), 8, 1000))
+            o = int(np.clip(rng.lognormal(np.log(260), 0.75), 8, 2040 - p))
         rows.append({"id": f"lab-{len(rows)}", "conversations": [
             {"from": "human", "value": builder.build(p, rng)},
             {"from": "gpt", "value": builder.build(o, rng)}]})
@@ -197,6 +209,10 @@ def make_sharegpt(path: Path, model: str, n: int, seed: int = 0) -> Path:
 def sharegpt_file(args, case: Case, n: int) -> Path:
     """The ShareGPT-format file a case's runs share: --sharegpt, or one of exactly n
     conversations (both clients then send the same set, each in its own seeded order)."""
+    if case.workload == "filefixed":
+        path = args.out / f"fixed-{args.input_len}-{args.output_len}-{n}.json"
+        return path if path.exists() else make_sharegpt(path, args.model, n,
+                                                        fixed=(args.input_len, args.output_len))
     if args.sharegpt:
         return Path(args.sharegpt)
     path = args.out / f"sharegpt-{n}.json"

@@ -14,7 +14,9 @@
 #        the ShareGPT file at 64, three of the bench and five of the lab, as repeats-closed; Poisson
 #        at 30 and 45 req/s, three of each, as repeats-open; parity.csv gives medians), open
 #        (Poisson up to saturation, the realtime-chat
-#        traffic at four rates), budget (restarts with max-num-batched-tokens=2048: Poisson and
+#        traffic at four rates), fixedfile (closed loops of 1, 16 and 64 users on a ShareGPT-format
+#        file of the lab's fixed-length prompts, both tools), frontend (the ShareGPT file at 128, 256
+#        and 512 users, both tools: the API server near its core's limit), budget (restarts with max-num-batched-tokens=2048: Poisson and
 #        the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
 #        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
 # MODEL (required) is the model folder (config and tokenizer; weights are dummy). VLLM_VENV and
@@ -62,6 +64,13 @@ for phase in "$@"; do
         --cases poisson:30,poisson:45 --open-s 30
       parity csv parity-repeats ;;
     repeats-closed) ;;
+    # The lab's own fixed-length prompts in a ShareGPT-format file, sent by both: the closed loops'
+    # TTFT gap with the prompt's text the same on both sides.
+    fixedfile) parity measure parity-fixedfile --url "$(url_of parity)" \
+                 --cases filefixed:1,filefixed:16,filefixed:64 --requests-per-user 3 --min-requests 24 ;;
+    # The API server near and past its one core: the ShareGPT file at 128, 256 and 512 users.
+    frontend) parity measure twin-frontend --url "$(url_of parity)" --sharegpt-per-user 4 \
+                --cases sharegpt:128,sharegpt:256,sharegpt:512 ;;
     open) parity measure twin-open --url "$(url_of parity)" --runs bench --open-s 20 \
             --cases poisson:10,poisson:50,poisson:60
           parity measure twin-open --url "$(url_of parity)" --runs lab --open-s 25 \

@@ -37,8 +37,8 @@ LATER = (ROOT / "traffic-2026-12-02",)
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
           ("bench", "poisson", 25)}
 # How each case of the measurement is read: a fidelity table per kind.
-KINDS = {"closed": "closed fixed", "sharegpt": "closed variable", "poisson": "open",
-         "gamma b=0.5": "open", "chat": "chat"}
+KINDS = {"closed": "closed fixed", "filefixed": "closed fixed", "sharegpt": "closed variable",
+         "poisson": "open", "gamma b=0.5": "open", "chat": "chat"}
 CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048}}
 
 
