@@ -24,9 +24,9 @@ A run spec is `bench` or `lab`, with `:key=value` options: `processes=N` (lab: L
 default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no periodic
 /metrics and GPU scrapes during the run). Phases: `start` leaves the server running and writes
 server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
-`all` does all four; `export --out STORE [--out STORE ...] --to DIR` writes a reference folder
-(runs.jsonl, every request in requests.csv.gz, server-raw.jsonl.gz, power.csv.gz) that
-`vllm_lab.twin.reference` replays. `--levels 1,16` is short for `--cases closed:1,closed:16`.
+`all` does all four; `export --out STORE [--out STORE ...] [--config FLAGS ...] --to DIR` writes a
+reference folder (runs.jsonl, every request in requests.csv.gz, server-raw.jsonl.gz, power.csv.gz)
+that `vllm_lab.twin.reference` replays, each store's runs under its --config (server flags). `--levels 1,16` is short for `--cases closed:1,closed:16`.
 """
 
 from __future__ import annotations
@@ -569,10 +569,12 @@ def _requests_of(store: Path, run: dict) -> pd.DataFrame:
                          "scheduled_s": df.scheduled_ts - t0})
 
 
-def export(stores: list[Path], to: Path, config: str = "defaults") -> None:
+def export(stores: list[Path], to: Path, configs: list[str] = ()) -> None:
+    """One reference folder from stores in order; ``configs[i]`` names store i's server flags
+    (`vllm_lab.twin.reference.CONFIGS`), "defaults" where not given."""
     to.mkdir(parents=True, exist_ok=True)
     runs, requests, raw = [], [], []
-    for store in stores:
+    for store, config in zip(stores, [*configs, *["defaults"] * (len(stores) - len(configs))]):
         for line in (store / "runs.jsonl").read_text().splitlines():
             run = {**json.loads(line), "config": config}
             requests.append(_requests_of(store, run))
@@ -599,6 +601,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, action="append", required=True,
                     help="the store (export: one or more, in order)")
     ap.add_argument("--to", type=Path, help="export: the reference folder to write")
+    ap.add_argument("--config", action="append", default=[],
+                    help="export: the server flags of each --out store in turn, e.g. "
+                         "max-num-batched-tokens=2048 (default: defaults)")
     ap.add_argument("--cases", default="",
                     help="traffic cases, e.g. closed:64,sharegpt:256,poisson:30,gamma:30:0.5,chat:64")
     ap.add_argument("--levels", default="1,16,64,256,512,1024",
@@ -619,7 +624,9 @@ def main() -> int:
     if args.phase == "export":
         if not args.to:
             ap.error("export needs --to DIR, the reference folder to write")
-        export(args.out, args.to)
+        if len(args.config) > len(args.out):
+            ap.error(f"export: {len(args.config)} --config for {len(args.out)} --out stores")
+        export(args.out, args.to, args.config)
         return 0
     if len(args.out) > 1:
         ap.error(f"{args.phase} takes one --out store; several are for export")

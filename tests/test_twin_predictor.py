@@ -133,6 +133,25 @@ def test_api_server_processes_queue_requests_and_share_tokens():
     assert four.release(0.010, 4) == pytest.approx(0.011)
 
 
+def test_api_server_pays_per_prompt_token_and_catches_up_by_merging_chunks():
+    """A prompt's tokens cost its admission time; a process behind the engine pays the
+    per-chunk part of a token's cost once for every step that waited, so it catches up."""
+    from vllm_lab.twin.frontend import Frontend
+
+    fe = Frontend(token_cost_s=0.0, prompt_token_cost_s=1e-5)
+    assert fe.admit(0.0, prompt_tokens=500) == pytest.approx(0.005)
+    keeping_up = Frontend(token_cost_s=0.001, delivery_share=0.5)
+    assert keeping_up.release(0.0, 4) == pytest.approx(0.004)
+    assert keeping_up.release(0.010, 4) == pytest.approx(0.014)  # caught up: the full cost
+    behind = Frontend(token_cost_s=0.001, delivery_share=0.5)
+    assert behind.release(0.0, 20) == pytest.approx(0.020)
+    # 10 ms later it is 10 ms behind: two steps' tokens go out together, half the chunk cost
+    assert behind.release(0.010, 20) == pytest.approx(0.020 + 20 * (0.0005 + 0.0005 / 2))
+    plain = Frontend(token_cost_s=0.001)
+    plain.release(0.0, 20)
+    assert plain.release(0.010, 20) == pytest.approx(0.040)  # no share: every token in full
+
+
 def test_one_api_server_caps_chat_traffic_on_the_h200_and_four_lift_it():
     """The H200 measurement (reports/examples/autotune-h200): at 38 req/s of chat one API-server
     process breaks TTFT p99 < 300 ms while the engine keeps up; four processes hold it."""
@@ -268,3 +287,21 @@ def test_the_traffic_measurement_is_predicted_by_kind():
     median, worst = got[("chat", "p50_ttft_ms")]
     assert median <= 0.20 and worst <= 0.25
     assert got[("closed fixed", "p50_ttft_ms")][0] <= 0.15
+
+
+def test_the_api_server_measurement_replays_a_scenarios_shared_prefixes():
+    """traffic-2026-12-02b: the realtime-chat runs are replayed as that scenario's workload built
+    them (prefixes shared as token ids, the chat template around each message), and only the runs
+    chosen before fitting the API server's terms are marked fitted."""
+    from vllm_lab.twin import reference
+
+    points = reference.traffic_points(reference.FRONTEND)
+    chat = [p for p, _ in points if p.name.startswith("lab realtime-chat/poisson")]
+    assert len(chat) == 4 and all(p.chat and p.kind == "chat" for p in chat)
+    prompts = chat[0].prompt_lens
+    assert all(isinstance(t, list) for t in prompts)
+    assert len({tuple(t[:20]) for t in prompts}) < len(prompts) / 2  # a few prefixes, shared
+    fitted = {p.name for p, f in points if f}
+    assert fitted == {"bench sharegpt 256", "bench sharegpt 512", "bench poisson 60",
+                      "lab realtime-chat/poisson 36"}
+    assert any(p.flags == {"long-prefill-token-threshold": 256} for p, _ in points)

@@ -45,7 +45,6 @@ def predicted_requests(scenario: Scenario, count: int):
     import numpy as np
 
     from vllm_lab.traffic.workloads import sample_lengths
-    from vllm_lab.twin.predictor import PredictRequest
 
     if scenario.workload.source == "trace":
         return trace_predict_requests(scenario, count)
@@ -59,12 +58,18 @@ def predicted_requests(scenario: Scenario, count: int):
     chat = scenario.workload.api == "chat"
     if chat:  # the server prefills the message in its chat template, not the message alone
         prompts = prompts + chat_template_tokens(scenario)
+    return shared_prefix_requests(prompts, outputs, shared, scenario.workload.prefix_groups, chat)
+
+
+def shared_prefix_requests(prompts, outputs, shared: int, groups: int, chat: bool):
+    """Predictor requests of these lengths, request i opening with prefix i mod ``groups`` of
+    ``shared`` tokens, as the live workload builds them (`WorkloadGenerator._turn`: the drawn
+    length is the whole prompt, prefix included, the user's text the rest, at least one token)."""
+    from vllm_lab.twin.predictor import PredictRequest
+
     if not shared:
         return [PredictRequest(int(p), int(o), chat) for p, o in zip(prompts, outputs)]
-    # Token ids only matter for prefix caching: a common system prompt, then unique tokens. The
-    # drawn length is the whole prompt, prefix included, as the live workload builds it
-    # (`WorkloadGenerator._turn`: the user's text is the rest, at least one token).
-    groups = scenario.workload.prefix_groups
+    # Token ids only matter for prefix caching: a common system prompt, then unique tokens.
     prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
     out = []
     for i, (p, o) in enumerate(zip(prompts, outputs)):

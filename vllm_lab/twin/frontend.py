@@ -2,7 +2,8 @@
 
 Each API-server process is a single-server FIFO queue: a request waits behind the tokens its
 process has still to stream. A request costs ``request_cost_s`` of its
-process's time when it arrives (HTTP, tokenizing, the hand-off to the engine core), a chat request
+process's time when it arrives (HTTP, the hand-off to the engine core), ``prompt_token_cost_s``
+more per prompt token (tokenizing, validating and shipping it), a chat request
 ``chat_cost_s`` more (its chat template, its larger chunks), and each streamed token ``token_cost_s`` (detokenize, build the SSE chunk, write it). The engine
 core does not wait for them, but it sees a request only once its process has admitted it, and
 clients see a step's tokens only once the processes have streamed them: at high request or token
@@ -22,9 +23,12 @@ class Frontend:
     OUTPUT_CHUNK = 128
 
     def __init__(self, token_cost_s: float, request_cost_s: float = 0.0, servers: int = 1,
-                 chat_cost_s: float = 0.0):
+                 chat_cost_s: float = 0.0, prompt_token_cost_s: float = 0.0,
+                 delivery_share: float = 0.0):
         self.token_cost_s, self.request_cost_s = token_cost_s, request_cost_s
-        self.chat_cost_s = chat_cost_s
+        self.chat_cost_s, self.prompt_token_cost_s = chat_cost_s, prompt_token_cost_s
+        self.delivery_share = delivery_share
+        self._last_ready = float("-inf")
         self.free = [0.0] * max(1, int(servers))
         self._turn = 0
 
@@ -33,16 +37,18 @@ class Frontend:
         """When every process has caught up."""
         return max(self.free)
 
-    def admit(self, arrival: float, chat: bool = False) -> float:
+    def admit(self, arrival: float, chat: bool = False, prompt_tokens: int = 0) -> float:
         """When a request that reached the server at ``arrival`` is handed to the engine core; a
-        chat request also renders its chat template and streams larger chunks (``chat_cost_s``).
+        chat request also renders its chat template and streams larger chunks (``chat_cost_s``),
+        and every request's prompt is tokenized and shipped (``prompt_token_cost_s`` a token).
 
         It waits behind the streaming its process is in the middle of, even when it costs nothing
         itself: one event loop serves both, and vLLM's output loop yields to other work only
         between chunks of ``OUTPUT_CHUNK`` outputs (VLLM_V1_OUTPUT_PROC_CHUNK_SIZE), so a new
         request's handler runs after at most one chunk's streaming.
         """
-        cost = self.request_cost_s + (self.chat_cost_s if chat else 0.0)
+        cost = (self.request_cost_s + (self.chat_cost_s if chat else 0.0)
+                + self.prompt_token_cost_s * prompt_tokens)
         if not (cost or self.token_cost_s):
             return arrival
         k, self._turn = self._turn, (self._turn + 1) % len(self.free)
@@ -54,10 +60,21 @@ class Frontend:
 
     def release(self, ready_at: float, tokens: int) -> float:
         """When a step's ``tokens``, ready on the GPU at ``ready_at``, reach the clients."""
-        if not (self.token_cost_s or self.request_cost_s or self.chat_cost_s):
+        if not (self.token_cost_s or self.request_cost_s or self.chat_cost_s
+                or self.prompt_token_cost_s):
             return ready_at
-        share = tokens * self.token_cost_s / len(self.free)
-        self.free = [max(f, ready_at) + share for f in self.free]
+        gap, self._last_ready = ready_at - self._last_ready, ready_at
+        per_token = self.token_cost_s * (1.0 - self.delivery_share)
+        per_delivery = self.token_cost_s * self.delivery_share
+        n = tokens / len(self.free)
+        free = []
+        for f in self.free:
+            # Steps still waiting for this process when this one is ready: their tokens and this
+            # step's go out together, one SSE chunk a request (vLLM's RequestOutputCollector
+            # merges a stream's outputs its consumer has not taken yet).
+            waiting = 1.0 + max(0.0, f - ready_at) / gap if gap > 0 else 1.0
+            free.append(max(f, ready_at) + n * (per_token + per_delivery / waiting))
+        self.free = free
         return max(self.free)
 
     @classmethod
@@ -66,7 +83,9 @@ class Frontend:
         return cls(float(getattr(coefficients, "frontend_token_s", 0.0) or 0.0),
                    float(getattr(coefficients, "frontend_request_s", 0.0) or 0.0),
                    int(flags.get("api-server-count") or 1),
-                   float(getattr(coefficients, "frontend_chat_s", 0.0) or 0.0))
+                   float(getattr(coefficients, "frontend_chat_s", 0.0) or 0.0),
+                   float(getattr(coefficients, "frontend_prompt_token_s", 0.0) or 0.0),
+                   float(getattr(coefficients, "frontend_delivery_share", 0.0) or 0.0))
 
     @staticmethod
     def delay(coefficients) -> float:

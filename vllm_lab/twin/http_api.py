@@ -273,7 +273,8 @@ class TwinServer:
         if rid in self.loop.reqs:  # a client reused its X-Request-Id: keep ids unique
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
         req = _Req(rid=rid, arrival=arrival, prompt_ids=prompt_ids, **params,
-                   engine_arrival=self.loop.frontend.admit(arrival, chat) + self.frontend_delay_s)
+                   engine_arrival=self.loop.frontend.admit(arrival, chat, len(prompt_ids))
+                   + self.frontend_delay_s)
         self.metrics.observe_request_start(params["max_tokens"])
         self.loop.submit(req)
         return req

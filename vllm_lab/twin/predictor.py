@@ -191,7 +191,7 @@ class _Run:
 
     def _send(self, i: int, t: float) -> None:
         self.send[i] = t
-        admitted = self.frontend.admit(t, self.requests[i].chat)
+        admitted = self.frontend.admit(t, self.requests[i].chat, int(self.prompt_n[i]))
         heapq.heappush(self.pending, (admitted + self.lat, i))
 
     def _take(self, t: float) -> None:

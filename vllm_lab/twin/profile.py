@@ -49,6 +49,12 @@ class Coefficients(_Strict):
         "frontend_latency_s; with --api-server-count N, N processes share the requests"))
     frontend_chat_s: float = Field(default=0.0, ge=0, description=(
         "API server CPU a chat request adds (chat template, larger SSE chunks)"))
+    frontend_prompt_token_s: float = Field(default=0.0, ge=0, description=(
+        "API server CPU per prompt token of a request (tokenizing, validating and shipping it "
+        "to the engine core), paid where frontend_request_s is"))
+    frontend_delivery_share: float = Field(default=0.0, ge=0, le=1, description=(
+        "the part of frontend_token_s paid per SSE chunk rather than per token: when the API "
+        "server is behind, a stream's waiting tokens go out in one chunk, so it catches up"))
     cuda_graph_memory_gib: float = Field(ge=0, description="memory CUDA graphs take (none with enforce-eager)")
     non_torch_memory_gib: float = Field(ge=0, description="NCCL, CUDA context and other memory outside torch")
     cuda_graph_max_tokens: int = Field(default=512, ge=0, description="largest batch (tokens) run as a CUDA graph")

@@ -31,15 +31,26 @@ from vllm_lab.twin.fit import BenchPoint, load_point
 ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
 # Measurements taken after the fit, held out whole.
-LATER = (ROOT / "traffic-2026-12-02",)
+LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b")
 
 # The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
           ("bench", "poisson", 25)}
+# The API server's limit (``traffic-2026-12-02b``): the runs its terms are fitted to, chosen
+# before fitting (fit.FRONTEND_PARAMS, the engine's terms held). The bench's ShareGPT file at 256
+# and 512 users, Poisson at 60 req/s and the realtime-chat traffic at 36 req/s (the chat API);
+# held out: the ShareGPT file at 128, every run of the lab's client, Poisson at 10 and 50,
+# realtime-chat at 20, 30 and 42, the fixed-length file and the long-prefill threshold.
+FRONTEND = ROOT / "traffic-2026-12-02b"
+FRONTEND_FITTED = {("bench", "sharegpt", 256), ("bench", "sharegpt", 512), ("bench", "poisson", 60),
+                   ("lab", "realtime-chat/poisson", 36)}
 # How each case of the measurement is read: a fidelity table per kind.
 KINDS = {"closed": "closed fixed", "filefixed": "closed fixed", "sharegpt": "closed variable",
          "poisson": "open", "gamma b=0.5": "open", "chat": "chat"}
-CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048}}
+# The traffic `vllm bench serve` can send too; any other workload is a scenario's (vllm_lab.scenarios).
+BENCH_WORKLOADS = ("random", "sharegpt", "chat", "filefixed")
+CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048},
+           "long-prefill-token-threshold=256": {"long-prefill-token-threshold": 256}}
 
 
 def bench_files(root: Path = ROOT) -> list[BenchPoint]:
@@ -67,6 +78,9 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
         if "server_frontend_lag_mean" in srv:
             measured["lag_ms"] = 1e3 * srv["server_frontend_lag_mean"]
         open_loop = run["arrival"] != "closed"
+        prompts, chat = rq.prompt_tokens.astype(int).tolist(), run["case"] == "chat"
+        if run["workload"] not in BENCH_WORKLOADS:  # a scenario's traffic, sent by the lab alone
+            prompts, chat = _scenario_prompts(run["workload"], prompts)
         # Requests in the order they were sent: the closed loop's pool hands them out so.
         pt = BenchPoint(
             name=f"{run['tool']} {run['case']} {run['level']:g}"
@@ -77,19 +91,41 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
             request_rate=float(run["level"]) if open_loop else float("inf"),
             burstiness=float(run.get("burstiness") or 1.0), measured=measured,
             flags=dict(CONFIGS[run["config"]]),
-            prompt_lens=rq.prompt_tokens.astype(int).tolist(),
-            output_lens=rq.output_tokens.astype(int).tolist(),
+            prompt_lens=prompts, output_lens=rq.output_tokens.astype(int).tolist(),
             arrival_times=(rq.start_s - rq.start_s.min()).tolist() if open_loop else None,
-            chat=run["case"] == "chat", kind=KINDS[run["case"]])
-        fitted = not later and run["config"] == "defaults" \
-            and (run["tool"], run["case"], run["level"]) in FITTED
+            chat=chat, kind=KINDS.get(run["case"], "chat" if chat else "open"))
+        key = (run["tool"], run["case"], run["level"])
+        fitted = run["config"] == "defaults" and (
+            key in FRONTEND_FITTED if folder == FRONTEND else not later and key in FITTED)
         out.append((pt, fitted))
     return out
 
 
+def _scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
+    """A scenario's requests as its workload built them: the prefixes they share as token ids
+    (what the prefix cache meets) and the chat template around each message; and whether chat."""
+    from vllm_lab import scenarios
+    from vllm_lab.prediction import chat_template_tokens, shared_prefix_requests
+
+    sc = scenarios.resolve(name)
+    w, (lin, _lout) = sc.workload, sc.workload.lengths()
+    chat = w.api == "chat"
+    template = chat_template_tokens(sc) if chat else 0
+    shared = int(w.shared_prefix_ratio * lin.mean) if lin is not None else 0
+    reqs = shared_prefix_requests([n + template for n in lengths], [0] * len(lengths), shared,
+                                  w.prefix_groups, chat)
+    return [r.prompt_tokens for r in reqs], chat
+
+
 def fit_set() -> list[BenchPoint]:
-    """The points the H200 profile is fitted to."""
+    """The points the H200 profile's engine terms are fitted to."""
     return bench_files() + [p for p, fitted in traffic_points() if fitted]
+
+
+def frontend_fit_set() -> list[BenchPoint]:
+    """The points its API-server terms are fitted to: the engine's fit set (which they must not
+    make worse) and the measurement of the API server's limit."""
+    return fit_set() + [p for p, fitted in traffic_points(FRONTEND) if fitted]
 
 
 def held_out_set(folders: tuple[Path, ...] = (TRAFFIC,)) -> list[BenchPoint]:
@@ -123,3 +159,23 @@ def by_kind(errs: pd.DataFrame) -> pd.DataFrame:
                          f" / {worst_goal:.0%}" if worst_goal else ""), "met": ok})
     return pd.DataFrame(rows)
 
+
+
+def fit_frontend(profile_name: str = "h200-llama-3-8b", max_evals: int = 80):
+    """The profile with its API-server terms refitted to ``frontend_fit_set()``."""
+    from vllm_lab.models import load_model_shape
+    from vllm_lab.twin.fit import FRONTEND_PARAMS, fit_profile
+    from vllm_lab.twin.profile import load_profile
+
+    base = load_profile(profile_name)
+    return fit_profile(frontend_fit_set(), base, load_model_shape(base.model), max_evals=max_evals,
+                       params=FRONTEND_PARAMS)
+
+
+if __name__ == "__main__":  # python -m vllm_lab.twin.reference PROFILE_OUT.yaml
+    import sys
+
+    fitted = fit_frontend()
+    Path(sys.argv[1]).write_text(fitted.to_yaml())
+    print({n: getattr(fitted.coefficients, n) for n, *_ in __import__(
+        "vllm_lab.twin.fit", fromlist=["FRONTEND_PARAMS"]).FRONTEND_PARAMS})
