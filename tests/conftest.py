@@ -22,11 +22,20 @@ _STARTED = pytest.StashKey[list]()
 
 def pytest_configure(config):
     """Load matplotlib's font list before any test: on a machine without its cache it runs fc-list
-    once, which is matplotlib setting itself up, not a test starting a process."""
+    once, which is matplotlib setting itself up, not a test starting a process.
+
+    Ctrl-C is given back its default handler where the suite was started with it ignored (a
+    shell's background job, `nohup make test &`): the lab keeps an inherited ignore on purpose,
+    and the tests of how it stops on SIGINT need a SIGINT that a terminal would deliver."""
+    import signal
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.font_manager
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(optionalhook=True)

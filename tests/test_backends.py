@@ -228,10 +228,16 @@ class FailingLoad(Scripted):
     TrafficError("locust exited with -9 and wrote no samples; output tail:\nKilled"),
     PermissionError(13, "Permission denied", "/data/prompts.jsonl"),
 ], ids=["locust-killed", "workload-unreadable"])
-def test_a_failed_load_generator_is_a_crashed_run_with_its_cause(tmp_path, health, error):
+def test_a_failed_load_generator_is_a_loadgen_failed_run_with_its_cause(tmp_path, health, error):
+    """Not the server's failure: its own status, which a search does not count against the flags
+    (search.CONFIG_FAILURES) and a resume measures again (store.RETRIED_ON_RESUME)."""
+    from vllm_lab.search import CONFIG_FAILURES
+    from vllm_lab.store import RETRIED_ON_RESUME
+
     s = scenarios.resolve("default")
     m = FailingLoad(error).measure_on(s, _instance(), tmp_path)
-    assert m.status == "crashed" and m.error.startswith("load generator failed: ")
+    assert m.status == "loadgen-failed" and m.error.startswith("load generator failed: ")
+    assert m.status not in CONFIG_FAILURES and m.status in RETRIED_ON_RESUME
     assert ("exited with -9" in m.error) if isinstance(error, TrafficError) else \
         ("PermissionError" in m.error and "prompts.jsonl" in m.error)
 

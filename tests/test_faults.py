@@ -1,7 +1,7 @@
 """Faults during a live run on the twin: the run is recorded with its cause and the sweep goes on.
 
 Locust killed with SIGKILL mid-run is the load generator failing, not the server: the run is
-``crashed`` with "load generator failed" and the exit status Locust died of, the next point is
+``loadgen-failed`` with "load generator failed" and the exit status Locust died of, the next point is
 measured, and nothing of the killed run's process groups is left. Started as a user would
 (scripts/lab.py, its own process group) on a private inventory; stopped by process group only.
 """
@@ -43,7 +43,7 @@ def locust_groups(lab_pid: int) -> set[int]:
 
 
 @pytest.mark.integration
-def test_locust_killed_mid_run_is_a_crashed_run_with_its_cause_and_the_sweep_goes_on(tmp_path):
+def test_locust_killed_mid_run_is_a_loadgen_failed_run_with_its_cause_and_the_sweep_goes_on(tmp_path):
     inv = private_inventory(tmp_path)
     out = tmp_path / "reports"
     cmd = [sys.executable, str(REPO / "scripts/lab.py"), "sweep", "--param", "max-num-seqs",
@@ -72,7 +72,7 @@ def test_locust_killed_mid_run_is_a_crashed_run_with_its_cause_and_the_sweep_goe
     runs = Store(out / "lab.db").runs("faults")
     by_value = dict(zip(runs["point"].map(lambda p: p["max-num-seqs"]), zip(runs["status"], runs["error"])))
     status, error = by_value[2]
-    assert status == "crashed" and error.startswith("load generator failed: locust exited with -9"), error
+    assert status == "loadgen-failed" and error.startswith("load generator failed: locust exited with -9"), error
     assert by_value[4][0] == "ok", by_value
     left = [p for p, f in process_table().items() if int(f[2]) in groups and f[0] != "Z"]
     assert left == []

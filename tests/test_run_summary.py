@@ -64,7 +64,7 @@ def test_a_stored_summary_keeps_keys_outside_the_catalog(tmp_path):
 def test_a_run_status_is_one_of_the_stores():
     assert [str(s) for s in STATUSES] == ["ok", "failed-start", "oom", "crashed", "timeout",
                                           "client-limited", "failed-requests", "unreachable",
-                                          "unsteady", "unaudited"]
+                                          "unsteady", "unaudited", "loadgen-failed"]
     assert Measurement("oom", 0.0, 1.0).status is RunStatus.OOM
     with pytest.raises(ValueError):
         Measurement("fine", 0.0, 1.0)

@@ -150,6 +150,10 @@ def test_api_server_pays_per_prompt_token_and_catches_up_by_merging_chunks():
     plain = Frontend(token_cost_s=0.001)
     plain.release(0.0, 20)
     assert plain.release(0.010, 20) == pytest.approx(0.040)  # no share: every token in full
+    # A new request crosses the loop admission_hops times, each after at most one chunk.
+    busy = Frontend(token_cost_s=0.001, admission_hops=3)
+    busy.release(0.0, 1000)  # a second of streaming ahead of it
+    assert busy.admit(0.0) == pytest.approx(3 * Frontend.OUTPUT_CHUNK * 0.001)
 
 
 def test_one_api_server_caps_chat_traffic_on_the_h200_and_four_lift_it():

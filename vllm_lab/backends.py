@@ -280,8 +280,9 @@ class LiveBackend:
         """Run the scenario's load on a running instance (sized, audited, re-run once if limited).
 
         A load generator that fails (Locust killed or hung, a workload file it cannot read, a
-        load-generator host gone) measured nothing of the server: the run is ``crashed`` with
-        that cause, so the plan goes on and a resume measures it again. A full disk is not a
+        load-generator host gone) measured nothing of the server: the run is ``loadgen-failed``
+        with that cause, not the server's failure (a search does not count it against the flags),
+        so the plan goes on and a resume measures it again. A full disk is not a
         run's fault: it ends the command (OSError, exit 74).
         """
         started = time.time()
@@ -292,8 +293,9 @@ class LiveBackend:
                 raise
             log.warning("%s: the load generator failed: %s", instance.url, e)
             cause = e if isinstance(e, TrafficError) else f"{type(e).__name__}: {e}"
-            return Measurement(status=RunStatus.CRASHED, started=started, ended=time.time(),
-                               host=instance.host, error=f"load generator failed: {cause}"[:4000])
+            return Measurement(status=RunStatus.LOADGEN_FAILED, started=started,
+                               ended=time.time(), host=instance.host,
+                               error=f"load generator failed: {cause}"[:4000])
 
     def _measure_load(self, scenario: Scenario, instance: serving.Instance, workdir: Path,
                       started: float) -> Measurement:

@@ -48,7 +48,7 @@ from vllm_lab.flags import redact
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.summary import COLUMNS, as_float
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DEFAULT_PATH = Path("reports/lab.db")
 STEPS = ("baseline", "sweep", "combo", "tune", "stress", "monitor", "watch", "claims", "calibrate",
          "autotune")
@@ -67,6 +67,7 @@ class RunStatus(StrEnum):
     UNREACHABLE = "unreachable"     # no host answered
     UNSTEADY = "unsteady"           # the load did not hold: a short window or a long drain
     UNAUDITED = "unaudited"         # a live run vLLM's /metrics gave no account of
+    LOADGEN_FAILED = "loadgen-failed"  # the load generator failed: nothing of the server measured
 
 
 STATUSES = tuple(RunStatus)
@@ -75,7 +76,8 @@ STATUSES = tuple(RunStatus)
 # fits.
 LEFT_OUT = (RunStatus.CLIENT_LIMITED, RunStatus.FAILED_REQUESTS, RunStatus.UNSTEADY,
             RunStatus.UNAUDITED)
-RETRIED_ON_RESUME = (RunStatus.CRASHED, RunStatus.TIMEOUT, RunStatus.UNREACHABLE)
+RETRIED_ON_RESUME = (RunStatus.CRASHED, RunStatus.TIMEOUT, RunStatus.UNREACHABLE,
+                     RunStatus.LOADGEN_FAILED)
 # Backends whose repeats read the same figures (the predictor, from one seed): a figure of theirs
 # has no run-to-run noise, and nothing is judged against a noise they do not have.
 DETERMINISTIC_BACKENDS = ("predict",)
@@ -296,7 +298,7 @@ class Store:
                              f"(the file was not changed)")
         if version == SCHEMA_VERSION:
             return
-        if version in (1, 2, 3):
+        if version in (1, 2, 3, 4):
             self._rebuild_runs()
         # executescript issues its own COMMIT, so it runs outside a transaction; every statement
         # is IF NOT EXISTS, so two processes creating the store at once both succeed.

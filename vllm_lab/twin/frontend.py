@@ -24,10 +24,10 @@ class Frontend:
 
     def __init__(self, token_cost_s: float, request_cost_s: float = 0.0, servers: int = 1,
                  chat_cost_s: float = 0.0, prompt_token_cost_s: float = 0.0,
-                 delivery_share: float = 0.0):
+                 delivery_share: float = 0.0, admission_hops: int = 1):
         self.token_cost_s, self.request_cost_s = token_cost_s, request_cost_s
         self.chat_cost_s, self.prompt_token_cost_s = chat_cost_s, prompt_token_cost_s
-        self.delivery_share = delivery_share
+        self.delivery_share, self.admission_hops = delivery_share, max(1, int(admission_hops))
         self._last_ready = float("-inf")
         self.free = [0.0] * max(1, int(servers))
         self._turn = 0
@@ -44,15 +44,18 @@ class Frontend:
 
         It waits behind the streaming its process is in the middle of, even when it costs nothing
         itself: one event loop serves both, and vLLM's output loop yields to other work only
-        between chunks of ``OUTPUT_CHUNK`` outputs (VLLM_V1_OUTPUT_PROC_CHUNK_SIZE), so a new
-        request's handler runs after at most one chunk's streaming.
+        between chunks of ``OUTPUT_CHUNK`` outputs (VLLM_V1_OUTPUT_PROC_CHUNK_SIZE). A request
+        crosses the loop ``admission_hops`` times before the engine core has it (its handler's
+        tasks, the tokenizer's thread, the response stream that calls the engine: about 14 in
+        vLLM 0.26 after its arrival time is stamped), each after at most one chunk's streaming.
         """
         cost = (self.request_cost_s + (self.chat_cost_s if chat else 0.0)
                 + self.prompt_token_cost_s * prompt_tokens)
         if not (cost or self.token_cost_s):
             return arrival
         k, self._turn = self._turn, (self._turn + 1) % len(self.free)
-        start = min(max(self.free[k], arrival), arrival + self.OUTPUT_CHUNK * self.token_cost_s)
+        hop = self.OUTPUT_CHUNK * self.token_cost_s
+        start = min(max(self.free[k], arrival), arrival + self.admission_hops * hop)
         if not cost:
             return start
         self.free[k] = max(self.free[k], start) + cost
@@ -85,7 +88,8 @@ class Frontend:
                    int(flags.get("api-server-count") or 1),
                    float(getattr(coefficients, "frontend_chat_s", 0.0) or 0.0),
                    float(getattr(coefficients, "frontend_prompt_token_s", 0.0) or 0.0),
-                   float(getattr(coefficients, "frontend_delivery_share", 0.0) or 0.0))
+                   float(getattr(coefficients, "frontend_delivery_share", 0.0) or 0.0),
+                   int(getattr(coefficients, "frontend_admission_hops", 1) or 1))
 
     @staticmethod
     def delay(coefficients) -> float:

@@ -55,6 +55,9 @@ class Coefficients(_Strict):
     frontend_delivery_share: float = Field(default=0.0, ge=0, le=1, description=(
         "the part of frontend_token_s paid per SSE chunk rather than per token: when the API "
         "server is behind, a stream's waiting tokens go out in one chunk, so it catches up"))
+    frontend_admission_hops: int = Field(default=1, ge=1, le=64, description=(
+        "times a new request crosses the API server's event loop before the engine core has it, "
+        "each after at most one output chunk's streaming (about 14 in vLLM 0.26)"))
     cuda_graph_memory_gib: float = Field(ge=0, description="memory CUDA graphs take (none with enforce-eager)")
     non_torch_memory_gib: float = Field(ge=0, description="NCCL, CUDA context and other memory outside torch")
     cuda_graph_max_tokens: int = Field(default=512, ge=0, description="largest batch (tokens) run as a CUDA graph")

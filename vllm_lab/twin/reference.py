@@ -7,8 +7,11 @@ kind, `vllm bench serve` and the lab's client taking turns on one server (closed
 req/s, gamma arrivals of burstiness 0.5, chat), then the same server restarted with
 ``--max-num-batched-tokens 2048``; and ``traffic-2026-12-02/``: another H200 host a day later,
 closed loops of 1 to 512 users once, then 64 users and the ShareGPT file at 64 (three bench runs,
-five of the lab) and Poisson at 30 and 45 req/s (three of each), taking turns. Each run is
-replayed request for request.
+five of the lab) and Poisson at 30 and 45 req/s (three of each), taking turns; and
+``traffic-2026-12-02b/``: a third host, where vLLM's API server is the limit (the ShareGPT file at
+128-512 users, Poisson to 60 req/s, the realtime-chat scenario's traffic at 20-42 req/s, the lab's
+fixed-length prompts sent by both clients, ``--long-prefill-token-threshold 256``). Each run is
+replayed request for request, a scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
 (`FITTED`): the older bench files, and of the measurement's bench runs one of each traffic kind at
@@ -16,7 +19,8 @@ vLLM's defaults (closed 16 and 256 users, the ShareGPT file at 64, Poisson at 25
 out: every other load of those kinds (closed 1, 64, 512 and 1024 users, the ShareGPT file at
 256, Poisson at 40, gamma), the chat kind whole, the whole ``max-num-batched-tokens=2048``
 configuration, every run of the lab's client (another client, another draw of each load), and
-the second measurement whole (another host, other draws, rates the fit never saw).
+the second measurement whole (another host, other draws, rates the fit never saw). Of the third,
+``FRONTEND_FITTED`` names the runs the API server's terms may be fitted to (``frontend_fit_set``).
 """
 
 from __future__ import annotations
