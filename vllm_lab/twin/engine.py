@@ -418,7 +418,8 @@ class Engine:
             kv_tokens += c + q
             if c + q == r.num_tokens:
                 sampled += 1
-        return self.stm.step_time(tokens, B + len(chunks), sampled, pairs, kv_tokens), tokens, sampled
+        return (self.stm.step_time(tokens, B + len(chunks), sampled, pairs, kv_tokens, len(chunks)),
+                tokens, sampled)
 
     def _run_step(self, now: float, collect: bool):
         chunks, paused, preempted = self._schedule(now)

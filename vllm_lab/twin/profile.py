@@ -41,6 +41,9 @@ class Coefficients(_Strict):
     compiled_layer_launch_s: float = Field(default=0.0003, ge=0, description=(
         "CPU time per layer per step to launch a compiled step too large for a CUDA graph; it "
         "overlaps the GPU's work"))
+    mixed_step_launch_s: float = Field(default=0.0, ge=0, description=(
+        "extra time of a step that carries a prompt chunk beside its decodes and fits a CUDA "
+        "graph: it runs as a piecewise graph, attention launched layer by layer"))
     frontend_latency_s: float = Field(ge=0, description="API server path of a request: HTTP, tokenize, detokenize")
     frontend_token_s: float = Field(default=0.0, ge=0, description=(
         "API server CPU per streamed token (detokenize, SSE); one process serves all streams"))

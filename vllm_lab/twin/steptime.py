@@ -48,6 +48,7 @@ class StepTimeModel:
         self.block_s_per_token = co.block_overhead_s * layers / block_size
         self.launch_s = co.eager_layer_overhead_s * layers
         self.compiled_launch_s = co.compiled_layer_launch_s * layers
+        self.mixed_launch_s = co.mixed_step_launch_s
         self.eager = enforce_eager
         self.graph_max = cuda_graph_max_tokens
         self.comm_s = self.comm_s_per_token = 0.0
@@ -67,10 +68,11 @@ class StepTimeModel:
         return min(1.0, num_tokens * self.gemm_s_per_token / duration_s)
 
     def step_time(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
-                  kv_tokens: float) -> float:
+                  kv_tokens: float, prefills: int = 0) -> float:
         """Seconds for a step of ``num_tokens`` tokens over ``num_seqs`` sequences.
 
-        ``attn_pairs``: query-key pairs attention computes; ``kv_tokens``: KV tokens read or written.
+        ``attn_pairs``: query-key pairs attention computes; ``kv_tokens``: KV tokens read or written;
+        ``prefills``: the prompt chunks among them (beside decodes, the step runs as a piecewise graph).
         """
         co = self.co
         gemm = num_tokens * self.gemm_s_per_token + num_sampled * self.lm_head_s_per_sample
@@ -82,14 +84,22 @@ class StepTimeModel:
         t += kv_tokens * self.block_s_per_token
         if self.comm_s:
             t += self.comm_s + num_tokens * self.comm_s_per_token
-        return self._launched(t, num_tokens)
+        return self._launched(t, num_tokens, mixed=0 < prefills < num_seqs)
 
-    def _launched(self, t, num_tokens: int):
-        """Step time ``t`` (seconds, scalar or array) with the kernel launches a graph would save."""
+    def _launched(self, t, num_tokens: int, mixed: bool = False):
+        """Step time ``t`` (seconds, scalar or array) with the kernel launches a graph would save.
+
+        vLLM 0.26 replays a whole CUDA graph only for a batch of decodes; a step that carries
+        prompt chunks beside decodes runs its graph in pieces, attention launched layer by layer
+        between them (FULL_AND_PIECEWISE), which costs ``mixed_step_launch_s`` more (a prefill
+        alone, its GPU work long enough to hide the launches, measured no such cost); past the
+        largest graph the compiled kernels are launched one by one, a floor."""
         if self.eager:
             return np.maximum(t, self.launch_s)
         if num_tokens > self.graph_max:
             return np.maximum(t, self.compiled_launch_s)
+        if mixed:
+            return t + self.mixed_launch_s
         return t
 
     def decode_times(self, batch: int, ctx_sum: int, steps: int) -> np.ndarray:
