@@ -26,7 +26,8 @@ default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no
 server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
 `all` does all four; `export --out STORE [--out STORE ...] [--config FLAGS ...] --to DIR` writes a
 reference folder (runs.jsonl, every request in requests.csv.gz, server-raw.jsonl.gz, power.csv.gz)
-that `vllm_lab.twin.reference` replays, each store's runs under its --config (server flags). `--levels 1,16` is short for `--cases closed:1,closed:16`.
+that `vllm_lab.twin.reference` replays, each store's runs under its --config (server flags).
+`--levels 1,16` is short for `--cases closed:1,closed:16`.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@
 #        burstiness 0.5, chat at 64 users), repeats (runs of each tool taking turns: 64 users and
 #        the ShareGPT file at 64, three of the bench and five of the lab, as repeats-closed; Poisson
 #        at 30 and 45 req/s, three of each, as repeats-open; parity.csv gives medians), open
-#        (Poisson up to saturation, the realtime-chat
-#        traffic at four rates), fixedfile (closed loops of 1, 16 and 64 users on a ShareGPT-format
-#        file of the lab's fixed-length prompts, both tools), frontend (the ShareGPT file at 128, 256
-#        and 512 users, both tools: the API server near its core's limit), budget (restarts with max-num-batched-tokens=2048: Poisson and
-#        the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
+#        (Poisson up to saturation, the realtime-chat traffic at four rates), fixedfile (closed
+#        loops of 1, 16 and 64 users on a ShareGPT-format file of the lab's fixed-length prompts,
+#        both tools), frontend (the ShareGPT file at 128, 256 and 512 users, both tools: the API
+#        server near its core's limit), budget (restarts with max-num-batched-tokens=2048: Poisson
+#        and the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
 #        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
 # MODEL (required) is the model folder (config and tokenizer; weights are dummy). VLLM_VENV and
 # LAB_ROOT go to the inventory; STORE (default /tmp/reference) keeps everything; OUT (default

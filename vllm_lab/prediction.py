@@ -58,24 +58,26 @@ def predicted_requests(scenario: Scenario, count: int):
     chat = scenario.workload.api == "chat"
     if chat:  # the server prefills the message in its chat template, not the message alone
         prompts = prompts + chat_template_tokens(scenario)
-    return shared_prefix_requests(prompts, outputs, shared, scenario.workload.prefix_groups, chat)
-
-
-def shared_prefix_requests(prompts, outputs, shared: int, groups: int, chat: bool):
-    """Predictor requests of these lengths, request i opening with prefix i mod ``groups`` of
-    ``shared`` tokens, as the live workload builds them (`WorkloadGenerator._turn`: the drawn
-    length is the whole prompt, prefix included, the user's text the rest, at least one token)."""
     from vllm_lab.twin.predictor import PredictRequest
 
+    tokens = shared_prefix_prompts(prompts, shared, scenario.workload.prefix_groups)
+    return [PredictRequest(p, int(o), chat) for p, o in zip(tokens, outputs)]
+
+
+def shared_prefix_prompts(prompts, shared: int, groups: int) -> list:
+    """Prompts of these lengths as the predictor takes them: request i opening with prefix
+    i mod ``groups`` of ``shared`` tokens, as the live workload builds them
+    (`WorkloadGenerator._turn`: the drawn length is the whole prompt, prefix included, the user's
+    text the rest, at least one token); plain lengths where nothing is shared."""
     if not shared:
-        return [PredictRequest(int(p), int(o), chat) for p, o in zip(prompts, outputs)]
+        return [int(p) for p in prompts]
     # Token ids only matter for prefix caching: a common system prompt, then unique tokens.
     prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
     out = []
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
+    for i, p in enumerate(prompts):
         rest = max(1, int(p) - shared)
-        unique = list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest))
-        out.append(PredictRequest(prefix[i % groups] + unique, int(o), chat))
+        out.append(prefix[i % groups]
+                   + list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest)))
     return out
 
 

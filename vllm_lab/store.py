@@ -298,8 +298,8 @@ class Store:
                              f"(the file was not changed)")
         if version == SCHEMA_VERSION:
             return
-        if version in (1, 2, 3, 4):
-            self._rebuild_runs()
+        if version is not None and version < SCHEMA_VERSION:
+            self._rebuild_runs()  # every older version's CHECK lacks a status of this one
         # executescript issues its own COMMIT, so it runs outside a transaction; every statement
         # is IF NOT EXISTS, so two processes creating the store at once both succeed.
         self._conn.executescript(SCHEMA)

@@ -109,16 +109,14 @@ def _scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
     """A scenario's requests as its workload built them: the prefixes they share as token ids
     (what the prefix cache meets) and the chat template around each message; and whether chat."""
     from vllm_lab import scenarios
-    from vllm_lab.prediction import chat_template_tokens, shared_prefix_requests
+    from vllm_lab.prediction import chat_template_tokens, shared_prefix_prompts
 
     sc = scenarios.resolve(name)
     w, (lin, _lout) = sc.workload, sc.workload.lengths()
     chat = w.api == "chat"
     template = chat_template_tokens(sc) if chat else 0
     shared = int(w.shared_prefix_ratio * lin.mean) if lin is not None else 0
-    reqs = shared_prefix_requests([n + template for n in lengths], [0] * len(lengths), shared,
-                                  w.prefix_groups, chat)
-    return [r.prompt_tokens for r in reqs], chat
+    return shared_prefix_prompts([n + template for n in lengths], shared, w.prefix_groups), chat
 
 
 def fit_set() -> list[BenchPoint]:
@@ -164,14 +162,21 @@ def by_kind(errs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# Where a fit of the API server's terms starts (a share at its lower bound would not move).
+FRONTEND_START = {"frontend_token_s": 1.1e-4, "frontend_delivery_share": 0.3,
+                  "frontend_prompt_token_s": 3e-6}
 
-def fit_frontend(profile_name: str = "h200-llama-3-8b", max_evals: int = 80):
-    """The profile with its API-server terms refitted to ``frontend_fit_set()``."""
+
+def fit_frontend(profile_name: str = "h200-llama-3-8b", max_evals: int = 200):
+    """The profile with its API-server terms (fit.FRONTEND_PARAMS) refitted to
+    ``frontend_fit_set()`` from FRONTEND_START, the engine's terms and the chat cost held."""
     from vllm_lab.models import load_model_shape
     from vllm_lab.twin.fit import FRONTEND_PARAMS, fit_profile
     from vllm_lab.twin.profile import load_profile
 
     base = load_profile(profile_name)
+    base = base.model_copy(update={"coefficients": base.coefficients.model_copy(
+        update=FRONTEND_START)})
     return fit_profile(frontend_fit_set(), base, load_model_shape(base.model), max_evals=max_evals,
                        params=FRONTEND_PARAMS)
 
@@ -179,7 +184,8 @@ def fit_frontend(profile_name: str = "h200-llama-3-8b", max_evals: int = 80):
 if __name__ == "__main__":  # python -m vllm_lab.twin.reference PROFILE_OUT.yaml
     import sys
 
+    from vllm_lab.twin.fit import FRONTEND_PARAMS
+
     fitted = fit_frontend()
     Path(sys.argv[1]).write_text(fitted.to_yaml())
-    print({n: getattr(fitted.coefficients, n) for n, *_ in __import__(
-        "vllm_lab.twin.fit", fromlist=["FRONTEND_PARAMS"]).FRONTEND_PARAMS})
+    print({name: getattr(fitted.coefficients, name) for name, *_ in FRONTEND_PARAMS})
