@@ -249,14 +249,25 @@ def _run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tu
     """Run ``cmd`` in a process group of its own (a terminal's Ctrl-C reaches the lab alone, which
     decides, so a stop playbook is never cut short by it); its return code and output. When the
     lab is interrupted meanwhile, or ``timeout`` passes, its whole process group is stopped."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except BaseException:  # KeyboardInterrupt (a stop signal) or the timeout
-        _kill_group(proc)
-        raise
-    return proc.returncode, stdout
+    # Output goes to a file, not a pipe: the run is over when ansible-playbook exits, even where a
+    # process it left behind (a server, an SSH connection) still holds its stdout.
+    with tempfile.TemporaryFile(mode="w+", prefix="vllm-lab-ansible-") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except BaseException:  # KeyboardInterrupt (a stop signal) or the timeout
+            _kill_group(proc)
+            # What it printed says which task it was in: a hung playbook's only trace.
+            log.warning("%s stopped before it finished; its last lines:\n%s", Path(cmd[3]).name,
+                        "\n".join(_read_all(out).splitlines()[-15:]))
+            raise
+        return proc.returncode, _read_all(out)
+
+
+def _read_all(fh) -> str:
+    fh.seek(0)
+    return fh.read()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -267,7 +278,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             break
         try:
-            proc.communicate(timeout=wait_s)
+            proc.wait(timeout=wait_s)
             break
         except subprocess.TimeoutExpired:
             continue

@@ -407,6 +407,11 @@ def _on_start(environment, **_kw):
 @events.test_stop.add_listener
 def _on_stop(environment, **_kw):
     global STATE
+    if isinstance(environment.runner, WorkerRunner):
+        # The last requests' statistics, sent ahead of the "stopped" reply the master waits for:
+        # Locust's own final report comes with "quit", which the master waits half a second for,
+        # and a busy host misses that (the master's counts fall short of the raw samples').
+        environment.runner._send_stats()
     if STATE is not None:
         STATE.close()
         STATE = None
