@@ -70,16 +70,19 @@ def test_timing_matches_the_script_within_2ms(tmp_path, api):
 
 @integration
 def test_each_error_is_classified(tmp_path):
-    flags = ("--ttft-ms", "50", "--itl-ms", "10", "--cycle", "ok,broken,http500,stall,empty,malformed",
-             "--stall-s", "3")
+    flags = ("--ttft-ms", "50", "--itl-ms", "10", "--cycle",
+             "ok,broken,http500,stall,empty,malformed,endless", "--stall-s", "3")
     with running(*flags) as url:
         r = run_load(url, "x", SHORT, _closed(1, 4, request_timeout_s=1.0), tmp_path,
                      scrape_metrics=False)
     df = r.samples.sort_values("start_ts")
-    got = df.error.fillna("").to_list()[:6]
-    # A malformed event is a broken stream, its detail naming the parse error.
-    assert got == ["", "broken_stream", "http_error", "timeout", "empty_output", "broken_stream"], got
+    got = df.error.fillna("").to_list()[:7]
+    # A malformed event is a broken stream, its detail naming the parse error; a stream that never
+    # ends (it is never idle, so no timeout cuts it) is cut past twice its max_tokens.
+    assert got == ["", "broken_stream", "http_error", "timeout", "empty_output", "broken_stream",
+                   "overlong_stream"], got
     assert df.error_detail.to_list()[5].startswith("JSONDecodeError"), df.error_detail.to_list()[5]
+    assert df.chunks.to_list()[6] == 2 * 10 + 17, df.chunks.to_list()
     assert df.http_status.to_list()[:3] == [200, 200, 500]
     assert (df.status == "ok").sum() == (df.error == "").sum()
     assert "POST" in (tmp_path / "locust_stats.csv").read_text()  # Locust's own CSV got E2E

@@ -22,6 +22,7 @@ _HINTS = {
        "vllm_advertise_host, a firewall)?",
     "broken_stream": "streams ended early: the server dropped connections (see its log)",
     "empty_output": "replies carried no tokens: check max_tokens and the model",
+    "overlong_stream": "streams went on past max_tokens and were cut: the server ignores max_tokens",
 }
 
 

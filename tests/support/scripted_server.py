@@ -4,7 +4,8 @@
 Modes (the request's `model` name picks one, else `--mode`, or `--cycle` deals them in turn):
 ok (first token after --ttft-ms, then one token every --itl-ms), broken (closes the connection
 mid-stream), http500, stall (stops sending after a few tokens), empty (a stream with no content),
-malformed (an event that is not JSON after a few tokens, then the stream goes on).
+malformed (an event that is not JSON after a few tokens, then the stream goes on), endless (tokens
+on the script's timing, never an end).
 The final usage chunk carries `script`, and --truth-log gets a line per request keyed by its
 X-Request-Id: the server's perf_counter at receipt and at each content send, the ground truth a
 client's measurement is compared with (same host, same monotonic clock).
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-MODES = ("ok", "broken", "http500", "stall", "empty", "malformed")
+MODES = ("ok", "broken", "http500", "stall", "empty", "malformed", "endless")
 
 
 class Script:
@@ -123,7 +124,7 @@ async def _emit(request, resp, script, kind, rid, model, mode, n, prompt_tokens,
                 b'"delta": {"content": ""}', b'"delta": {"role": "assistant", "content": ""}'))
         emitted = 0
         if mode != "empty":
-            for k in range(n):
+            for k in (itertools.count() if mode == "endless" else range(n)):
                 await _sleep_until(begin + script.ttft + k * script.itl, script.precise)
                 if mode in ("broken", "stall") and k == script.fail_after:
                     if mode == "broken":

@@ -36,11 +36,11 @@ COLUMNS: dict[str, str] = {
     "chunks": "Int64",           # content chunks received
     "status": "string",          # ok | error
     "http_status": "Int64",
-    "error": "string",           # "" | http_error | timeout | broken_stream | empty_output
+    "error": "string",           # "" | http_error | timeout | broken_stream | empty_output | overlong_stream
     "error_detail": "string",
 }
 
-ERROR_CLASSES = ("http_error", "timeout", "broken_stream", "empty_output")
+ERROR_CLASSES = ("http_error", "timeout", "broken_stream", "empty_output", "overlong_stream")
 
 
 def empty() -> pd.DataFrame:

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 import gevent
 
 
+class OverlongStream(Exception):
+    """The server sent more tokens than the request allows: a stream that would never end."""
+
+
 @dataclass
 class Stream:
     """What a streamed completion has given so far: read line by line as it comes, so a failure
@@ -24,6 +28,13 @@ class Stream:
     usage: dict = field(default_factory=dict)
     done: bool = False
     chunks: int = 0
+    # Token chunks past which the stream is cut: a server never sends more than max_tokens (fewer
+    # when a chunk carries several); twice that, and more, means it is not going to stop.
+    limit: int | None = None
+
+    @staticmethod
+    def limit_for(max_tokens: int | None) -> int | None:
+        return 2 * max_tokens + 16 if max_tokens else None
 
     def read(self, raw) -> None:
         # readline returns as soon as one SSE line is in; read(n) would wait for n bytes.
@@ -60,6 +71,9 @@ class Stream:
             self.last = now
             self.chunks += 1
             self.reply.append(text)
+            if self.limit is not None and self.chunks > self.limit:
+                raise OverlongStream(f"the server sent over {self.limit} tokens and had not ended "
+                                     "(max_tokens bounds a reply): the stream was cut")
 
     def verdict(self, error: str, detail: str) -> tuple[str, str]:
         """The request's error class and detail: the transport's, or what the stream lacked."""
@@ -84,6 +98,8 @@ def failure(e: BaseException, ttft: float | None, http_status: int) -> tuple[str
 
 def error_class(exc: BaseException) -> str:
     name = type(exc).__name__.lower()
+    if isinstance(exc, OverlongStream):
+        return "overlong_stream"
     if isinstance(exc, (TimeoutError, socket.timeout, gevent.Timeout)) or "timeout" in name:
         return "timeout"
     return "broken_stream"
