@@ -187,13 +187,11 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # are short and fixture-light, so they are dealt out one by one. The tests marked timing run first,
 # apart from the rest and one per CPU: their millisecond margins would not hold beside a live-twin
 # sweep on the same cores, and hold beside one another (five runs of two at a time on 2 cores).
-# The rest run one worker more than the CPUs: a third of their time is waiting on servers that
-# start, stop and stream (806 s on 2 workers, 699 s on 3, on 2 cores).
-# PYTEST_XDIST_AUTO_NUM_WORKERS=N sets either count.
+# One worker more than the CPUs for the rest took 699 s once and 852 s once on 2 cores, against
+# 781-907 s on one per CPU: no steady gain, so not taken.
 test: venv ## Every test (15-17 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@rc=0; LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m timing -n auto --dist load || rc=$$?; \
-	  PYTEST_XDIST_AUTO_NUM_WORKERS=$${PYTEST_XDIST_AUTO_NUM_WORKERS:-$$(( $$(nproc) + 1 ))} \
 	  LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m "not timing" -n auto --dist loadfile \
 	    --no-loadscope-reorder --durations=15 || rc=$$?; exit $$rc
 
