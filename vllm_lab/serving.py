@@ -235,7 +235,7 @@ def run_playbook(playbook: str, *, inventory: Path, extra_vars: dict | None = No
                    # An inventory Ansible cannot parse fails the play instead of running on no host.
                    ANSIBLE_INVENTORY_UNPARSED_FAILED="1")
         log.debug("running %s", " ".join(cmd))
-        returncode, stdout = _run_group(cmd, env, timeout)
+        returncode, stdout = _run_group(cmd, env, timeout, label=playbook)
     out = scrub(stdout, secrets)
     unreachable = _unreachable_reasons(out)
     recap = parse_recap(out)
@@ -245,7 +245,8 @@ def run_playbook(playbook: str, *, inventory: Path, extra_vars: dict | None = No
     return PlaybookRun(returncode, out, recap, unreachable)
 
 
-def _run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int, str]:
+def _run_group(cmd: list[str], env: dict[str, str], timeout: float | None,
+               label: str) -> tuple[int, str]:
     """Run ``cmd`` in a process group of its own (a terminal's Ctrl-C reaches the lab alone, which
     decides, so a stop playbook is never cut short by it); its return code and output. When the
     lab is interrupted meanwhile, or ``timeout`` passes, its whole process group is stopped."""
@@ -259,7 +260,7 @@ def _run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tu
         except BaseException:  # KeyboardInterrupt (a stop signal) or the timeout
             _kill_group(proc)
             # What it printed says which task it was in: a hung playbook's only trace.
-            log.warning("%s stopped before it finished; its last lines:\n%s", Path(cmd[3]).name,
+            log.warning("%s stopped before it finished; its last lines:\n%s", label,
                         "\n".join(_read_all(out).splitlines()[-15:]))
             raise
         return proc.returncode, _read_all(out)

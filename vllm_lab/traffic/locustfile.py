@@ -501,7 +501,7 @@ class LLMUser(FastHttpUser):
         }
         payload = json.dumps(body)
         st.meter.begin()
-        stream = Stream(time.perf_counter(), limit=Stream.limit_for(spec.turns[turn].max_tokens))
+        stream = Stream(time.perf_counter(), max_tokens=spec.turns[turn].max_tokens)
         error = detail = ""
         try:
             resp = self.client.client.urlopen(

@@ -28,13 +28,13 @@ class Stream:
     usage: dict = field(default_factory=dict)
     done: bool = False
     chunks: int = 0
-    # Token chunks past which the stream is cut: a server never sends more than max_tokens (fewer
-    # when a chunk carries several); twice that, and more, means it is not going to stop.
-    limit: int | None = None
+    max_tokens: int | None = None  # what the request asked for, if it bounded the reply
 
-    @staticmethod
-    def limit_for(max_tokens: int | None) -> int | None:
-        return 2 * max_tokens + 16 if max_tokens else None
+    @property
+    def limit(self) -> int | None:
+        """Token chunks past which the stream is cut: a server never sends more than max_tokens
+        (fewer when a chunk carries several); twice that, and more, means it is not going to stop."""
+        return 2 * self.max_tokens + 16 if self.max_tokens else None
 
     def read(self, raw) -> None:
         # readline returns as soon as one SSE line is in; read(n) would wait for n bytes.
