@@ -262,13 +262,17 @@ def _role(cmd: str, name: str) -> str:
         return "vllm-engine"
     if "locust" in cmd:
         return "locust"
+    if "APIServer" in name or "APIServer" in cmd:  # --api-server-count N: N processes
+        return "server-api"
     if " serve" in cmd and ("vllm" in cmd or "twin" in cmd):
         return "server-api"
     return "other"
 
 
 class CpuSampler:
-    """CPU seconds per process role over a run (psutil, every 0.5 s)."""
+    """CPU seconds per process role over a run (psutil, every 0.5 s), and the API server's
+    busiest thread: its event loop, which serves every request and stream of the process, so its
+    CPU seconds over the run say how close that one loop came to saturation."""
 
     def __init__(self):
         import psutil
@@ -277,6 +281,9 @@ class CpuSampler:
         self.first: dict[int, tuple[str, float]] = {}
         self.last: dict[int, float] = {}
         self.peak: dict[str, float] = {}
+        self.threads0: dict[tuple[int, int], float] = {}   # (pid, thread id) -> CPU s at start
+        self.threads: dict[tuple[int, int], float] = {}    # the latest reading
+        self.series: dict[tuple[int, int], list] = {}      # (seconds from start, CPU s) each sample
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
@@ -290,6 +297,8 @@ class CpuSampler:
                 continue
             pid = p.info["pid"]
             role = _role(cmd, p.info["name"] or "")
+            if role == "server-api":
+                self._sample_threads(p)
             if pid not in self.first:
                 self.first[pid] = (role, cpu)
             if pid in self.last and dt > 0:
@@ -297,6 +306,18 @@ class CpuSampler:
                 key = f"{role}:{pid}"
                 self.peak[key] = max(self.peak.get(key, 0.0), share)
             self.last[pid] = cpu
+
+    def _sample_threads(self, proc) -> None:
+        try:
+            threads = proc.threads()
+        except self.psutil.Error:
+            return
+        for t in threads:
+            key = (proc.info["pid"], t.id)
+            self.threads0.setdefault(key, t.user_time + t.system_time)
+            self.threads[key] = t.user_time + t.system_time
+            self.series.setdefault(key, []).append(
+                (round(time.time() - self.t0, 2), round(self.threads[key] - self.threads0[key], 3)))
 
     def _loop(self) -> None:
         prev = time.time()
@@ -323,8 +344,13 @@ class CpuSampler:
         for key, v in self.peak.items():
             role = key.split(":")[0]
             busiest[role] = max(busiest.get(role, 0.0), v)
+        busiest_thread = max(self.threads, key=lambda k: self.threads[k] - self.threads0[k],
+                             default=None)
         return {"wall_s": wall, "cores": {r: v / wall for r, v in by_role.items()},
-                "busiest_process_peak": busiest}
+                "busiest_process_peak": busiest,
+                "server_api_busiest_thread_s": busiest_thread and (
+                    self.threads[busiest_thread] - self.threads0[busiest_thread]),
+                "server_api_busiest_thread_series": self.series.get(busiest_thread)}
 
 
 # ---- one run of each tool --------------------------------------------------------------------

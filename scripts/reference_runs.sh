@@ -16,7 +16,9 @@
 #        (Poisson up to saturation, the realtime-chat traffic at four rates), fixedfile (closed
 #        loops of 1, 16 and 64 users on a ShareGPT-format file of the lab's fixed-length prompts,
 #        both tools), frontend (the ShareGPT file at 128, 256 and 512 users, both tools: the API
-#        server near its core's limit), budget (restarts with max-num-batched-tokens=2048: Poisson
+#        server near its core's limit), stream and admit (the API server's costs apart: long replies
+#        at 64-512 users, long prompts at 1-64, the bench alone), api4 (restarts with
+#        api-server-count=4: long replies at 256 and 512 users, realtime-chat at 48 req/s), budget (restarts with max-num-batched-tokens=2048: Poisson
 #        and the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
 #        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
 # MODEL (required) is the model folder (config and tokenizer; weights are dummy). VLLM_VENV and
@@ -71,6 +73,23 @@ for phase in "$@"; do
     # The API server near and past its one core: the ShareGPT file at 128, 256 and 512 users.
     frontend) parity measure twin-frontend --url "$(url_of parity)" --sharegpt-per-user 4 \
                 --cases sharegpt:128,sharegpt:256,sharegpt:512 ;;
+    # The API server's costs taken apart, the bench alone: streaming (64-token prompts, 512-token
+    # replies) at 64-512 users, where its one event loop's work per streamed token sets the
+    # throughput it can carry; admission (2048-token prompts, 8-token replies) at 1-64 users,
+    # where each prompt's tokenizing and hand-off to the engine queue behind one another.
+    stream) parity measure twin-stream --url "$(url_of parity)" --runs bench --input-len 64 \
+              --output-len 512 --requests-per-user 2 --min-requests 128 \
+              --cases closed:64,closed:128,closed:256,closed:512 ;;
+    admit) parity measure twin-admit --url "$(url_of parity)" --runs bench --input-len 2048 \
+             --output-len 8 --requests-per-user 4 --min-requests 16 --cases closed:1,closed:16,closed:64 ;;
+    # Four API-server processes (--api-server-count 4): the streaming case where one loop binds,
+    # and the realtime-chat traffic past one process's limit.
+    api4) parity stop parity
+          parity start twin-api4 --set serve.api-server-count=4
+          parity measure twin-api4 --runs bench --set serve.api-server-count=4 --input-len 64 \
+            --output-len 512 --requests-per-user 2 --cases closed:256,closed:512
+          parity measure twin-api4 --runs lab --set serve.api-server-count=4 --open-s 25 \
+            --cases realtime-chat/poisson:48 ;;
     open) parity measure twin-open --url "$(url_of parity)" --runs bench --open-s 20 \
             --cases poisson:10,poisson:50,poisson:60
           parity measure twin-open --url "$(url_of parity)" --runs lab --open-s 25 \
