@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import http.client
 import json
 import logging
 import time
@@ -108,6 +109,12 @@ def _get(url: str, timeout: float = 5.0) -> int:
         return 0
 
 
+# The most of a reply _post reads: a warm-up's 8 tokens are well under 1 KiB. A server that ignores
+# max_tokens and never ends its reply would otherwise hold the read, and the sweep, forever (the
+# timeout bounds each read, and such a server never stops sending).
+_REPLY_CAP = 16 * 1024
+
+
 def _post(url: str, body: dict | None, api_key: str | None, timeout: float = 120.0) -> int:
     data = json.dumps(body or {}).encode()
     req = urllib.request.Request(url, data=data, method="POST",
@@ -115,11 +122,13 @@ def _post(url: str, body: dict | None, api_key: str | None, timeout: float = 120
                                           **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            r.read()
+            r.read(_REPLY_CAP)
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        # HTTPException: a reply cut off mid-body (IncompleteRead) or a garbled status line, a
+        # server's fault like no answer at all; it must not end the command.
         return 0
 
 
