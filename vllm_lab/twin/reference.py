@@ -10,8 +10,11 @@ closed loops of 1 to 512 users once, then 64 users and the ShareGPT file at 64 (
 five of the lab) and Poisson at 30 and 45 req/s (three of each), taking turns; and
 ``traffic-2026-12-02b/``: a third host, where vLLM's API server is the limit (the ShareGPT file at
 128-512 users, Poisson to 60 req/s, the realtime-chat scenario's traffic at 20-42 req/s, the lab's
-fixed-length prompts sent by both clients, ``--long-prefill-token-threshold 256``). Each run is
-replayed request for request, a scenario's traffic with the prefixes its requests share.
+fixed-length prompts sent by both clients, ``--long-prefill-token-threshold 256``); and
+``traffic-2026-12-02c/``: a fourth host, the API server's costs taken apart with its event loop's
+CPU measured (long replies to short prompts at 64-512 users, long prompts at 1-64, the ShareGPT
+file and realtime-chat up to the loop's limit, four API-server processes). Each run is replayed
+request for request, a scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
 (`FITTED`): the older bench files, and of the measurement's bench runs one of each traffic kind at
@@ -35,7 +38,7 @@ from vllm_lab.twin.fit import BenchPoint, load_point
 ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
 # Measurements taken after the fit, held out whole.
-LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b")
+LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b", ROOT / "traffic-2026-12-02c")
 
 # The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
@@ -46,15 +49,24 @@ FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt
 # held out: the ShareGPT file at 128, every run of the lab's client, Poisson at 10 and 50,
 # realtime-chat at 20, 30 and 42, the fixed-length file and the long-prefill threshold.
 FRONTEND = ROOT / "traffic-2026-12-02b"
-FRONTEND_FITTED = {("bench", "sharegpt", 256), ("bench", "sharegpt", 512), ("bench", "poisson", 60),
-                   ("lab", "realtime-chat/poisson", 36)}
+# ``traffic-2026-12-02c``: the API server's costs taken apart on a fourth host (the bench's long
+# replies to short prompts at 64-512 users, long prompts to short replies at 1-64 users), then
+# its limit on the same host (the ShareGPT file at 128 and 256 users, realtime-chat at 30-52
+# req/s, four API-server processes). Its terms may be fitted to the streaming runs at 128 and 512
+# users and the long prompts at 16 users, chosen before fitting; the rest is held out.
+FRONTEND_C = ROOT / "traffic-2026-12-02c"
+FRONTEND_FITTED = {
+    FRONTEND: {("bench", "sharegpt", 256), ("bench", "sharegpt", 512), ("bench", "poisson", 60),
+               ("lab", "realtime-chat/poisson", 36)},
+    FRONTEND_C: {("bench", "closed", 128), ("bench", "closed", 512), ("bench", "closed", 16)}}
 # How each case of the measurement is read: a fidelity table per kind.
 KINDS = {"closed": "closed fixed", "filefixed": "closed fixed", "sharegpt": "closed variable",
          "poisson": "open", "gamma b=0.5": "open", "chat": "chat"}
 # The traffic `vllm bench serve` can send too; any other workload is a scenario's (vllm_lab.scenarios).
 BENCH_WORKLOADS = ("random", "sharegpt", "chat", "filefixed")
 CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048},
-           "long-prefill-token-threshold=256": {"long-prefill-token-threshold": 256}}
+           "long-prefill-token-threshold=256": {"long-prefill-token-threshold": 256},
+           "api-server-count=4": {"api-server-count": 4}}
 
 
 def bench_files(root: Path = ROOT) -> list[BenchPoint]:
@@ -86,8 +98,13 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
         if run["workload"] not in BENCH_WORKLOADS:  # a scenario's traffic, sent by the lab alone
             prompts, chat = _scenario_prompts(run["workload"], prompts)
         # Requests in the order they were sent: the closed loop's pool hands them out so.
+        lengths = (round(rq.prompt_tokens.mean()), round(rq.output_tokens.mean()))
         pt = BenchPoint(
             name=f"{run['tool']} {run['case']} {run['level']:g}"
+                 # Fixed lengths other than the parity runs' 512/128 (the API server's costs
+                 # taken apart) are named by them: two such runs may share a case and a level.
+                 + (f" {lengths[0]}/{lengths[1]}" if run["case"] == "closed"
+                    and abs(lengths[0] - 512) > 8 else "")
                  + ("" if run["config"] == "defaults" else f" [{run['config']}]"),
             num_prompts=len(rq), input_len=round(rq.prompt_tokens.mean()),
             output_len=round(rq.output_tokens.mean()),
@@ -100,7 +117,8 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
             chat=chat, kind=KINDS.get(run["case"], "chat" if chat else "open"))
         key = (run["tool"], run["case"], run["level"])
         fitted = run["config"] == "defaults" and (
-            key in FRONTEND_FITTED if folder == FRONTEND else not later and key in FITTED)
+            key in FRONTEND_FITTED[folder] if folder in FRONTEND_FITTED
+            else not later and key in FITTED)
         out.append((pt, fitted))
     return out
 
@@ -127,7 +145,8 @@ def fit_set() -> list[BenchPoint]:
 def frontend_fit_set() -> list[BenchPoint]:
     """The points its API-server terms are fitted to: the engine's fit set (which they must not
     make worse) and the measurement of the API server's limit."""
-    return fit_set() + [p for p, fitted in traffic_points(FRONTEND) if fitted]
+    return fit_set() + [p for folder in FRONTEND_FITTED
+                        for p, fitted in traffic_points(folder) if fitted]
 
 
 def held_out_set(folders: tuple[Path, ...] = (TRAFFIC,)) -> list[BenchPoint]:
