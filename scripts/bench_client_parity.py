@@ -22,7 +22,9 @@ A case is `kind:level[:burstiness]`:
   which tells the prompt's text apart from the client.
 A run spec is `bench` or `lab`, with `:key=value` options: `processes=N` (lab: Locust processes;
 default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no periodic
-/metrics and GPU scrapes during the run). Phases: `start` leaves the server running and writes
+/metrics and GPU scrapes during the run), `schedule=bench` (lab, open loops: replay the send times
+and lengths of the case's last bench run as a trace, so both clients send the very same arrival
+schedule and only the client and the server's own run-to-run spread are left to differ). Phases: `start` leaves the server running and writes
 server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
 `all` does all four; `export --out STORE [--out STORE ...] [--config FLAGS ...] --to DIR` writes a
 reference folder (runs.jsonl, every request in requests.csv.gz, server-raw.jsonl.gz, power.csv.gz)
@@ -158,6 +160,12 @@ class Case:
         else:
             out.append(f"load.shape.level={self.users}")
         return out
+
+    def replay_overrides(self, trace: Path, n: int) -> list[str]:
+        """The overrides that make the lab send a bench run's own schedule (``bench_schedule``)."""
+        out = [f"load.stop.max_requests={n}", "workload.source=trace", f"workload.path={trace}",
+               "workload.trace_format=jsonl", "load.mode=replay", "load.replay.speed=1.0"]
+        return out + (["workload.api=chat"] if self.workload == "chat" else [])
 
     def bench_args(self, args, n: int) -> list[str]:
         """`vllm bench serve`'s arguments for this case's traffic."""
@@ -414,6 +422,18 @@ def run_bench(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
     return {"figures": fig, "samples": samples}
 
 
+def bench_schedule(result: Path, to: Path) -> Path:
+    """A `vllm bench serve` result's requests as a plain JSONL trace (`vllm_lab.traffic.traces`):
+    each one's send time from the first, its prompt and its output length, in the order sent."""
+    ref = bench_samples(json.loads(result.read_text())).sort_values("start_ts")
+    t0 = ref.start_ts.min()
+    to.parent.mkdir(parents=True, exist_ok=True)
+    to.write_text("".join(json.dumps({"timestamp": round(t - t0, 6), "prompt_tokens": int(p),
+                                      "output_tokens": int(o)}) + "\n"
+                          for t, p, o in zip(ref.start_ts, ref.prompt_tokens, ref.output_tokens)))
+    return to
+
+
 def run_lab(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
     """The lab's own path: LiveBackend.measure_on sizes the load generator, audits the run against
     the server and runs it again once if the client could not keep up."""
@@ -421,7 +441,15 @@ def run_lab(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
 
     extra = [f"workload.temperature={opts['temperature'].replace('none', 'null')}"] \
         if "temperature" in opts else []
-    s = lab_scenario(args.model, [*case.lab_overrides(args, n), *args.set, *extra])
+    traffic = case.lab_overrides(args, n)
+    replayed = opts.get("schedule") == "bench"
+    if replayed:
+        if not (case.open and opts.get("bench_result")):
+            raise ValueError(f"{tag}: schedule=bench replays an open loop's last bench run; "
+                             f"run bench first in --runs")
+        trace = bench_schedule(Path(opts["bench_result"]), args.out / "lab" / f"{tag}-schedule.jsonl")
+        traffic = case.replay_overrides(trace, n)
+    s = lab_scenario(args.model, [*traffic, *args.set, *extra])
     backend = LiveBackend(args.backend, args.inventory,
                           processes=int(opts["processes"]) if "processes" in opts else None)
     port = int(url.rsplit(":", 1)[1].strip("/"))
@@ -438,7 +466,7 @@ def run_lab(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
                                    "client_cpu_max", "loop_lag_p99_s", "audit_span_diff")}
     ok = m.samples[m.samples.status == "ok"]
     start, end = ok.start_ts.min(), (ok.start_ts + ok.e2e_s).max()
-    if case.open:
+    if case.open and not replayed:
         # The bench's clock starts before its first arrival's gap, at the schedule's zero.
         first_gap = next(planned_arrivals(s.load, s.run.seed))
         start = min(start, m.samples.scheduled_ts.min() - first_gap)
@@ -476,8 +504,10 @@ def measure(args, url: str) -> None:
     runs_file = args.out / "runs.jsonl"
     for case in args.cases:
         n = case.requests(args)
+        bench_result = None   # the case's last bench run, which schedule=bench replays
         for spec in args.runs:
             tool, opts = _opts(spec)
+            opts["bench_result"] = bench_result
             if tool == "bench" and not case.benchable:
                 continue
             tag = f"{case.tag}-{spec.replace(':', '-').replace('=', '').replace(',', '-')}-{int(time.time())}"
@@ -492,6 +522,8 @@ def measure(args, url: str) -> None:
                 continue
             wall = time.time() - t0
             cpu_use = cpu.stop()
+            if tool == "bench":
+                bench_result = args.out / "bench" / f"{tag}.json"
             after = scrape(url)
             view = audit.server_view(frame(before + after))
             check = audit.audit(out["samples"], view)

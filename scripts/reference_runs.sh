@@ -12,7 +12,9 @@
 #        users, a ShareGPT-format file at 64 and 256 users, Poisson at two rates, gamma with
 #        burstiness 0.5, chat at 64 users), repeats (runs of each tool taking turns: 64 users and
 #        the ShareGPT file at 64, three of the bench and five of the lab, as repeats-closed; Poisson
-#        at 30 and 45 req/s, three of each, as repeats-open; parity.csv gives medians), open
+#        at 30 and 45 req/s, three of each, as repeats-open; parity.csv gives medians),
+#        parity-schedule (Poisson at the two rates and gamma arrivals, a minute each, the lab
+#        replaying each bench run's own send times: one arrival schedule on both sides), open
 #        (Poisson up to saturation, the realtime-chat traffic at four rates), fixedfile (closed
 #        loops of 1, 16 and 64 users on a ShareGPT-format file of the lab's fixed-length prompts,
 #        both tools), frontend (the ShareGPT file at 128, 256 and 512 users, both tools: the API
@@ -66,6 +68,14 @@ for phase in "$@"; do
         --cases poisson:30,poisson:45 --open-s 30
       parity csv parity-repeats ;;
     repeats-closed) ;;
+    # Open loops on one arrival schedule: each lab run replays the send times and lengths of the
+    # bench run just before it, so the two differ only by their client and the server's own
+    # run-to-run spread; a minute of arrivals each, twice, at two rates and gamma arrivals.
+    parity-schedule)
+      parity measure parity-schedule --url "$(url_of parity)" --open-s 60 \
+        --runs bench+lab:schedule=bench+bench+lab:schedule=bench \
+        --cases poisson:$r1,poisson:$r2,gamma:30:0.5
+      parity csv parity-schedule ;;
     # The lab's own fixed-length prompts in a ShareGPT-format file, sent by both: the closed loops'
     # TTFT gap with the prompt's text the same on both sides.
     fixedfile) parity measure parity-fixedfile --url "$(url_of parity)" \
