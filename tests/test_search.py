@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -12,8 +13,14 @@ import pytest
 from tests.support.processes import PostgresServer
 from vllm_lab import plans, search
 from vllm_lab import reports as report
+from vllm_lab.analysis.points import best_rule
 from vllm_lab.analysis.search import best_configs
 from vllm_lab.backends import PredictBackend
+from vllm_lab.commands.settings import Settings, Source
+from vllm_lab.commands.tune import TuneOptions, tune
+from vllm_lab.progress import point_label
+from vllm_lab.reports.console import results
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
 
@@ -159,3 +166,46 @@ def test_two_workers_share_one_study(tmp_path, study_storage):
     runs = Store(db).runs("tune-w")
     assert runs["run_key"].is_unique
     assert {t.user_attrs["run_key"] for t in trials} == set(runs["run_key"])
+
+
+def test_an_energy_tune_names_its_best_by_tokens_per_joule_everywhere(tmp_path):
+    """OBJECTIVE=energy: the best is the one rule's pick on output tokens per joule among the
+    points meeting the SLO (the predictor is exact: the most tok/J, ties to the cheapest), not the
+    goodput rule's; the headline, best.yaml, summary.json and the console's table name it alike."""
+    space = tmp_path / "space.yaml"
+    space.write_text("space:\n  max-num-seqs: {choices: [16, 64, 256]}\n"
+                     "  max-num-batched-tokens: {choices: [512, 2048]}\n")
+    settings = Settings(backend="predict", out=tmp_path, experiment="tune-energy")
+    options = TuneOptions(trials=10, objective="energy", space=str(space), seed=0, startup_trials=10)
+    assert tune(settings, Source("default", None, tuple(SETS)), options) == 0
+
+    # The rule, computed here from the recorded runs: every point meeting the SLO, by tok/J.
+    runs = Store(tmp_path / "lab.db").runs("tune-energy")
+    points = {}
+    for _, run in runs[runs["status"] == "ok"].iterrows():
+        summary = RunSummary.of_row(run)
+        if summary.meets_slo:
+            key = (run["point"]["max-num-seqs"], run["point"]["max-num-batched-tokens"])
+            points[key] = (summary.figure("output_tokens_per_joule"), summary.goodput)
+    most = max(v[0] for v in points.values())
+    expected = min(k for k, v in points.items() if v[0] == most)  # the cheapest of the equals
+    by_goodput = max(points, key=lambda k: points[k][1])
+    assert expected != by_goodput  # the traffic where the two rules part: the test can tell them apart
+    value = f"max-num-seqs={expected[0]}, max-num-batched-tokens={expected[1]}"
+
+    folder = tmp_path / "tune-energy"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["ranked_by"] == "output_tokens_per_joule"
+    assert summary["best"] == {"max-num-seqs": expected[0], "max-num-batched-tokens": expected[1]}
+    assert summary["best_figures"]["output_tokens_per_joule"] == pytest.approx(most)
+    assert summary["headline"].count("Best under the SLO by output tokens per joule: " + value) == 1
+    best = resolve(str(folder / "best.yaml"))
+    assert (best.serve["max-num-seqs"], best.serve["max-num-batched-tokens"]) == expected
+    page = (folder / "index.html").read_text()
+    assert summary["headline"].replace("'", "&#x27;") in page  # the page's headline is the file's
+    assert best_rule("output_tokens_per_joule") in page.replace("&#x27;", "'")  # the rule stated
+    # The console ends with the same best and the same headline (closing_table prints these
+    # results as they are), tok/J in its table.
+    shown = results(tmp_path / "lab.db", "tune-energy")
+    assert shown.best == point_label(dict(zip(("max-num-seqs", "max-num-batched-tokens"), expected)))
+    assert shown.headline == summary["headline"] and "tok/J" in shown.table
