@@ -146,6 +146,9 @@ def test_live_backend_restarts_only_when_serve_flags_change(base, tmp_path, monk
             plans.sweep_points(base.with_serve(**{"max-num-seqs": 16}), "load.shape.level", [1, 2]):
         live._ensure_server(p.scenario, None)
     assert starts == [8, 16] and stops == [None]
+    # The same flags on another simulated GPU: the twin started for the last one cannot serve it.
+    live._ensure_server(scenarios.resolve("default", "cpu-demo", ["serve.max-num-seqs=16"]), None)
+    assert starts == [8, 16, 16] and stops == [None, None]
 
 
 @pytest.mark.parametrize("cause, status", [("oom", "oom"), ("refused-flag", "failed-start"),
