@@ -28,9 +28,9 @@ from vllm_lab.twin.tokenizer import load_tokenizer
 # takes 14 s on cpu-demo, longer than the run: no steady window) and a run of 10-15 s.
 SHORT = ["workload.source=alpaca-like", "run.warmup_requests=2"]
 RUNS = {
-    # 64 closed-loop users through one pool of 384 requests, the predictor's and the live run's
-    # alike (a duration alone would end them at different requests), 20 s at most.
-    "default": [*SHORT, "load.stop.max_requests=384", "load.stop.duration_s=20"],
+    # Its closed-loop users through one pool of 8 requests each, the predictor's and the live
+    # run's alike (a duration alone would end them at different requests), 20 s at most.
+    "default": [*SHORT, "load.stop.max_requests=256", "load.stop.duration_s=20"],
     "high-concurrency-api": [*SHORT, "load.stop.duration_s=10"],
     # The chat traffic (a shared system prompt, its flags) at the 14 req/s open loop on which
     # the chat template's cost was found; a closed loop is the default scenario's case.

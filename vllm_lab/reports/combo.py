@@ -187,7 +187,7 @@ def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pa
     figures = [heatmaps(grid, params, ctx, folder, figure),
                pareto_figure(table, params, ctx, folder, figure=figure)]
     best = best_point(table, figure)
-    headline = sweep.headline(table, best, params, ctx.load, figure)
+    headline = sweep.headline(table, best, params, ctx, figure)
     best_path = _best_file(runs, params, best, folder, _best_note(exp["id"], best, params, figure))
     _best_summary(exp, table, best, params, figure, headline, folder)
     shown = sweep.display_table(table, params, figure)
@@ -271,7 +271,7 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     figures.append(pareto_figure(table, params, ctx, folder, figure=figure))
     figures += [f for f in [traffic.trace_figure(runs, folder, ctx.caption)] if f]
     best = best_point(table, figure)
-    headline = _tune_headline(trials, table, best, params, meta["objective"], ctx.load)
+    headline = _tune_headline(trials, table, best, params, meta["objective"], ctx)
     best_path = _best_file(runs, params, best, folder,
                            _best_note(f"study {meta['study']}", best, params, figure))
     _best_summary(exp, table, best, params, figure, headline, folder)
@@ -289,12 +289,12 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
 
 
 def _tune_headline(trials: pd.DataFrame, table: pd.DataFrame, best: pd.Series | None,
-                   params: list[str], objective: str, load: str) -> str:
+                   params: list[str], objective: str, ctx: Context) -> str:
     states = trials["state"].value_counts().to_dict()
     head = (f"{len(trials)} trials ({', '.join(f'{v} {k.lower()}' for k, v in states.items())}), "
             f"objective {search.objective_label(objective)}. ")
     figure = search.RANKED_BY[objective]
-    return head + (sweep.headline(table, best, params, load, figure) if best is not None else
+    return head + (sweep.headline(table, best, params, ctx, figure) if best is not None else
                    "No trial met the SLO.")
 
 
@@ -305,7 +305,7 @@ def tune_headline(store: Store, exp: dict, runs: pd.DataFrame) -> str:
     table = sweep.points(runs, exp, ctx)
     trials = trials_frame(tune_study(exp, store.path))
     return _tune_headline(trials, table, best_point(table, sweep.ranked_by(exp)), params,
-                          exp["meta"]["objective"], ctx.load)
+                          exp["meta"]["objective"], ctx)
 
 
 def _confirm_section(store: Store, exp_id: str) -> list[Block]:

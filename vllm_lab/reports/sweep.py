@@ -266,10 +266,11 @@ def _runs_said(row: pd.Series) -> str:
     return "one run" if n == 1 else f"means of {n} runs"
 
 
-def headline(table: pd.DataFrame, best, params: list[str], load: str = "", figure: str = RANKED) -> str:
+def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None = None,
+             figure: str = RANKED) -> str:
     """The page's result in a few sentences: the best by the one rule (``best_rule``) on
     ``figure``, its effect against vLLM's defaults, what else is within noise of it, and what was
-    not measured."""
+    measured (where, under which load) and what was not."""
     if not params:
         row = table.iloc[0]
         if not row["ok_runs"]:
@@ -279,7 +280,8 @@ def headline(table: pd.DataFrame, best, params: list[str], load: str = "", figur
                 f"ms, TPOT p50 {mean_text(row, 'tpot_p50', 1000)} ms ({_runs_said(row)} ± half "
                 f"the 95% interval).")
     if best is None:
-        return f"No value of {', '.join(params)} met every SLO." + _unmeasured(table, params, load)
+        return (f"No value of {', '.join(params)} met every SLO." + _measured(table, params, ctx)
+                + _unmeasured(table, params, ctx))
     value = ", ".join(f"{p}={best[p]}" for p in params)
     ranked = "" if figure == RANKED else f" by {ranked_label(figure)}"
     text = (f"Best under the SLO{ranked}: {value} — {ranked_lead(best, figure)}goodput {best['goodput']:.2f} req/s, "
@@ -304,7 +306,7 @@ def headline(table: pd.DataFrame, best, params: list[str], load: str = "", figur
         on = ranked_label(figure)
         close = f"Equal to it on {on}" if exact else f"Within noise of it on {on}{single}"
         text += f" {close}: {names}; the best is the cheapest of them."
-    return text + _unmeasured(table, params, load)
+    return text + _measured(table, params, ctx) + _unmeasured(table, params, ctx)
 
 
 def ranked_lead(row: pd.Series, figure: str) -> str:
@@ -315,9 +317,27 @@ def ranked_lead(row: pd.Series, figure: str) -> str:
     return f"{page.fmt(row[figure])} {ranked_label(figure)}, "
 
 
-def _unmeasured(table: pd.DataFrame, params: list[str], load: str) -> str:
-    """What the sweep did not measure: values the load could not tell apart, points left out."""
+# Backends that simulate the scenario's GPU rather than measure one, as a sentence names them.
+SIMULATED = {"twin": "the twin", "predict": "the twin's predictor"}
+
+
+def _measured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> str:
+    """What the experiment measured, in a sentence: its points and runs, where, under which load."""
+    if ctx is None:
+        return ""
+    what = (f"{len(table)} values of {params[0]}" if len(params) == 1 else
+            f"{len(table)} combinations of {', '.join(params)}")
+    where = (f"{SIMULATED[ctx.backend]}, a simulated {ctx.hardware}" if ctx.backend in SIMULATED
+             else f"{ctx.hardware} with vLLM {ctx.vllm_version}")
+    ok, runs = int(table["ok_runs"].sum()), int(table["runs"].sum())
+    return f" Measured: {what} ({ok} of {runs} runs ok) on {where}; {ctx.load}."
+
+
+def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> str:
+    """What the sweep did not measure: values the load could not tell apart, points left out,
+    and a GPU where a simulation stood in for it."""
     parts = []
+    load = ctx.load if ctx else ""
     if params == ["max-num-seqs"] and load.startswith("closed"):
         users = float(load.split()[3])
         above = [v for v in table["max-num-seqs"] if isinstance(v, (int, float)) and v > users]
@@ -330,6 +350,8 @@ def _unmeasured(table: pd.DataFrame, params: list[str], load: str) -> str:
     if len(left):
         parts.append("left out: " + "; ".join(
             f"{', '.join(f'{p}={r[p]}' for p in params)} ({r['status']})" for _, r in left.iterrows()))
+    if ctx is not None and ctx.backend in SIMULATED:
+        parts.append("a GPU (BACKEND=vllm measures one)")
     return (" Not measured: " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -408,7 +430,7 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     notes = warnings(table) if params else baseline_notes(table)
     notes += prediction_notes(table)
     shown = display_table(table, params)
-    return page.write_page(experiment_page(exp, ctx, headline(table, best, params, ctx.load), shown,
+    return page.write_page(experiment_page(exp, ctx, headline(table, best, params, ctx), shown,
                                            notes, figures, groups=column_groups(shown, params),
                                            rule=BEST_RULE if params else None,
                                            tables=tables(table, params)), folder)
