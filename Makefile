@@ -27,7 +27,7 @@ VLLM_VENV ?=                          # the environment vLLM is installed in (it
 LAB_ROOT  ?=                          # the lab's work folder on the host (default /tmp/vllm-lab)
 #= make sweep
 PARAM     ?=                          # engine flag to sweep, e.g. max-num-seqs
-VALUES    ?=                          # comma-separated values for PARAM; default: a ladder for the hardware
+VALUES    ?=                          # comma-separated values for PARAM; default: a ladder for the hardware, the model and the load
 #= make combo
 PARAMS    ?=                          # 2-3 flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens
 GRID      ?=                          # values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"

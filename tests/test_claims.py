@@ -135,7 +135,10 @@ def test_all_nine_claims_on_the_predictor(tmp_path):
     assert table.set_index("claim").loc[3, "verdict"] == claims.NO
     assert (tmp_path / "claims-predict/effects.png").is_file()
     arms = pd.read_csv(tmp_path / "claims-predict/arms.csv")
-    assert (arms.loc[arms["arm"] == "base · defaults", "runs"] == 2).all()
+    # The predictor is deterministic: vLLM's defaults run once on each traffic (a repeat would
+    # read the same figures: there is no noise floor to measure).
+    defaults = arms[arms["arm"].str.contains("· defaults")]
+    assert len(defaults) >= 2 and (defaults["runs"] == 1).all()
 
 
 def test_bad_claim_selection_is_one_sentence_and_exit_2(tmp_path):

@@ -15,9 +15,16 @@ def base():
 
 
 def test_ladders_fit_the_hardware(base):
-    # max-num-seqs binds below the 64 users the default scenario keeps in flight; vLLM's default
-    # on an H200 (1024) is the reference, and every value between runs the same batch.
-    assert plans.default_values("max-num-seqs", base) == [16, 32, 64, 1024]
+    # max-num-seqs binds below the 32 users the default scenario keeps in flight: a quarter, a
+    # half and all of them; vLLM's default on an H200 (1024) is the reference, and every value
+    # between runs the same batch. The first command's ladder: it must show where the cap binds.
+    assert plans.default_values("max-num-seqs", base) == [8, 16, 32, 1024]
+    # The same load on a GPU vLLM gives its smaller defaults (under 70 GiB, or an A100): 256.
+    for gpu in ("cpu-demo", "a100-80g"):
+        assert plans.default_values("max-num-seqs", scenarios.resolve("default", gpu)) == [8, 16, 32, 256]
+    # More users than vLLM's default: the default itself is the limit the ladder divides.
+    crowd = scenarios.resolve("default", None, ["load.shape.level=2048"])
+    assert plans.kv_sequences(crowd) == 1841 and plans.default_values("max-num-seqs", crowd) == [256, 512, 1024]
     # On a 24 GB card the KV cache holds 110 sequences of the workload's mean length, fewer than
     # the 2048 users: the cache binds, and vLLM's default there (256) is the reference.
     small = scenarios.resolve("default", "rtx3090", ["load.shape.level=2048"])
@@ -146,6 +153,9 @@ def test_live_backend_restarts_only_when_serve_flags_change(base, tmp_path, monk
             plans.sweep_points(base.with_serve(**{"max-num-seqs": 16}), "load.shape.level", [1, 2]):
         live._ensure_server(p.scenario, None)
     assert starts == [8, 16] and stops == [None]
+    # The same flags on another simulated GPU: the twin started for the last one cannot serve it.
+    live._ensure_server(scenarios.resolve("default", "cpu-demo", ["serve.max-num-seqs=16"]), None)
+    assert starts == [8, 16, 16] and stops == [None, None]
 
 
 @pytest.mark.parametrize("cause, status", [("oom", "oom"), ("refused-flag", "failed-start"),

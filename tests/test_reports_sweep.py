@@ -83,6 +83,11 @@ def test_the_headline_names_the_best_value_under_the_slo_not_the_fastest(sweep):
     md = (sweep.parent / "report.md").read_text()
     assert md.startswith("# sweep-seqs\n")
     assert "**Best under the SLO: max-num-seqs=16 — goodput 4.00 req/s, 1005 output tokens/s" in md
+    # It says what was measured, where and under which load, and what was not.
+    assert ("Measured: 4 values of max-num-seqs (6 of 8 runs ok) on the twin, a simulated h200; "
+            "closed loop, constant 32 users, 15 s per run. Not measured: batches of more than 32 "
+            "sequences, which this load (32 closed-loop users) never makes") in md
+    assert "left out: max-num-seqs=64 (oom); a GPU (BACKEND=vllm measures one).**" in md
     # Each report states where its figures come from.
     assert "h200 · meta-llama/Meta-Llama-3-8B-Instruct · vLLM 0.26.0 · twin (simulated)" in md
     assert "Step: sweep · scenario: default" in md and "max-num-seqs=swept" in md
@@ -125,4 +130,5 @@ def test_no_point_meeting_the_slo_is_the_headline(tmp_path):
         _record(store, "all-slow", "sweep", 0, {"max-num-seqs": value}, meets_slo=False)
     store.close()
     index = report.build(tmp_path / "lab.db", "all-slow", tmp_path / "out")
-    assert "**No value of max-num-seqs met every SLO.**" in (index.parent / "report.md").read_text()
+    md = (index.parent / "report.md").read_text()
+    assert "**No value of max-num-seqs met every SLO. Measured: 2 values of max-num-seqs" in md

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tests.support.processes import PostgresServer
 from vllm_lab import plans, search
 from vllm_lab import reports as report
+from vllm_lab.analysis.points import best_point, best_rule
 from vllm_lab.analysis.search import best_configs
 from vllm_lab.backends import PredictBackend
+from vllm_lab.commands.settings import Settings, Source
+from vllm_lab.commands.tune import TuneOptions, tune
+from vllm_lab.progress import point_label
+from vllm_lab.reports.console import results
+from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
 
@@ -159,3 +167,60 @@ def test_two_workers_share_one_study(tmp_path, study_storage):
     runs = Store(db).runs("tune-w")
     assert runs["run_key"].is_unique
     assert {t.user_attrs["run_key"] for t in trials} == set(runs["run_key"])
+
+
+def test_the_one_rule_ranks_by_the_figure_it_is_given():
+    """The same table, two figures: the goodput rule and the tokens-per-joule rule part, each
+    naming the cheapest point within noise of its own top among those meeting the SLO."""
+    table = pd.DataFrame({
+        "max-num-seqs": [16, 64, 256, 1024], "runs": 1, "ok_runs": 1, "backend": "twin",
+        "meets_slo": [False, True, True, True],
+        "goodput": [30.0, 20.0, 19.9, 16.0], "output_throughput": [9e3, 6e3, 5.9e3, 5e3],
+        "output_tokens_per_joule": [12.0, 8.0, 9.6, 10.0]})
+    # Goodput: 64 on top, 256 within a single live run's noise of it, 16 misses the SLO: 64.
+    assert best_point(table)["max-num-seqs"] == 64
+    # Tokens per joule: 1024 on top, 256 within noise of it (and cheaper), 64 not: 256.
+    assert best_point(table, "output_tokens_per_joule")["max-num-seqs"] == 256
+    assert best_rule("output_tokens_per_joule") != best_rule() and "output tokens per joule" in \
+        best_rule("output_tokens_per_joule")
+
+
+def test_an_energy_tune_names_its_best_by_tokens_per_joule_everywhere(tmp_path):
+    """OBJECTIVE=energy: the best is the one rule's pick on output tokens per joule among the
+    points meeting the SLO (the predictor is exact: the most tok/J, ties to the cheapest); the
+    headline, best.yaml, summary.json and the console's table name it alike."""
+    space = tmp_path / "space.yaml"
+    space.write_text("space:\n  max-num-seqs: {choices: [16, 64, 256]}\n"
+                     "  max-num-batched-tokens: {choices: [512, 2048]}\n")
+    settings = Settings(backend="predict", out=tmp_path, experiment="tune-energy")
+    options = TuneOptions(trials=10, objective="energy", space=str(space), seed=0, startup_trials=10)
+    assert tune(settings, Source("default", None, tuple(SETS)), options) == 0
+
+    # The rule, computed here from the recorded runs: every point meeting the SLO, by tok/J.
+    runs = Store(tmp_path / "lab.db").runs("tune-energy")
+    points = {}
+    for _, run in runs[runs["status"] == "ok"].iterrows():
+        summary = RunSummary.of_row(run)
+        if summary.meets_slo:
+            key = (run["point"]["max-num-seqs"], run["point"]["max-num-batched-tokens"])
+            points[key] = summary.figure("output_tokens_per_joule")
+    most = max(points.values())
+    expected = min(k for k, v in points.items() if v == most)  # the cheapest of the equals
+    value = f"max-num-seqs={expected[0]}, max-num-batched-tokens={expected[1]}"
+
+    folder = tmp_path / "tune-energy"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["ranked_by"] == "output_tokens_per_joule"
+    assert summary["best"] == {"max-num-seqs": expected[0], "max-num-batched-tokens": expected[1]}
+    assert summary["best_figures"]["output_tokens_per_joule"] == pytest.approx(most)
+    assert summary["headline"].count("Best under the SLO by output tokens per joule: " + value) == 1
+    best = resolve(str(folder / "best.yaml"))
+    assert (best.serve["max-num-seqs"], best.serve["max-num-batched-tokens"]) == expected
+    page = (folder / "index.html").read_text()
+    assert summary["headline"].replace("'", "&#x27;") in page  # the page's headline is the file's
+    assert best_rule("output_tokens_per_joule") in page.replace("&#x27;", "'")  # the rule stated
+    # The console ends with the same best and the same headline (closing_table prints these
+    # results as they are), tok/J in its table.
+    shown = results(tmp_path / "lab.db", "tune-energy")
+    assert shown.best == point_label(dict(zip(("max-num-seqs", "max-num-batched-tokens"), expected)))
+    assert shown.headline == summary["headline"] and "tok/J" in shown.table

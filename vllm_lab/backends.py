@@ -170,8 +170,11 @@ class LiveBackend:
 
     # -- server lifecycle ----------------------------------------------------------------------
     def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
-        """The host's server for these serve flags: reused when they match and it is healthy."""
-        key = json.dumps(scenario.serve, sort_keys=True, default=str)
+        """The host's server for these serve flags (and, for the twin, the GPU it simulates):
+        reused when they match and it is healthy."""
+        # A twin started for one GPU (its environment) simulates that GPU: another is a restart.
+        simulated = scenario.hardware.model_dump(mode="json") if self.name == "twin" else None
+        key = json.dumps([scenario.serve, simulated], sort_keys=True, default=str)
         current = self._running.get(host)
         if current and current[0] == key and _get(current[1].url + "/health") == 200:
             return current[1]

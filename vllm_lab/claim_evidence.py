@@ -37,8 +37,8 @@ class Evidence:
     """Each arm's runs (summaries and statuses), read by the judges.
 
     An arm's runs are those of its label or, where another claim's arm ran the same scenario
-    under another label (the base traffic is 64 closed-loop users, as near-capacity is), that
-    one's: an identical arm is measured once and counts for every claim. On a deterministic
+    under another label (a scenario whose own traffic is 64 closed-loop users runs
+    near-capacity's), that one's: an identical arm is measured once and counts for every claim. On a deterministic
     backend (the predictor) a repeat reads the same figures: no noise floor is assumed for it.
     """
 

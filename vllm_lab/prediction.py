@@ -41,20 +41,24 @@ def modelled_energy(p) -> dict[str, Any]:
 
 
 def predicted_requests(scenario: Scenario, count: int):
-    """The scenario's workload as predictor requests: same lengths and prefix sharing, no text."""
-    import numpy as np
-
-    from vllm_lab.traffic.workloads import sample_lengths
+    """The scenario's workload as predictor requests: the live run's own lengths (request i's
+    drawn from request i's stream, ``traffic.workloads.request_rng``) and prefix sharing, no text."""
+    from vllm_lab.traffic.workloads import drawn_lengths, request_rng
 
     if scenario.workload.source == "trace":
         return trace_predict_requests(scenario, count)
-    rng = np.random.default_rng(scenario.run.seed)
     lin, lout = scenario.workload.lengths()
     if lin is None or lout is None:
         raise ValueError(f"workload source {scenario.workload.source!r} has no length "
                          f"distribution the predictor can use; give input: and output: lengths")
-    prompts, outputs = sample_lengths(lin, rng, count), sample_lengths(lout, rng, count)
-    shared = int(scenario.workload.shared_prefix_ratio * lin.mean)
+    drawn = [drawn_lengths(lin, lout, request_rng(scenario.run.seed, i)) for i in range(count)]
+    prompts = np.array([n_in for n_in, _ in drawn], dtype=int)
+    outputs = [n_out for _, n_out in drawn]
+    # The system prompt's length as the live workload rounds it (WorkloadGenerator._prefixes).
+    ratio = scenario.workload.shared_prefix_ratio
+    shared = max(1, round(ratio * lin.mean)) if ratio > 0 else 0
+    if shared:  # the user's text is one token at least, however short the drawn length
+        prompts = np.maximum(prompts, shared + 1)
     chat = scenario.workload.api == "chat"
     if chat:  # the server prefills the message in its chat template, not the message alone
         prompts = prompts + chat_template_tokens(scenario)
@@ -82,19 +86,23 @@ def shared_prefix_prompts(prompts, shared: int, groups: int) -> list:
 
 
 @lru_cache(maxsize=32)
-def _template_tokens(tokenizer: str, chat_template: str | None) -> int:
+def _template_tokens(tokenizer: str, chat_template: str | None, system: bool) -> int:
     from vllm_lab.twin.tokenizer import load_tokenizer
 
+    messages = [{"role": "system", "content": ""}] if system else []
     return len(load_tokenizer(tokenizer, chat_template=chat_template)
-               .encode_chat([{"role": "user", "content": ""}]))
+               .encode_chat([*messages, {"role": "user", "content": ""}]))
 
 
 def chat_template_tokens(scenario: Scenario) -> int:
     """The tokens the served model's chat template puts around one user message (the start, the
-    role headers, the end-of-turn and the assistant's header): about 10 for Llama-3's, counted
-    with the model folder's own template and tokenizer, or the twin's when it has none."""
+    role headers, the end-of-turn and the assistant's header), and around the system message
+    the live workload sends its shared prefix in: about 10 for Llama-3's (15 with a system
+    message), counted with the model folder's own template and tokenizer, or the twin's when it
+    has none."""
     serve = scenario.serve
-    return _template_tokens(str(serve.get("tokenizer") or serve["model"]), serve.get("chat-template"))
+    return _template_tokens(str(serve.get("tokenizer") or serve["model"]), serve.get("chat-template"),
+                            scenario.workload.shared_prefix_ratio > 0)
 
 
 def trace_predict_requests(scenario: Scenario, count: int):

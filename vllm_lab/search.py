@@ -36,6 +36,11 @@ SPACE_DIR = SCENARIO_DIR / "spaces"
 OBJECTIVES = ("goodput", "throughput", "pareto", "energy")
 # Objectives that are maximized subject to the SLO (as a constraint) rather than through it.
 CONSTRAINED = ("throughput", "energy")
+# The figure of a run's summary each objective maximizes, and so the figure its best is named by
+# (``analysis.points.best_point``, among the points meeting the SLO); pareto's two objectives
+# have no one figure: goodput weighs throughput and the SLO's latency in one.
+RANKED_BY = {"goodput": "goodput", "throughput": "output_throughput", "pareto": "goodput",
+             "energy": "output_tokens_per_joule"}
 # Statuses the configuration caused (Optuna learns to avoid them: pruned) against those that say
 # nothing about it (the measurement itself went wrong: failed).
 CONFIG_FAILURES = ("oom", "failed-start", "timeout", "crashed")
@@ -206,15 +211,12 @@ def slo_violation(summary: RunSummary, scenario: Scenario) -> float:
 
 
 def objective_values(summary: RunSummary, objective: str, scenario: Scenario) -> list[float]:
-    """The value(s) Optuna gets: goodput; throughput; or (throughput, the SLO's latency)."""
-    if objective == "goodput":
-        return [float(summary.goodput or 0.0)]
-    if objective == "throughput":
-        return [float(summary.output_throughput or 0.0)]
-    if objective == "energy":
-        # Tokens per joule: what a fleet's power bill buys. A run with no energy figure (a host
-        # with no GPU telemetry) counts as none.
-        return [float(summary.figure("output_tokens_per_joule") or 0.0)]
+    """The value(s) Optuna gets: the objective's figure (``RANKED_BY``), or for pareto
+    (throughput, the SLO's latency)."""
+    if objective != "pareto":
+        # Energy is tokens per joule, what a fleet's power bill buys: a run with no energy figure
+        # (a host with no GPU telemetry) counts as none, as a run that served nothing does.
+        return [float(summary.figure(RANKED_BY[objective]) or 0.0)]
     latency = slo_latency(scenario)
     value = summary.figure(latency[0] if latency else "e2e_p99")
     return [float(summary.output_throughput or 0.0), value if value is not None else math.inf]

@@ -14,16 +14,30 @@ import pandas as pd
 from vllm_lab import stats
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import DETERMINISTIC_BACKENDS
-from vllm_lab.summary import select
+from vllm_lab.summary import metric, select
 
 CV_WARN = 0.10  # a spread above this is too large to trust a difference of the same size
 # Which statistic a point's figure is, said wherever one is shown (console, pages, files).
 STATISTIC = "mean over the point's ok runs, ± half its 95% Student-t interval"
-# The one rule that names the best point of a sweep, a combination and a search, said on its page.
-BEST_RULE = ("the best is the cheapest setting (the lowest values of the flags varied) whose goodput "
-             "under the SLO is within noise of the top: Welch's 95% interval on their difference "
-             "holds zero (a single live run is taken as ±3% run to run; the predictor, which gives "
-             "the same figures every run, as exact)")
+# The figure a best is named by unless the experiment ranks by another (a search's objective).
+RANKED = "goodput"
+
+
+def ranked_label(figure: str) -> str:
+    """A ranked figure's name as a sentence says it: "goodput", "output tokens per joule"."""
+    return "goodput" if figure == RANKED else metric(figure).label
+
+
+def best_rule(figure: str = RANKED) -> str:
+    """The one rule that names the best point of a sweep, a combination and a search, in words
+    for its page, on the figure it ranks by (``best_point``)."""
+    return (f"the best is the cheapest setting (the lowest values of the flags varied) among those "
+            f"meeting the SLO whose {ranked_label(figure)} is within noise of the top: Welch's 95% interval on "
+            f"their difference holds zero (a single live run is taken as ±3% run to run; the "
+            f"predictor, which gives the same figures every run, as exact)")
+
+
+BEST_RULE = best_rule()
 # Backends whose repeats give the same figures: they have no run-to-run noise to allow for.
 DETERMINISTIC = DETERMINISTIC_BACKENDS
 # The figures a point's row averages over its ok repeats.
@@ -32,8 +46,9 @@ METRICS = select("output_throughput", "request_throughput", "goodput", "slo_atta
                  "itl_p50", "itl_p90", "itl_p99", "e2e_p50", "e2e_p90", "e2e_p99", "queue_len_mean",
                  "queue_len_max", "kv_usage_mean", "kv_usage_max", "preemptions", "gpu_util_mean",
                  "errors", "requests")
-# Whose run-to-run spread (coefficient of variation) each point states.
-SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50")
+# Whose run-to-run spread (coefficient of variation) each point states: every figure a best can
+# be ranked by (a search's objective) among them.
+SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50", "output_tokens_per_joule")
 # The client beside the server: what vLLM's own /metrics said of the same runs (vllm_lab.audit),
 # and how many Locust processes sent the load. Means over every run of a point, limited ones too.
 AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
@@ -63,9 +78,7 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
             col = ok[m].astype(float) if m in ok else pd.Series(dtype=float)
             row[m] = col.mean() if col.notna().any() else np.nan
             if m in SPREAD:
-                row[f"{m}_cv"] = col.std() / col.mean() if len(col.dropna()) > 1 and col.mean() else np.nan
-                half = stats.mean_ci(col.dropna().tolist()).half_width
-                row[f"{m}_ci"] = half if np.isfinite(half) else np.nan
+                row.update(_spread(m, col))
         row["meets_slo"] = bool(len(ok)) and all(RunSummary.of(s).meets_slo for s in ok["summary"]) \
             if "summary" in ok else False
         for k in AUDIT:
@@ -74,6 +87,8 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
         for k in ENERGY:
             vals = [v for s in ok.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
             row[k] = float(np.mean(vals)) if vals else np.nan
+            if k in SPREAD:
+                row.update(_spread(k, pd.Series(vals, dtype=float)))
         rows.append(row)
     table = pd.DataFrame(rows)
     if params and len(table):
@@ -82,6 +97,15 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
         except TypeError:
             pass  # mixed types (e.g. strings and numbers): keep the plan's order
     return table
+
+
+def _spread(m: str, col: pd.Series) -> dict[str, float]:
+    """A figure's run-to-run spread over a point's ok runs: its coefficient of variation and half
+    its 95% Student-t interval (nan with fewer than two runs)."""
+    values = col.dropna()
+    cv = values.std() / values.mean() if len(values) > 1 and values.mean() else np.nan
+    half = stats.mean_ci(values.tolist()).half_width
+    return {f"{m}_cv": cv, f"{m}_ci": half if np.isfinite(half) else np.nan}
 
 
 def recorded_prediction(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -116,38 +140,40 @@ def _float(v: Any) -> float:
     return np.nan if v is None else float(v)
 
 
-def best_point(table: pd.DataFrame) -> pd.Series | None:
-    """The cheapest point within noise of the top one among those meeting the SLO.
+def best_point(table: pd.DataFrame, figure: str = RANKED) -> pd.Series | None:
+    """The cheapest point within noise of the top one among those meeting the SLO, on ``figure``
+    (goodput; a search ranks by its objective's, e.g. output tokens per joule).
 
-    The top point has the highest goodput (throughput breaks ties); a point is within noise of it
-    when the interval on their goodput difference includes none (``stats.summary_effect``: its
+    The top point has the highest ``figure`` (throughput breaks ties); a point is within noise of
+    it when the interval on their difference includes none (``stats.summary_effect``: its
     repeats' spread, or ``stats.SINGLE_RUN_CV`` for a single run). Among those, the cheapest is
     the one with the lowest values of the varied flags (fewer sequences, less memory, ...): a
     larger setting that reads a little higher once has not shown it buys anything. Equal costs
     go to the higher-ranked point.
     """
-    ranked, close = _close_to_top(table)
+    ranked, close = _close_to_top(table, figure)
     if not close:
         return None
     cost = _cost(table)
     return ranked.loc[min(close, key=lambda i: (cost[i], ranked.index.get_loc(i)))]
 
 
-def within_noise(table: pd.DataFrame, best: pd.Series | None) -> list[int]:
+def within_noise(table: pd.DataFrame, best: pd.Series | None, figure: str = RANKED) -> list[int]:
     """The points meeting the SLO that cannot be told apart from the top one (best among them)."""
-    return _close_to_top(table)[1] if best is not None else []
+    return _close_to_top(table, figure)[1] if best is not None else []
 
 
-def _close_to_top(table: pd.DataFrame) -> tuple[pd.DataFrame, list[int]]:
-    """The points meeting the SLO, ranked by goodput (then throughput), and the indices of those
-    within noise of the first."""
-    ranked = table[table["meets_slo"]].sort_values(["goodput", "output_throughput"], ascending=False)
+def _close_to_top(table: pd.DataFrame, figure: str) -> tuple[pd.DataFrame, list[int]]:
+    """The points meeting the SLO with a value of ``figure``, ranked by it (then throughput), and
+    the indices of those within noise of the first."""
+    ranked = table[table["meets_slo"] & table[figure].notna()] if figure in table else table[:0]
+    ranked = ranked.sort_values(list(dict.fromkeys([figure, "output_throughput"])), ascending=False)
     if ranked.empty:
         return ranked, []
     top = ranked.iloc[0]
     return ranked, [i for i, row in ranked.iterrows()
                     if i == top.name or not stats.summary_effect(
-                        figure_runs(row), figure_runs(top),
+                        figure_runs(row, figure), figure_runs(top, figure),
                         single_run_cv=max(single_run_cv(row), single_run_cv(top))).significant]
 
 

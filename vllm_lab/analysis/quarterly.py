@@ -18,6 +18,7 @@ from scipy import stats as _scipy
 from vllm_lab import stats
 from vllm_lab.analysis import findings as findings_mod
 from vllm_lab.analysis.points import (
+    RANKED,
     best_point,
     figure_runs,
     point_table,
@@ -95,7 +96,8 @@ def experiment_points(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
                                summary=group["summary_json"].map(json.loads))
         out[exp_id] = point_table(decoded, params).assign(
             experiment_id=exp_id, label=group["label"].iloc[0],
-            scenario_name=group["scenario_name"].iloc[0], gpu_model=group["gpu_model"].iloc[0])
+            scenario_name=group["scenario_name"].iloc[0], gpu_model=group["gpu_model"].iloc[0],
+            ranked_by=group["ranked_by"].iloc[0] if "ranked_by" in group else RANKED)
     return out
 
 
@@ -113,7 +115,7 @@ def best_configurations(runs: pd.DataFrame, points: pd.DataFrame | None = None) 
     base_runs = ok_runs(runs[runs["step"] == "baseline"])
     bests = []
     for exp_id, table in experiment_points(runs).items():
-        best = best_point(table)
+        best = best_point(table, table["ranked_by"].iloc[0])
         if best is not None:
             serve = runs[runs["experiment_id"] == exp_id]["scenario"].iloc[0]["serve"]
             params = [c for c in table.columns[:table.columns.get_loc("runs")]]

@@ -118,8 +118,10 @@ def confirm(settings: Settings, scenario, study, options: TuneOptions) -> int:
         return 0
     again = dataclasses.replace(settings, backend=options.confirm_backend,
                                 experiment=f"{study.experiment_id}-confirm", resume=False)
+    # The study's objective goes with it, so the confirmation names its best by the same figure.
     return Experiment.build(again, "tune", scenario, search.confirm_points(scenario, configs),
-                            {"params": list(study.space.space), "confirms": study.experiment_id}).run()
+                            {"params": list(study.space.space), "confirms": study.experiment_id,
+                             "objective": options.objective}).run()
 
 
 @contextmanager

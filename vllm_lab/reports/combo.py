@@ -18,12 +18,20 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab import search
-from vllm_lab.analysis.points import best_point, pareto_front
+from vllm_lab.analysis.points import (
+    RANKED,
+    STATISTIC,
+    best_point,
+    best_rule,
+    pareto_front,
+    ranked_label,
+    within_noise,
+)
 from vllm_lab.analysis.search import importances, trials_frame, tune_study
 from vllm_lab.reports import page, sweep, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
-from vllm_lab.reports.scenario_files import write_scenario_file
+from vllm_lab.reports.scenario_files import plain, write_scenario_file
 from vllm_lab.store import Store
 
 
@@ -38,11 +46,13 @@ def _slo_columns(ctx: Context) -> list[tuple[str, float, str]]:
     return out or [("e2e_p99", math.inf, "E2E p99")]
 
 
-def heatmaps(table: pd.DataFrame, params: list[str], ctx: Context, folder: Path) -> Path:
-    """Throughput and goodput over the first two params; one row of panels per third-param value."""
+def heatmaps(table: pd.DataFrame, params: list[str], ctx: Context, folder: Path,
+             figure: str = RANKED) -> Path:
+    """Throughput and goodput over the first two params; one row of panels per third-param value;
+    the best by the one rule on ``figure`` framed."""
     x, y = params[0], params[1]
     thirds = sorted(table[params[2]].unique(), key=str) if len(params) > 2 else [None]
-    best = best_point(table)
+    best = best_point(table, figure)
     fig, axes = plt.subplots(len(thirds), 2, figsize=(12, 4.6 * len(thirds)), squeeze=False)
     for r, third in enumerate(thirds):
         sub = table if third is None else table[table[params[2]] == third]
@@ -75,10 +85,12 @@ def heatmaps(table: pd.DataFrame, params: list[str], ctx: Context, folder: Path)
 
 
 def pareto_figure(table: pd.DataFrame, params: list[str], ctx: Context, folder: Path,
-                  name: str = "pareto.png") -> Path:
-    """Throughput against each SLO latency; the front drawn, the best point under the SLO starred."""
+                  name: str = "pareto.png", figure: str = RANKED) -> Path:
+    """Throughput against each SLO latency; the front drawn, the best point under the SLO (by the
+    one rule on ``figure``) starred."""
     cols = _slo_columns(ctx)
-    best = best_point(table)
+    best = best_point(table, figure)
+    by = "" if figure == RANKED else f" by {ranked_label(figure)}"
     fig, axes = plt.subplots(1, len(cols), figsize=(6.5 * len(cols), 4.8), squeeze=False)
     for ax, (col, threshold, label) in zip(axes[0], cols):
         ok = table[table["ok_runs"] > 0]
@@ -95,7 +107,7 @@ def pareto_figure(table: pd.DataFrame, params: list[str], ctx: Context, folder: 
         if best is not None:
             ax.scatter([best[col] * 1000], [best["output_throughput"]], marker="*", s=300,
                        color="gold", edgecolor="black", zorder=5,
-                       label="best under SLO: " + ", ".join(f"{p}={best[p]}" for p in params))
+                       label=f"best under SLO{by}: " + ", ".join(f"{p}={best[p]}" for p in params))
         ax.set_xlabel(f"{label} (ms)")
         ax.set_ylabel("output tokens/s")
         ax.grid(alpha=0.3)
@@ -114,14 +126,45 @@ def _best_file(runs: pd.DataFrame, params: list[str], best: pd.Series | None, fo
                                {p: best[p] for p in params}, note)
 
 
-def _best_note(source: str, best: pd.Series | None, params: list[str]) -> str:
+def _best_note(source: str, best: pd.Series | None, params: list[str], figure: str = RANKED) -> str:
     """best.yaml's description: which point, by which rule, with its figures."""
     if best is None:
         return ""
     value = ", ".join(f"{p}={best[p]}" for p in params)
-    return (f"best of {source} by the lab's rule (the cheapest within noise of the top goodput "
-            f"under the SLO): {value}; goodput {best['goodput']:.2f} req/s, "
-            f"{best['output_throughput']:.0f} output tok/s (mean of {best['ok_runs']} run(s))")
+    return (f"best of {source} by the lab's rule (the cheapest within noise of the top "
+            f"{ranked_label(figure)} among the points meeting the SLO): {value}; "
+            f"{sweep.ranked_lead(best, figure)}goodput "
+            f"{best['goodput']:.2f} req/s, {best['output_throughput']:.0f} output tok/s (mean of "
+            f"{best['ok_runs']} run(s))")
+
+
+# The figures summary.json gives of the best point (means over its ok runs).
+BEST_FIGURES = ("goodput", "output_throughput", "output_tokens_per_joule", "ttft_p99", "tpot_p99")
+
+
+def _best_summary(exp: dict, table: pd.DataFrame, best: pd.Series | None, params: list[str],
+                  figure: str, headline: str, folder: Path) -> Path:
+    """summary.json: the best as the page, best.yaml and the console name it, the figure and
+    the rule that named it, and the other points within noise of it."""
+    def point(row: pd.Series) -> dict:
+        return {p: plain(row[p]) for p in params}
+
+    def number(v) -> float | None:
+        return None if v is None or not np.isfinite(v) else round(float(v), 6)
+
+    summary = {
+        "experiment": exp["id"], "step": exp["step"], "objective": exp["meta"].get("objective"),
+        "ranked_by": figure, "rule": best_rule(figure), "statistic": STATISTIC,
+        "best": None if best is None else point(best),
+        "best_figures": None if best is None else
+        {m: number(best.get(m)) for m in BEST_FIGURES} | {"ok_runs": int(best["ok_runs"])},
+        "within_noise": [point(table.loc[i]) for i in within_noise(table, best, figure)
+                         if best is None or i != best.name],
+        "headline": headline,
+    }
+    path = folder / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
 
 
 def _yaml_section(path: Path | None) -> list[Block]:
@@ -139,15 +182,19 @@ def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pa
     ctx = page.context(runs, swept=params)
     table = sweep.points(runs, exp, ctx)
     table.to_csv(folder / "summary.csv", index=False)
+    figure = sweep.ranked_by(exp)
     grid = table[~table["reference"]] if _outside_grid(table, exp) else table
-    figures = [heatmaps(grid, params, ctx, folder), pareto_figure(table, params, ctx, folder)]
-    best = best_point(table)
-    headline = sweep.headline(table, best, params, ctx.load)
-    best_path = _best_file(runs, params, best, folder, _best_note(exp["id"], best, params))
-    shown = sweep.display_table(table, params)
+    figures = [heatmaps(grid, params, ctx, folder, figure),
+               pareto_figure(table, params, ctx, folder, figure=figure)]
+    best = best_point(table, figure)
+    headline = sweep.headline(table, best, params, ctx, figure)
+    best_path = _best_file(runs, params, best, folder, _best_note(exp["id"], best, params, figure))
+    _best_summary(exp, table, best, params, figure, headline, folder)
+    shown = sweep.display_table(table, params, figure)
     return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, sweep.warnings(table), figures,
                                                  _yaml_section(best_path),
                                                  sweep.column_groups(shown, params),
+                                                 rule=best_rule(figure),
                                                  tables=sweep.tables(table, params)), folder)
 
 
@@ -217,31 +264,37 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     imp = importances(study)
     imp_path = importance_figure(imp.values, ctx, folder)
     figures += [imp_path] if imp_path else []
-    figures.append(pareto_figure(table, params, ctx, folder))
-    # The one rule (analysis.points.best_point) names the best, as on every step's page: the
-    # star, the headline and best.yaml are the same point.
+    # The one rule (analysis.points.best_point) names the best, as on every step's page, on the
+    # figure the objective maximizes: the star, the headline, best.yaml, summary.json and the
+    # console are the same point.
+    figure = sweep.ranked_by(exp)
+    figures.append(pareto_figure(table, params, ctx, folder, figure=figure))
     figures += [f for f in [traffic.trace_figure(runs, folder, ctx.caption)] if f]
-    best = best_point(table)
-    headline = _tune_headline(trials, table, best, params, meta["objective"], ctx.load)
-    best_path = _best_file(runs, params, best, folder, _best_note(f"study {meta['study']}", best, params))
+    best = best_point(table, figure)
+    headline = _tune_headline(trials, table, best, params, meta["objective"], ctx)
+    best_path = _best_file(runs, params, best, folder,
+                           _best_note(f"study {meta['study']}", best, params, figure))
+    _best_summary(exp, table, best, params, figure, headline, folder)
     notes = [imp.note] + [f"importance of {k}: {v:.2f}" for k, v in imp.values.items()]
     notes += [f"trial {r.trial}: {r.state.lower()} ({r.cause}): {r.error}" for r in
               trials[trials["state"].isin(["PRUNED", "FAIL"])].itertuples()]
     notes.append(f"study {meta['study']} in {meta['storage'] or 'the lab database'}; more workers join "
                  f"with make tune EXPERIMENT={exp['id']}")
     extra = _yaml_section(best_path) + _confirm_section(store, exp["id"])
-    shown = sweep.display_table(table, params)
+    shown = sweep.display_table(table, params, figure)
     return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures, extra,
                                                  sweep.column_groups(shown, params),
+                                                 rule=best_rule(figure),
                                                  tables=sweep.tables(table, params)), folder)
 
 
 def _tune_headline(trials: pd.DataFrame, table: pd.DataFrame, best: pd.Series | None,
-                   params: list[str], objective: str, load: str) -> str:
+                   params: list[str], objective: str, ctx: Context) -> str:
     states = trials["state"].value_counts().to_dict()
     head = (f"{len(trials)} trials ({', '.join(f'{v} {k.lower()}' for k, v in states.items())}), "
             f"objective {search.objective_label(objective)}. ")
-    return head + (sweep.headline(table, best, params, load) if best is not None else
+    figure = search.RANKED_BY[objective]
+    return head + (sweep.headline(table, best, params, ctx, figure) if best is not None else
                    "No trial met the SLO.")
 
 
@@ -251,7 +304,8 @@ def tune_headline(store: Store, exp: dict, runs: pd.DataFrame) -> str:
     ctx = page.context(runs, swept=params)
     table = sweep.points(runs, exp, ctx)
     trials = trials_frame(tune_study(exp, store.path))
-    return _tune_headline(trials, table, best_point(table), params, exp["meta"]["objective"], ctx.load)
+    return _tune_headline(trials, table, best_point(table, sweep.ranked_by(exp)), params,
+                          exp["meta"]["objective"], ctx)
 
 
 def _confirm_section(store: Store, exp_id: str) -> list[Block]:

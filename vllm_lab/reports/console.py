@@ -13,6 +13,7 @@ from vllm_lab.analysis.points import STATISTIC, best_point
 from vllm_lab.progress import point_label
 from vllm_lab.reports import page, sweep
 from vllm_lab.store import Store
+from vllm_lab.summary import metric
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,15 @@ def _points(exp: dict, runs: pd.DataFrame, headline: str | None = None) -> Resul
     params = sweep.experiment_params(exp)
     ctx = page.context(runs, swept=params)
     table = sweep.points(runs, exp, ctx)
-    best = best_point(table) if params else None
+    figure = sweep.ranked_by(exp)  # the page's best, by the figure its objective ranks
+    best = best_point(table, figure) if params else None
     rows = []
     for _, row in table.iterrows():
         out = {"point": point_label({p: row[p] for p in params}),
-               "ok runs": f"{row['ok_runs']} of {row['runs']}",
-               "output tok/s": sweep.mean_text(row, "output_throughput")}
+               "ok runs": f"{row['ok_runs']} of {row['runs']}"}
+        if figure not in ("goodput", "output_throughput"):
+            out[metric(figure).heading] = sweep.mean_text(row, figure)
+        out["output tok/s"] = sweep.mean_text(row, "output_throughput")
         if "output_throughput_effect" in table:
             out["vs defaults"] = sweep.effect_text(row, "output_throughput")
         out.update({"goodput req/s": sweep.mean_text(row, "goodput"),
@@ -66,7 +70,7 @@ def _points(exp: dict, runs: pd.DataFrame, headline: str | None = None) -> Resul
         rows.append(out)
     label = None if best is None else point_label({p: best[p] for p in params})
     return Results(pd.DataFrame(rows), label,
-                   headline or sweep.headline(table, best, params, ctx.load), STATISTIC)
+                   headline or sweep.headline(table, best, params, ctx, figure), STATISTIC)
 
 
 def _levels(table: pd.DataFrame, knee: dict, headline: str) -> Results:

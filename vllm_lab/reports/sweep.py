@@ -11,17 +11,19 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from vllm_lab import stats
+from vllm_lab import search, stats
 from vllm_lab.analysis.points import (
     AUDIT,
     BEST_RULE,
     CV_WARN,
     DETERMINISTIC,
+    RANKED,
     SPREAD,
     STATISTIC,
     TWIN_METRICS,
     best_point,
     point_table,
+    ranked_label,
     with_effects,
     with_twin_predictions,
     within_noise,
@@ -151,19 +153,21 @@ DETAIL = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90", 
           "kv_usage_max", "preemptions", "gpu_util_mean")
 
 
-def display_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame:
+def display_table(table: pd.DataFrame, params: list[str], figure: str = RANKED) -> pd.DataFrame:
     """The main table a reader wants: per point its runs, throughput and goodput (mean ± 95%)
-    with their effect against vLLM's defaults, the SLO's latencies, the verdict."""
+    with their effect against vLLM's defaults, and the figure its best is ranked by where that
+    is another (tokens per joule), the SLO's latencies, the verdict."""
     rows = []
     effects = "output_throughput_effect" in table
+    ranked = [] if figure in (m for m, _, _ in MAIN) else [(figure, metric(figure).heading, 1.0)]
     for _, row in table.iterrows():
         out = {p: row[p] for p in params}
         out["status"] = row["status"]
         out["ok runs"] = f"{row['ok_runs']} of {row['runs']}"
-        for m, heading, scale in MAIN:
+        for m, heading, scale in [*ranked, *MAIN]:
             out[heading] = mean_text(row, m, scale) if m in SPREAD else \
                 page.fmt(row[m] * scale if np.isfinite(row[m]) else np.nan)
-            if effects and m in ("output_throughput", "goodput"):
+            if effects and m in ("output_throughput", "goodput", figure):
                 out[f"{heading.split(' ')[0]} vs defaults"] = effect_text(row, m)
         out["meets SLO"] = "yes" if row["meets_slo"] else "no"
         rows.append(out)
@@ -262,9 +266,11 @@ def _runs_said(row: pd.Series) -> str:
     return "one run" if n == 1 else f"means of {n} runs"
 
 
-def headline(table: pd.DataFrame, best, params: list[str], load: str = "") -> str:
-    """The page's result in a few sentences: the best by the one rule (``BEST_RULE``), its effect
-    against vLLM's defaults, what else is within noise of it, and what was not measured."""
+def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None = None,
+             figure: str = RANKED) -> str:
+    """The page's result in a few sentences: the best by the one rule (``best_rule``) on
+    ``figure``, its effect against vLLM's defaults, what else is within noise of it, and what was
+    measured (where, under which load) and what was not."""
     if not params:
         row = table.iloc[0]
         if not row["ok_runs"]:
@@ -274,32 +280,64 @@ def headline(table: pd.DataFrame, best, params: list[str], load: str = "") -> st
                 f"ms, TPOT p50 {mean_text(row, 'tpot_p50', 1000)} ms ({_runs_said(row)} ± half "
                 f"the 95% interval).")
     if best is None:
-        return f"No value of {', '.join(params)} met every SLO." + _unmeasured(table, params, load)
+        return (f"No value of {', '.join(params)} met every SLO." + _measured(table, params, ctx)
+                + _unmeasured(table, params, ctx))
     value = ", ".join(f"{p}={best[p]}" for p in params)
-    text = (f"Best under the SLO: {value} — goodput {best['goodput']:.2f} req/s, "
+    ranked = "" if figure == RANKED else f" by {ranked_label(figure)}"
+    text = (f"Best under the SLO{ranked}: {value} — {ranked_lead(best, figure)}goodput {best['goodput']:.2f} req/s, "
             f"{best['output_throughput']:.0f} output tokens/s, TTFT p99 "
             f"{best['ttft_p99'] * 1000:.0f} ms, TPOT p99 {best['tpot_p99'] * 1000:.1f} ms "
             f"({_runs_said(best)}).")
     if "reference" in table and not best.get("reference"):
         ref = table[table["reference"]].iloc[0]
+        against = "" if figure in ("goodput", "output_throughput") else \
+            f"{ranked_label(figure)} {effect_text(best, figure)}, "
         text += (f" Against vLLM's defaults ({', '.join(f'{p}={ref[p]}' for p in params)}): "
-                 f"goodput {effect_text(best, 'goodput')}, output {effect_text(best, 'output_throughput')}.")
+                 f"{against}goodput {effect_text(best, 'goodput')}, output "
+                 f"{effect_text(best, 'output_throughput')}.")
     elif "reference" in table:
         text += " It is vLLM's default."
-    others = [i for i in within_noise(table, best) if i != best.name]
+    others = [i for i in within_noise(table, best, figure) if i != best.name]
     if others:
         names = "; ".join(", ".join(f"{p}={table.loc[i, p]}" for p in params) for i in others)
         exact = table["backend"].iloc[0] in DETERMINISTIC
         single = " (one run each: a single run's spread taken as "\
             f"{stats.SINGLE_RUN_CV:.0%})" if table["ok_runs"].max() <= 1 and not exact else ""
-        close = "Equal to it on goodput" if exact else f"Within noise of it on goodput{single}"
+        on = ranked_label(figure)
+        close = f"Equal to it on {on}" if exact else f"Within noise of it on {on}{single}"
         text += f" {close}: {names}; the best is the cheapest of them."
-    return text + _unmeasured(table, params, load)
+    return text + _measured(table, params, ctx) + _unmeasured(table, params, ctx)
 
 
-def _unmeasured(table: pd.DataFrame, params: list[str], load: str) -> str:
-    """What the sweep did not measure: values the load could not tell apart, points left out."""
+def ranked_lead(row: pd.Series, figure: str) -> str:
+    """The ranked figure's value, for a sentence to lead with where it does not give it anyway
+    (it gives goodput and throughput): "8.84 output tokens per joule, "."""
+    if figure in ("goodput", "output_throughput"):
+        return ""
+    return f"{page.fmt(row[figure])} {ranked_label(figure)}, "
+
+
+# Backends that simulate the scenario's GPU rather than measure one, as a sentence names them.
+SIMULATED = {"twin": "the twin", "predict": "the twin's predictor"}
+
+
+def _measured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> str:
+    """What the experiment measured, in a sentence: its points and runs, where, under which load."""
+    if ctx is None:
+        return ""
+    what = (f"{len(table)} values of {params[0]}" if len(params) == 1 else
+            f"{len(table)} combinations of {', '.join(params)}")
+    where = (f"{SIMULATED[ctx.backend]}, a simulated {ctx.hardware}" if ctx.backend in SIMULATED
+             else f"{ctx.hardware} with vLLM {ctx.vllm_version}")
+    ok, runs = int(table["ok_runs"].sum()), int(table["runs"].sum())
+    return f" Measured: {what} ({ok} of {runs} runs ok) on {where}; {ctx.load}."
+
+
+def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> str:
+    """What the sweep did not measure: values the load could not tell apart, points left out,
+    and a GPU where a simulation stood in for it."""
     parts = []
+    load = ctx.load if ctx else ""
     if params == ["max-num-seqs"] and load.startswith("closed"):
         users = float(load.split()[3])
         above = [v for v in table["max-num-seqs"] if isinstance(v, (int, float)) and v > users]
@@ -312,15 +350,18 @@ def _unmeasured(table: pd.DataFrame, params: list[str], load: str) -> str:
     if len(left):
         parts.append("left out: " + "; ".join(
             f"{', '.join(f'{p}={r[p]}' for p in params)} ({r['status']})" for _, r in left.iterrows()))
+    if ctx is not None and ctx.backend in SIMULATED:
+        parts.append("a GPU (BACKEND=vllm measures one)")
     return (" Not measured: " + "; ".join(parts) + ".") if parts else ""
 
 
 def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, notes: list[str],
                     figures: list[Path], extra: list[Block] = (),
-                    groups: list[str] | None = None, rule: bool = True,
+                    groups: list[str] | None = None, rule: str | None = BEST_RULE,
                     tables: list[tuple[str, pd.DataFrame]] = ()) -> page.Page:
     """An experiment's page: headline, context, table, notes (the statistic its figures are and,
-    where it names a best, the rule), figures, further ``tables``, then ``extra`` sections."""
+    where it names a best, the ``rule`` that named it), figures, further ``tables``, then
+    ``extra`` sections."""
     e = html.escape
     step = f"Step: {exp['step']} · scenario: {exp['scenario_name']}"
     slo = ctx.slo_text
@@ -335,7 +376,7 @@ def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, not
               ["Serve flags: " + ", ".join(f"`{k}={v}`" for k, v in ctx.serve.items()), ""]),
         page.table(shown, groups=groups),
         Block(md=[""]),
-        page.notes([f"Figures: {STATISTIC}.", *([f"Best: {BEST_RULE}."] if rule else []),
+        page.notes([f"Figures: {STATISTIC}.", *([f"Best: {rule}."] if rule else []),
                     *notes]),
         Block(md=[""]),
         Block("".join(page.img(f) for f in figures) + "\n", [line for f in figures for line in page.md_img(f)]),
@@ -344,6 +385,12 @@ def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, not
         *extra,
     ]
     return page.Page(exp["id"], blocks)
+
+
+def ranked_by(exp: dict) -> str:
+    """The figure the experiment's best is named by: its search objective's
+    (``search.RANKED_BY``; a search's confirmation records its study's), else goodput."""
+    return search.RANKED_BY.get(exp["meta"].get("objective"), RANKED)
 
 
 def experiment_params(exp: dict) -> list[str]:
@@ -383,6 +430,7 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     notes = warnings(table) if params else baseline_notes(table)
     notes += prediction_notes(table)
     shown = display_table(table, params)
-    return page.write_page(experiment_page(exp, ctx, headline(table, best, params, ctx.load), shown,
+    return page.write_page(experiment_page(exp, ctx, headline(table, best, params, ctx), shown,
                                            notes, figures, groups=column_groups(shown, params),
-                                           rule=bool(params), tables=tables(table, params)), folder)
+                                           rule=BEST_RULE if params else None,
+                                           tables=tables(table, params)), folder)

@@ -90,6 +90,18 @@ def sample_lengths(spec: Lengths, rng: np.random.Generator, n: int | None = None
     return out.astype(int)
 
 
+def request_rng(seed: int, index: int, turn: int = 0) -> np.random.Generator:
+    """The random stream of one request's turn: its lengths, then its text. The predictor draws
+    request ``index``'s lengths from the same stream, so it serves the live run's own requests."""
+    return np.random.default_rng([seed, 0, index, turn])
+
+
+def drawn_lengths(in_lengths: Lengths, out_lengths: Lengths, rng: np.random.Generator) -> tuple[int, int]:
+    """A turn's (prompt, output) tokens, drawn from its stream in the order the live load draws
+    them (the prompt first)."""
+    return int(sample_lengths(in_lengths, rng)[0]), int(sample_lengths(out_lengths, rng)[0])
+
+
 class PromptBuilder:
     """Builds text of a target token count, exact with a tokenizer.json, else by approximation."""
 
@@ -275,11 +287,16 @@ class WorkloadGenerator:
         return float(np.mean([self.builder.count(t) for t in texts]))
 
     @cached_property
-    def _prefixes(self) -> list[str]:
+    def _prefix_length(self) -> int:
+        """The tokens each shared system prompt is built with (0: none is shared)."""
         ratio = self.workload.shared_prefix_ratio
-        if ratio <= 0:
+        return max(1, round(ratio * self._mean_input())) if ratio > 0 else 0
+
+    @cached_property
+    def _prefixes(self) -> list[str]:
+        n = self._prefix_length
+        if not n:
             return []
-        n = max(1, round(ratio * self._mean_input()))
         return [
             self.builder.build(n, np.random.default_rng([self.seed, 1, g]))
             for g in range(self.workload.prefix_groups)
@@ -362,17 +379,21 @@ class WorkloadGenerator:
     @cached_property
     def _prefix_tokens(self) -> int:
         # Counted once: with a tokenizer, counting a long prefix per request costs milliseconds.
+        # Without one it is built of words one token each: its length exactly, where counting
+        # ~4 characters a token would read 52 for 49 and shorten every prompt by the difference.
+        if self.builder.tokenizer is None:
+            return self._prefix_length
         return self.builder.count(self._prefixes[0]) if self._prefixes else 0
 
     def _turn(self, i: int, t: int) -> Turn:
-        rng = np.random.default_rng([self.seed, 0, i, t])
+        rng = request_rng(self.seed, i, t)
         prefix_tokens = self._prefix_tokens
         if self._records:
             text, n_in, out = self._record((i * self.workload.turns + t) % len(self._records))
             if out is None or self.out_lengths is not None:
                 out = int(sample_lengths(self.out_lengths, rng)[0]) if self.out_lengths else 256
             return Turn(text, n_in, max(1, int(out)))
-        n_in, n_out = (int(sample_lengths(d, rng)[0]) for d in (self.in_lengths, self.out_lengths))
+        n_in, n_out = drawn_lengths(self.in_lengths, self.out_lengths, rng)
         user_tokens = max(1, n_in - prefix_tokens)
         return Turn(self.builder.build(user_tokens, rng), user_tokens, n_out)
 

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vllm_lab import search
+from vllm_lab.analysis.points import RANKED
 from vllm_lab.store import Store
 
 # The only sample columns read: prompt lengths (long requests) and the request status.
@@ -33,6 +35,9 @@ def load_runs(store_path: Path, start: float, end: float) -> pd.DataFrame:
     runs["params"] = runs["experiment_id"].map(lambda e: _params(metas.get(e, {})))
     # vLLM's defaults, the point each tuning experiment's effects are read against (if recorded).
     runs["reference"] = runs["experiment_id"].map(lambda e: metas.get(e, {}).get("reference"))
+    # The figure each experiment's best is named by on its own page (a search's objective's).
+    runs["ranked_by"] = runs["experiment_id"].map(
+        lambda e: search.RANKED_BY.get(metas.get(e, {}).get("objective"), RANKED))
     return runs.drop(columns=["scenario_json"])
 
 

@@ -104,7 +104,8 @@ def _best(best: pd.DataFrame, figures: dict[str, Path | None]) -> Section:
                    for _, r in best.iterrows()]) if len(best) else best
     return Section(
         "Best configuration per scenario",
-        f"Each tuning experiment's best by the rule its own report states ({BEST_RULE}); per "
+        f"Each tuning experiment's best by the rule its own report states ({BEST_RULE}; a "
+        f"search's on the figure its objective maximizes, e.g. output tokens per joule); per "
         f"scenario and GPU the one with the highest goodput, and its goodput against the baseline "
         f"and the runner-up with the 95% interval of the difference: an interval that holds 0 is "
         f"no gain. Figures: {STATISTIC}.",
