@@ -189,7 +189,7 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # sweep on the same cores, and hold beside one another (five runs of two at a time on 2 cores).
 # One worker more than the CPUs for the rest took 699 s once and 852 s once on 2 cores, against
 # 781-907 s on one per CPU: no steady gain, so not taken.
-test: venv ## Every test (15-19 min on 2 cores); installs the system packages it needs first, or says what is missing
+test: venv ## Every test (15-31 min on 2 cores, by the machine); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@rc=0; LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m timing -n auto --dist load || rc=$$?; \
 	  LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m "not timing" -n auto --dist loadfile \
