@@ -43,7 +43,7 @@ def modelled_energy(p) -> dict[str, Any]:
 def predicted_requests(scenario: Scenario, count: int):
     """The scenario's workload as predictor requests: the live run's own lengths (request i's
     drawn from request i's stream, ``traffic.workloads.request_rng``) and prefix sharing, no text."""
-    from vllm_lab.traffic.workloads import drawn_lengths, request_rng
+    from vllm_lab.traffic.workloads import drawn_lengths, request_rng, shared_prefix_length
 
     if scenario.workload.source == "trace":
         return trace_predict_requests(scenario, count)
@@ -54,9 +54,7 @@ def predicted_requests(scenario: Scenario, count: int):
     drawn = [drawn_lengths(lin, lout, request_rng(scenario.run.seed, i)) for i in range(count)]
     prompts = np.array([n_in for n_in, _ in drawn], dtype=int)
     outputs = [n_out for _, n_out in drawn]
-    # The system prompt's length as the live workload rounds it (WorkloadGenerator._prefixes).
-    ratio = scenario.workload.shared_prefix_ratio
-    shared = max(1, round(ratio * lin.mean)) if ratio > 0 else 0
+    shared = shared_prefix_length(scenario.workload.shared_prefix_ratio, lin.mean)
     if shared:  # the user's text is one token at least, however short the drawn length
         prompts = np.maximum(prompts, shared + 1)
     chat = scenario.workload.api == "chat"

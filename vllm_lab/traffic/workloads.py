@@ -96,6 +96,12 @@ def request_rng(seed: int, index: int, turn: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, 0, index, turn])
 
 
+def shared_prefix_length(ratio: float, mean_input: float) -> int:
+    """The tokens of the system prompt a workload's requests share (0: none): its share of the
+    mean prompt, one token at least. The live load builds it so and the predictor counts it so."""
+    return max(1, round(ratio * mean_input)) if ratio > 0 else 0
+
+
 def drawn_lengths(in_lengths: Lengths, out_lengths: Lengths, rng: np.random.Generator) -> tuple[int, int]:
     """A turn's (prompt, output) tokens, drawn from its stream in the order the live load draws
     them (the prompt first)."""
@@ -290,7 +296,7 @@ class WorkloadGenerator:
     def _prefix_length(self) -> int:
         """The tokens each shared system prompt is built with (0: none is shared)."""
         ratio = self.workload.shared_prefix_ratio
-        return max(1, round(ratio * self._mean_input())) if ratio > 0 else 0
+        return shared_prefix_length(ratio, self._mean_input()) if ratio > 0 else 0
 
     @cached_property
     def _prefixes(self) -> list[str]:
