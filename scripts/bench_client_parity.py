@@ -628,6 +628,20 @@ def _requests_of(store: Path, run: dict) -> pd.DataFrame:
                          "scheduled_s": df.scheduled_ts - t0})
 
 
+def host_paths_out(raw_line: str) -> str:
+    """One server-raw.jsonl line with each ``model_name`` label cut to the model folder's own
+    name: the server labels its series with the path it served, a folder of the measuring host
+    that means nothing to a reader of the reference folder."""
+    row = json.loads(raw_line)
+    for series in row["raw"].values():
+        for labels in list(series):
+            parsed = json.loads(labels)
+            if "model_name" in parsed:
+                parsed["model_name"] = Path(parsed["model_name"]).name
+                series[json.dumps(parsed)] = series.pop(labels)
+    return json.dumps(row)
+
+
 def export(stores: list[Path], to: Path, configs: list[str] = ()) -> None:
     """One reference folder from stores in order; ``configs[i]`` names store i's server flags
     (`vllm_lab.twin.reference.CONFIGS`), "defaults" where not given."""
@@ -639,7 +653,7 @@ def export(stores: list[Path], to: Path, configs: list[str] = ()) -> None:
             requests.append(_requests_of(store, run))
             runs.append(json.dumps(run, default=float))
         if (store / "server-raw.jsonl").exists():
-            raw += (store / "server-raw.jsonl").read_text().splitlines()
+            raw += map(host_paths_out, (store / "server-raw.jsonl").read_text().splitlines())
     (to / "runs.jsonl").write_text("\n".join(runs) + "\n")
     pd.concat(requests).to_csv(to / "requests.csv.gz", index=False, float_format="%.6f")
     with gzip.open(to / "server-raw.jsonl.gz", "wt") as f:
