@@ -24,8 +24,8 @@ A run spec is `bench` or `lab`, with `:key=value` options: `processes=N` (lab: L
 default: the lab's own choice), `temperature=none|X` (both), `scrape=0` (lab: no periodic
 /metrics and GPU scrapes during the run), `schedule=bench` (lab, open loops: replay the send times
 and lengths of the case's last bench run as a trace, so both clients send the very same arrival
-schedule and only the client and the server's own run-to-run spread are left to differ). Phases: `start` leaves the server running and writes
-server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
+schedule and only the client and the server's own run-to-run spread are left to differ).
+Phases: `start` leaves the server running and writes server.json, `measure` appends to runs.jsonl, `stop`, `csv` writes parity.csv from runs.jsonl,
 `all` does all four; `export --out STORE [--out STORE ...] [--config FLAGS ...] --to DIR` writes a
 reference folder (runs.jsonl, every request in requests.csv.gz, server-raw.jsonl.gz, power.csv.gz)
 that `vllm_lab.twin.reference` replays, each store's runs under its --config (server flags).
@@ -447,7 +447,8 @@ def run_lab(args, url: str, case: Case, n: int, opts: dict, tag: str) -> dict:
         if not (case.open and opts.get("bench_result")):
             raise ValueError(f"{tag}: schedule=bench replays an open loop's last bench run; "
                              f"run bench first in --runs")
-        trace = bench_schedule(Path(opts["bench_result"]), args.out / "lab" / f"{tag}-schedule.jsonl")
+        trace = bench_schedule(Path(opts["bench_result"]),
+                               args.out / "lab" / f"{tag}-schedule.jsonl")
         traffic = case.replay_overrides(trace, n)
     s = lab_scenario(args.model, [*traffic, *args.set, *extra])
     backend = LiveBackend(args.backend, args.inventory,

@@ -20,8 +20,8 @@
 #        both tools), frontend (the ShareGPT file at 128, 256 and 512 users, both tools: the API
 #        server near its core's limit), stream and admit (the API server's costs apart: long replies
 #        at 64-512 users, long prompts at 1-64, the bench alone), api4 (restarts with
-#        api-server-count=4: long replies at 256 and 512 users, realtime-chat at 48 req/s), budget (restarts with max-num-batched-tokens=2048: Poisson
-#        and the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
+#        api-server-count=4: long replies at 256 and 512 users, realtime-chat at 48 req/s), budget
+#        (restarts with max-num-batched-tokens=2048: Poisson and the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
 #        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
 # MODEL (required) is the model folder (config and tokenizer; weights are dummy). VLLM_VENV and
 # LAB_ROOT go to the inventory; STORE (default /tmp/reference) keeps everything; OUT (default
@@ -91,7 +91,8 @@ for phase in "$@"; do
               --output-len 512 --requests-per-user 2 --min-requests 128 \
               --cases closed:64,closed:128,closed:256,closed:512 ;;
     admit) parity measure twin-admit --url "$(url_of parity)" --runs bench --input-len 2048 \
-             --output-len 8 --requests-per-user 4 --min-requests 16 --cases closed:1,closed:16,closed:64 ;;
+             --output-len 8 --requests-per-user 4 --min-requests 16 \
+             --cases closed:1,closed:16,closed:64 ;;
     # Four API-server processes (--api-server-count 4): the streaming case where one loop binds,
     # and the realtime-chat traffic past one process's limit.
     api4) parity stop parity
