@@ -58,7 +58,7 @@ def _points(exp: dict, runs: pd.DataFrame, headline: str | None = None) -> Resul
     for _, row in table.iterrows():
         out = {"point": point_label({p: row[p] for p in params}),
                "ok runs": f"{row['ok_runs']} of {row['runs']}"}
-        if figure not in ("goodput", "output_throughput"):
+        if figure not in sweep.ALWAYS_GIVEN:
             out[metric(figure).heading] = sweep.mean_text(row, figure)
         out["output tok/s"] = sweep.mean_text(row, "output_throughput")
         if "output_throughput_effect" in table:

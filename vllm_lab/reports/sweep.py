@@ -284,14 +284,14 @@ def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None =
                 + _unmeasured(table, params, ctx))
     value = ", ".join(f"{p}={best[p]}" for p in params)
     ranked = "" if figure == RANKED else f" by {ranked_label(figure)}"
-    text = (f"Best under the SLO{ranked}: {value} — {ranked_lead(best, figure)}goodput {best['goodput']:.2f} req/s, "
-            f"{best['output_throughput']:.0f} output tokens/s, TTFT p99 "
-            f"{best['ttft_p99'] * 1000:.0f} ms, TPOT p99 {best['tpot_p99'] * 1000:.1f} ms "
+    text = (f"Best under the SLO{ranked}: {value} — {ranked_lead(best, figure)}goodput "
+            f"{best['goodput']:.2f} req/s, {best['output_throughput']:.0f} output tokens/s, "
+            f"TTFT p99 {best['ttft_p99'] * 1000:.0f} ms, TPOT p99 {best['tpot_p99'] * 1000:.1f} ms "
             f"({_runs_said(best)}).")
     if "reference" in table and not best.get("reference"):
         ref = table[table["reference"]].iloc[0]
-        against = "" if figure in ("goodput", "output_throughput") else \
-            f"{ranked_label(figure)} {effect_text(best, figure)}, "
+        against = ("" if figure in ALWAYS_GIVEN
+                   else f"{ranked_label(figure)} {effect_text(best, figure)}, ")
         text += (f" Against vLLM's defaults ({', '.join(f'{p}={ref[p]}' for p in params)}): "
                  f"{against}goodput {effect_text(best, 'goodput')}, output "
                  f"{effect_text(best, 'output_throughput')}.")
@@ -309,10 +309,14 @@ def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None =
     return text + _measured(table, params, ctx) + _unmeasured(table, params, ctx)
 
 
+# The figures a best's sentence, table row and console line give whatever it was ranked by.
+ALWAYS_GIVEN = ("goodput", "output_throughput")
+
+
 def ranked_lead(row: pd.Series, figure: str) -> str:
     """The ranked figure's value, for a sentence to lead with where it does not give it anyway
-    (it gives goodput and throughput): "8.84 output tokens per joule, "."""
-    if figure in ("goodput", "output_throughput"):
+    (``ALWAYS_GIVEN``): "8.84 output tokens per joule, "."""
+    if figure in ALWAYS_GIVEN:
         return ""
     return f"{page.fmt(row[figure])} {ranked_label(figure)}, "
 
