@@ -182,17 +182,21 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 
 ##@ Development
 .PHONY: test test-fast check clean bench
-# Both run on a pytest-xdist worker per CPU. make test hands each worker whole test files (a file's
-# module fixtures start once), the longest first (tests/conftest.py orders them); test-fast's tests
-# are short and fixture-light, so they are dealt out one by one. The tests marked timing run first,
-# apart from the rest and one per CPU: their millisecond margins would not hold beside a live-twin
-# sweep on the same cores, and hold beside one another (five runs of two at a time on 2 cores).
-# One worker more than the CPUs for the rest took 699 s once and 852 s once on 2 cores, against
-# 781-907 s on one per CPU: no steady gain, so not taken.
+# make test hands each pytest-xdist worker whole test files (a file's module fixtures start once),
+# the longest first (tests/conftest.py orders them); test-fast's tests are short and fixture-light,
+# so they are dealt out one by one, a worker per CPU. The tests marked timing (millisecond margins
+# on Locust's send times) run first, one at a time: beside a live-twin sweep, or even beside one
+# another on a loaded 2-core machine, their margins do not hold.
 test: venv ## Every test (15-31 min on 2 cores, by the machine); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
-	@rc=0; LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m timing -n auto --dist load || rc=$$?; \
-	  LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m "not timing" -n auto --dist loadfile \
+	@# Bytecode once: the suite starts ~a thousand Python processes of the lab (servers, Locust, the
+	@# CLI), which compile it afresh each time where PYTHONDONTWRITEBYTECODE is set.
+	@"$$LAB_MAKE_PY" -m compileall -q vllm_lab tests scripts playbooks >/dev/null
+	@# The millisecond-timing tests one at a time, alone; then the rest, whose live tests mostly wait
+	@# on real-time windows: one worker more than there are CPUs keeps the cores busy.
+	@rc=0; LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m timing -p no:xdist || rc=$$?; \
+	  LAB_TESTS_REQUIRE_ALL=1 PYTEST_XDIST_AUTO_NUM_WORKERS=$${PYTEST_XDIST_AUTO_NUM_WORKERS:-$$(( $$(nproc) + 1 ))} \
+	    "$$LAB_MAKE_PY" -m pytest -q -m "not timing" -n auto --dist loadfile \
 	    --no-loadscope-reorder --durations=15 || rc=$$?; exit $$rc
 
 test-fast: venv ## The tests that start no process (seconds; no set-up needed)

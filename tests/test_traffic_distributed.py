@@ -33,6 +33,7 @@ from tests.support.processes import TwinProcess
 from vllm_lab import serving
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic import samples as samples_mod
+from vllm_lab.traffic.arrivals import client_overloaded
 from vllm_lab.traffic.runner import LAB_HOST_ROOT_DEFAULT, WorkerHost, _worker_cmd, loadgen_workers
 
 pytestmark = pytest.mark.integration
@@ -155,7 +156,12 @@ def test_workers_on_two_hosts_over_ssh_merge_raw_samples(loadgen_fleet, tmp_path
     # Each host's run folder is gone once its samples are here.
     for host in fleet.hosts:
         assert not list((host.root / "traffic").glob("*")), list((host.root / "traffic").iterdir())
-    assert not r.client_overloaded
+    # The client's health is the merged workers' (the worst worker decides); whether this shared
+    # machine kept up is not this test's to say.
+    assert r.loop_lag_p99_s == max(w["loop_lag"]["p99"] for w in r.workers)
+    assert r.cpu_fraction_max == max(w["cpu_fraction"] for w in r.workers)
+    assert r.client_overloaded == client_overloaded(r.schedule_lag_p99_s, r.loop_lag_p99_s,
+                                                    r.cpu_fraction_max, load.max_schedule_lag_s)
     print(json.dumps({"provision_s": round(fleet.provision_s, 1), "load_s": round(took, 1),
                       "per_host": df_host.value_counts().to_dict(),
                       "ttft_p50_s": round(summary["ttft_p50_s"], 4),

@@ -15,10 +15,10 @@ from vllm_lab.summary import closed_loop_gaps, summarize
 from vllm_lab.traffic import Lengths, Load, Workload, run_load
 from vllm_lab.traffic.arrivals import InFlightMeter, client_overloaded, planned_arrivals
 
-# Every test here but the InFlightMeter unit tests starts Locust and a server. They all read the
-# client's timing to milliseconds (marked timing: make test runs them alone).
+# Every test here but the InFlightMeter unit tests starts Locust and a server. Those that read the
+# client's timing to milliseconds are marked timing: make test runs them alone, one at a time.
 integration = pytest.mark.integration
-pytestmark = pytest.mark.timing
+timing = pytest.mark.timing
 
 SHORT = Workload(source="synthetic", input=Lengths(mean=20), output=Lengths(mean=10))
 
@@ -32,6 +32,7 @@ def _truth(path):
     return {r["request_id"]: r for r in rows}
 
 
+@timing
 @integration
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_timing_matches_the_script_within_2ms(tmp_path, api):
@@ -88,6 +89,7 @@ def test_each_error_is_classified(tmp_path):
     assert "POST" in (tmp_path / "locust_stats.csv").read_text()  # Locust's own CSV got E2E
 
 
+@timing
 @integration
 def test_open_loop_poisson_and_overload_flag(tmp_path):
     rate = 40.0
@@ -108,6 +110,7 @@ def test_open_loop_poisson_and_overload_flag(tmp_path):
     assert over.client_overloaded and over.schedule_lag_p99_s > 0.010
 
 
+@timing
 @integration
 def test_forked_workers_keep_the_requests_in_flight_at_the_stop(tmp_path):
     """Locust's --processes master quits before the workers it forked finish the requests in
@@ -125,6 +128,7 @@ def test_forked_workers_keep_the_requests_in_flight_at_the_stop(tmp_path):
     assert (sent > duration - 1.5).sum() > 0.5 * rate, np.histogram(sent, bins=duration)[0]
 
 
+@timing
 @integration
 def test_master_and_two_workers_merge_raw_samples(tmp_path):
     load = Load(mode="open", shape={"level": 30}, stop={"duration_s": 5})
@@ -245,6 +249,7 @@ def small_tokenizer(tmp_path_factory):
     return d
 
 
+@timing
 @integration
 def test_one_user_with_long_prompts_is_not_overloaded(tmp_path, small_tokenizer):
     # The GPU machine's false alarm: one user, 8192-token prompts built with a tokenizer, short
@@ -278,6 +283,7 @@ def _in_flight_after(samples, t: float) -> int:
     return int(((samples.start_ts <= t) & (end > t)).sum())
 
 
+@timing
 @integration
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_closed_loop_draws_from_one_pool_and_keeps_its_users_in_flight(tmp_path, processes):
@@ -314,6 +320,7 @@ def test_a_closed_loop_draws_from_one_pool_and_keeps_its_users_in_flight(tmp_pat
     assert s["duration_s"] + s["warmup_s"] == pytest.approx(last_send - df.start_ts.min())
 
 
+@timing
 @integration
 def test_an_open_loop_is_one_schedule_dealt_to_its_processes(tmp_path):
     rate, n = 40.0, 200

@@ -52,7 +52,9 @@ class _State:
 
 # make passes a SIGTERM on to its children, who also got it as members of its process group (a job
 # scheduler or scripts/lab-make signals the group): the same signal again this soon is that copy.
-ECHO_S = 1.0
+# On a loaded machine make may take over a second to pass it on; a real second SIGTERM this soon
+# only goes unsaid (it is never raised either way).
+ECHO_S = 5.0
 
 
 _state = _State()

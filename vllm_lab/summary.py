@@ -365,16 +365,26 @@ def output_rate_series(ok: pd.DataFrame, t0: float, t1: float,
     """Output tokens per second in ``bins`` equal slices of [t0, t1]: the slices' left edges (and
     t1 last) and their rates."""
     edges = np.linspace(t0, t1, bins + 1)
-    emitted = np.array([tokens_by(ok, t) for t in edges])
+    emitted = _emitted(*_token_times(ok), edges[:, None]).sum(axis=1)
     return edges, np.diff(emitted) / np.diff(edges)
 
 
 def emitted_by(ok: pd.DataFrame, t: float) -> np.ndarray:
     """Each request's output tokens emitted by time ``t``: its first at its TTFT, the rest evenly
     spread up to its end (the predictor's samples carry no per-token times; ITLs average out)."""
+    return _emitted(*_token_times(ok), t)
+
+
+def _token_times(ok: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each request's output tokens, first token's time and end, as arrays."""
     n = ok["output_tokens"].fillna(0).to_numpy(dtype=float)
     first = (ok["start_ts"] + ok["ttft_s"]).to_numpy(dtype=float)
     end = (ok["start_ts"] + ok["e2e_s"]).to_numpy(dtype=float)
+    return n, first, end
+
+
+def _emitted(n: np.ndarray, first: np.ndarray, end: np.ndarray, t) -> np.ndarray:
+    """``emitted_by`` on arrays; ``t`` a time, or a column of times (one row each)."""
     share = np.clip((t - first) / np.maximum(end - first, 1e-9), 0.0, 1.0)
     emitted = np.where(first <= t, 1 + (n - 1) * share, 0.0)
     return np.nan_to_num(np.clip(emitted, 0.0, n))
