@@ -26,7 +26,8 @@
 # MODEL (required) is the model folder (config and tokenizer; weights are dummy). VLLM_VENV and
 # LAB_ROOT go to the inventory; STORE (default /tmp/reference) keeps everything; OUT (default
 # /tmp/out) gets the packed results; RATES overrides the parity Poisson rates (default 25,40);
-# INVENTORY and BACKEND (default inventory/container.yml, vllm) another host or the twin.
+# INVENTORY and BACKEND (default inventory/container.yml, vllm) another host or the twin; CASES
+# parity-schedule's cases (each takes about four minutes: one a call where calls are limited).
 set -uo pipefail
 : "${MODEL:?MODEL is required: the model folder on this host}"
 store=${STORE:-/tmp/reference}
@@ -74,7 +75,7 @@ for phase in "$@"; do
     parity-schedule)
       parity measure parity-schedule --url "$(url_of parity)" --open-s 60 \
         --runs bench+lab:schedule=bench+bench+lab:schedule=bench \
-        --cases poisson:$r1,poisson:$r2,gamma:30:0.5
+        --cases "${CASES:-poisson:$r1,poisson:$r2,gamma:30:0.5}"
       parity csv parity-schedule ;;
     # The lab's own fixed-length prompts in a ShareGPT-format file, sent by both: the closed loops'
     # TTFT gap with the prompt's text the same on both sides.
