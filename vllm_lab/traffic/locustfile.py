@@ -21,6 +21,7 @@ own master-worker messages (`lab_take` / `lab_ticket`), and reports each finishe
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import math
@@ -41,6 +42,7 @@ from gevent.queue import Empty, Queue
 from locust import FastHttpUser, LoadTestShape, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
+from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
 from locust.user.users import LOCUST_STATE_STOPPING
 
 from vllm_lab.traffic.arrivals import (
@@ -422,6 +424,34 @@ def _report(client_id, data, **_kw):
     # Recent TTFTs travel to the master, whose shape watches them for the saturation stop.
     if STATE is not None and STATE.ttft_outbox:
         data["lab_ttft"], STATE.ttft_outbox = STATE.ttft_outbox, []
+
+
+ENVIRONMENT = None  # this process's Locust environment, for the tables written at its exit
+
+
+@events.init.add_listener
+def _keep_environment(environment, **_kw):
+    global ENVIRONMENT
+    ENVIRONMENT = environment
+
+
+@events.quit.add_listener
+def _write_final_tables(**_kw):
+    # Locust rewrites its CSV tables once a second and only closes them at exit, so the last
+    # statistics (a master's, from its workers' final reports at stop) can miss them: write each
+    # table once more, whole, in place of the one its writer still holds open.
+    env = ENVIRONMENT
+    prefix = getattr(getattr(env, "parsed_options", None), "csv_prefix", None)
+    if not prefix or isinstance(env.runner, WorkerRunner):
+        return
+    tables = StatsCSV(env, PERCENTILES_TO_REPORT)
+    for name, write in (("stats", tables.requests_csv), ("failures", tables.failures_csv),
+                        ("exceptions", tables.exceptions_csv)):
+        path = Path(f"{prefix}_{name}.csv")
+        tmp = path.with_name(path.name + ".final")
+        with open(tmp, "w", newline="") as f:
+            write(csv.writer(f))
+        os.replace(tmp, path)
 
 
 @events.worker_report.add_listener
