@@ -563,18 +563,13 @@ SERVER_KEY = {"ttft_p50": "server_ttft_p50", "ttft_p99": "server_ttft_p99",
               "tpot_p50": "server_tpot_p50"}
 
 
-def _tool(run: dict) -> str:
-    """Which client took a run: its run spec's tool (lab:schedule=bench is the lab's)."""
-    return run.get("tool") or run["run"].split(":")[0]
-
-
 def _figure(run: dict, metric: str) -> tuple[float | None, float | None]:
     """One run's figure for ``metric`` and the server's view of it (None: it has none)."""
     if metric == "output_throughput":  # the lab's on the bench's definition, to compare one thing
-        key = "bench_def_output_throughput" if _tool(run) == "lab" else metric
+        key = "bench_def_output_throughput" if run["tool"] == "lab" else metric
         return run["figures"].get(key), None
     if metric == "output_throughput_window":  # against the server: the bench has no window
-        return (run["figures"]["output_throughput"] if _tool(run) == "lab" else None,
+        return (run["figures"]["output_throughput"] if run["tool"] == "lab" else None,
                 run.get("server_output_throughput"))
     return run["figures"].get(metric), run["server"].get(SERVER_KEY[metric])
 
@@ -591,8 +586,8 @@ def write_csv(args) -> Path:
     rows = [json.loads(x) for x in (args.out / "runs.jsonl").read_text().splitlines() if x.strip()]
     out = []
     for case in sorted({_case_of(r) for r in rows}, key=lambda c: (c[0] != "closed", c)):
-        lab = [r for r in rows if _case_of(r) == case and _tool(r) == "lab"]
-        ref = [r for r in rows if _case_of(r) == case and _tool(r) == "bench"]
+        lab = [r for r in rows if _case_of(r) == case and r["tool"] == "lab"]
+        ref = [r for r in rows if _case_of(r) == case and r["tool"] == "bench"]
         if not lab or not ref:
             continue
         name, level = case
