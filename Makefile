@@ -174,7 +174,7 @@ status: venv ## What the lab is doing now (experiment, point, phase, since when)
 
 ##@ Scenarios
 .PHONY: lint show
-lint: venv ## Lint a scenario's vLLM flags (SCENARIO=...); `make lint SCENARIO=all` checks every shipped one
+lint: venv ## Lint a scenario's vLLM flags (SCENARIO=...); `make lint SCENARIO=all` checks every runnable shipped one (not guide/)
 	@$(LAB) lint
 
 show: venv ## Print the resolved scenario (hardware preset + scenario + SET overrides)

@@ -80,5 +80,18 @@ def test_cli_lint_exit_codes(capsys):
     assert "block-size" in capsys.readouterr().out
     assert main(["lint", "--scenario", "realtime-chat"]) == 0
     assert main(["lint", "--all"]) == 0
+    out = capsys.readouterr().out
+    # The guide's templates as written are wrong on purpose: --all names them, prints no error.
+    assert "error:" not in out and "not linted: guide/high-concurrency-api" in out
     assert main(["lint", "--scenario", "missing-one"]) == 2
     assert "no such scenario file" in capsys.readouterr().err
+
+
+def test_cli_lint_all_exits_non_zero_when_it_prints_an_error(capsys, monkeypatch):
+    from vllm_lab import scenarios
+    from vllm_lab.cli import main
+    shipped = scenarios.available()
+    monkeypatch.setattr(scenarios, "available",
+                        lambda *a: {**shipped, "scenarios": ["default", "guide/realtime-chat"]})
+    assert main(["lint", "--all"]) == 1
+    assert "error:" in capsys.readouterr().out

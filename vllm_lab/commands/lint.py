@@ -1,5 +1,5 @@
 """make lint: a scenario's vLLM flags checked against the target vLLM version before anything runs
-(SCENARIO=all: every shipped scenario)."""
+(SCENARIO=all: every shipped scenario but the guide's templates as written, wrong on purpose)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from vllm_lab.commands.arguments import add_scenario_arguments
 
 
 def lint(args: argparse.Namespace) -> int:
-    """Lint one scenario, or every shipped one with --all; exit 1 on any error."""
-    names = _all_scenario_names() if args.all else [args.scenario]
+    """Lint one scenario, or every runnable shipped one with --all; exit 1 when an error is printed."""
+    names = scenarios.available()["scenarios"] if args.all else [args.scenario]
     failed = False
     for name in names:
         layers = scenarios.load_layers(name, args.hardware, args.overrides)
@@ -23,23 +23,25 @@ def lint(args: argparse.Namespace) -> int:
         print(f"{name}: " + (f"{len(findings)} finding(s)" if findings else "ok"))
         for finding in findings:
             print(f"  {finding}")
-        # The guide/ templates are kept as the guide wrote them; with --all their findings are
-        # the worked example, not a failure.
-        as_written = args.all and name.startswith("guide/")
-        failed |= not as_written and any(f.severity == "error" for f in findings)
+        failed |= any(f.severity == "error" for f in findings)
+    if args.all:
+        print(_guide_note())
     return 1 if failed else 0
 
 
-def _all_scenario_names() -> list[str]:
-    guide = sorted((scenarios.SCENARIO_DIR / "guide").glob("*.yaml"))
-    return scenarios.available()["scenarios"] + [f"guide/{p.stem}" for p in guide]
+def _guide_note() -> str:
+    """The line --all ends with: the guide's templates as written are wrong on purpose, so not linted."""
+    guide = [f"guide/{p.stem}" for p in sorted((scenarios.SCENARIO_DIR / "guide").glob("*.yaml"))]
+    return (f"not linted: {', '.join(guide)} (the tuning guide's templates exactly as written, kept "
+            "wrong on purpose as the worked example; make lint SCENARIO=guide/<name> shows their "
+            "errors)")
 
 
 def register(sub) -> None:
     """``lab lint``."""
     p = sub.add_parser("lint", help="check a scenario's vLLM flags before anything runs")
     add_scenario_arguments(p)
-    p.add_argument("--all", action="store_true", help="lint every shipped scenario")
+    p.add_argument("--all", action="store_true", help="lint every shipped scenario (not guide/, the guide as written)")
     p.add_argument("--vllm-version", default=None, help="target vLLM version (default: scenario's)")
     p.set_defaults(func=main)
 
