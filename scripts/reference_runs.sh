@@ -27,7 +27,8 @@
 # LAB_ROOT go to the inventory; STORE (default /tmp/reference) keeps everything; OUT (default
 # /tmp/out) gets the packed results; RATES overrides the parity Poisson rates (default 25,40);
 # INVENTORY and BACKEND (default inventory/container.yml, vllm) another host or the twin; CASES
-# parity-schedule's cases (each takes about four minutes: one a call where calls are limited).
+# parity-schedule's cases (each takes about four minutes: one a call where calls are limited), RUNS
+# its turns (two pairs by default) and OPEN_S its seconds of arrivals (60).
 set -uo pipefail
 : "${MODEL:?MODEL is required: the model folder on this host}"
 store=${STORE:-/tmp/reference}
@@ -73,8 +74,8 @@ for phase in "$@"; do
     # bench run just before it, so the two differ only by their client and the server's own
     # run-to-run spread; a minute of arrivals each, twice, at two rates and gamma arrivals.
     parity-schedule)
-      parity measure parity-schedule --url "$(url_of parity)" --open-s 60 \
-        --runs bench+lab:schedule=bench+bench+lab:schedule=bench \
+      parity measure parity-schedule --url "$(url_of parity)" --open-s "${OPEN_S:-60}" \
+        --runs "${RUNS:-bench+lab:schedule=bench+bench+lab:schedule=bench}" \
         --cases "${CASES:-poisson:$r1,poisson:$r2,gamma:30:0.5}"
       parity csv parity-schedule ;;
     # The lab's own fixed-length prompts in a ShareGPT-format file, sent by both: the closed loops'

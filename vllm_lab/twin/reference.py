@@ -16,7 +16,8 @@ CPU measured (long replies to short prompts at 64-512 users, long prompts at 1-6
 file and realtime-chat up to the loop's limit, four API-server processes); and
 ``traffic-2026-12-03/``: open loops on one arrival schedule (Poisson at 40 req/s, two pairs, on one
 host; gamma arrivals of burstiness 0.5 at 30 req/s, one pair, on another), each lab run replaying
-the send times and lengths of the bench run before it. Each run is replayed
+the send times and lengths of the bench run before it); ``traffic-2026-12-03b/``: the same at
+25 req/s, three pairs, on a third host. Each run is replayed
 request for request, a scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
 # Measurements taken after the fit, held out whole.
 LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b", ROOT / "traffic-2026-12-02c",
-         ROOT / "traffic-2026-12-03")
+         ROOT / "traffic-2026-12-03", ROOT / "traffic-2026-12-03b")
 
 # The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
