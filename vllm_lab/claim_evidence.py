@@ -1,7 +1,7 @@
 """What a claim's verdict is read from: each arm's runs (``Evidence``), the parts of a verdict,
-and the figures as the verdicts write them. A difference inside the noise is no difference: the
-reference's run-to-run spread (at least ``NOISE_FLOOR``) on a measured backend, none on the
-deterministic predictor."""
+and the figures as the verdicts write them. A difference under the threshold is no change: the
+reference's run-to-run spread on a measured backend, and never less than ``MATERIAL`` (the smallest
+change the lab calls one, the deterministic predictor's only threshold: it has no noise)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from vllm_lab.claims import Arm
 
 HOLDS, PARTLY, NO, UNTESTABLE = "holds", "holds partly", "does not hold", "not testable here"
-NOISE_FLOOR = 0.03  # below 3% a difference is not claimed even when the repeats agree closely
+# Below 3% a difference is no change, however exact (the predictor) or closely the repeats agree:
+# the same 3% a single run's spread is taken as (stats.SINGLE_RUN_CV) and the point of a claim.
+MATERIAL = 0.03
 OK_STATUSES = ("ok",)  # a client-limited run measured the client, not vLLM
 
 
@@ -39,7 +41,8 @@ class Evidence:
     An arm's runs are those of its label or, where another claim's arm ran the same scenario
     under another label (a scenario whose own traffic is 64 closed-loop users runs
     near-capacity's), that one's: an identical arm is measured once and counts for every claim. On a deterministic
-    backend (the predictor) a repeat reads the same figures: no noise floor is assumed for it.
+    backend (the predictor) a repeat reads the same figures: no noise is assumed for it, only
+    ``MATERIAL``.
     """
 
     def __init__(self, runs_by_label: Mapping[str, Sequence[dict]], arms: Sequence[Arm],
@@ -97,11 +100,12 @@ class Evidence:
         return statistics.stdev(v) / abs(statistics.mean(v))
 
     def change(self, arm: str, ref: str, metric: str) -> tuple[float | None, float]:
-        """(relative change of arm against ref, noise floor) for the metric; the floor is 0 on
-        a deterministic backend, which has no run-to-run noise."""
+        """(relative change of arm against ref, threshold) for the metric: a change within the
+        threshold is no change. The threshold is ``MATERIAL``, raised to twice the run-to-run
+        spread on a measured backend (a deterministic one has none)."""
         a, b = self.mean(arm, metric), self.mean(ref, metric)
         spreads = [s for s in (self.spread(ref, metric), self.spread(arm, metric)) if s is not None]
-        floor = 0.0 if self.deterministic else max([NOISE_FLOOR] + [2 * s for s in spreads])
+        floor = max([MATERIAL] + ([] if self.deterministic else [2 * s for s in spreads]))
         if a is None or b is None or b == 0:
             return None, floor
         return (a - b) / b, floor
@@ -111,17 +115,46 @@ def ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v * 1000:.1f} ms"
 
 
-def pct(rel: float | None, floor: float | None = None) -> str:
+def _change_words(rel: float, floor: float | None, exact: bool) -> tuple[str, str]:
+    """A relative change and what qualifies it: the threshold, and "no change" within it."""
+    text = f"{rel:+.1%}" if exact else f"{rel:+.0%}"
+    if floor is None:
+        return text, ""
+    if exact:
+        return text, ("deterministic: no noise" + (f"; under {floor:.0%}: no change" if abs(rel) < floor else ""))
+    return text, f"noise ±{floor:.0%}" + (": no change" if abs(rel) < floor else "")
+
+
+def pct(rel: float | None, floor: float | None = None, exact: bool = False) -> str:
+    """A relative change as the verdicts write it: with its threshold, and "no change" within it;
+    ``exact``: measured on a deterministic backend, which has no run-to-run noise."""
     if rel is None:
         return "n/a"
-    if floor == 0.0:  # a deterministic backend: the difference is exact
-        return f"{rel:+.1%} (deterministic: no run-to-run noise)"
-    return f"{rel:+.0%}" + (f" (noise ±{floor:.0%})" if floor is not None else "")
+    text, note = _change_words(rel, floor, exact)
+    return f"{text} ({note})" if note else text
 
 
 def compare(ev: Evidence, arm: str, ref: str, metric: str, fmt=ms) -> str:
+    """The reference's figure, the arm's and the change between them, with its threshold."""
     rel, floor = ev.change(arm, ref, metric)
-    return f"{fmt(ev.mean(ref, metric))} → {fmt(ev.mean(arm, metric))} ({pct(rel, floor)})"
+    change = "n/a" if rel is None else ", ".join(w for w in _change_words(rel, floor, ev.deterministic) if w)
+    return f"{fmt(ev.mean(ref, metric))} → {fmt(ev.mean(arm, metric))} ({change})"
+
+
+def sized(rel: float | None, floor: float, claimed: float, holds_at: float | None = None) -> str:
+    """The verdict on a claim that states a size (``claimed``, a relative change): it holds when the
+    change reaches ``holds_at`` (default nine tenths of the claim), holds partly when it goes the
+    claimed way by at least half the claim and beyond the threshold, and otherwise does not hold
+    (x1.02 on a claimed 3x is no part of it)."""
+    if rel is None:
+        return UNTESTABLE
+    sign = 1 if claimed > 0 else -1
+    size = sign * rel
+    if size >= abs(holds_at if holds_at is not None else 0.9 * claimed):
+        return HOLDS
+    if size >= abs(claimed) / 2 and size > floor:
+        return PARTLY
+    return NO
 
 
 def tok(v: float | None) -> str:
