@@ -71,3 +71,15 @@ def test_describe_names_the_flag_to_try():
     text = findings.describe(f)
     # Half of vLLM's default on a large GPU (1024, from the flag catalog).
     assert "--max-num-seqs 512" in text and "Preemption storm" in text
+
+
+def test_a_figure_not_measured_is_left_out_never_printed_as_nan():
+    [f] = findings.findings(_row(ttft_p50=0.08, ttft_p99=1.2, prompt_p50=150.0, prompt_p99=3800.0,
+                                 queue_len_max=None))
+    assert f.kind == "long-prefill" and "nan" not in f.evidence and "waiting" not in f.evidence
+    [f] = findings.findings(_row(ttft_p50=0.08, ttft_p99=1.2, prompt_p50=150.0, prompt_p99=3800.0))
+    assert "up to 2 requests waiting" in f.evidence
+    [f] = findings.findings(_row(gpu_util_mean=58.0, queue_len_mean=6.5, queue_len_max=None,
+                                 output_throughput=None))
+    assert f.kind == "budget" and "nan" not in f.evidence
+    assert "(max" not in f.evidence and "output not measured" in f.evidence

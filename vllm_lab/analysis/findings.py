@@ -70,6 +70,12 @@ def _num(row: Mapping[str, Any], key: str) -> float:
     return value(row, key)
 
 
+def _clause(text: str, v: float) -> str:
+    """``text`` with the figure ``v`` in it ({v} in the text), or nothing where the figure was not
+    measured: a finding never prints a missing figure as nan."""
+    return "" if math.isnan(v) else text.format(v=v)
+
+
 def serve_flags(row: Mapping[str, Any]) -> dict[str, Any]:
     """The serve flags the run used (from its recorded scenario), vLLM's defaults filled in."""
     scenario = row.get("scenario")
@@ -89,8 +95,9 @@ def _budget(row, flags) -> Finding | None:
     return Finding(
         "budget", "Throughput below expectation: GPU under 80% busy while requests wait",
         f"GPU utilization {util:.0f}% (< {GPU_UTIL_LOW:.0f}%) with {waiting:.1f} requests waiting "
-        f"on average (max {_num(row, 'queue_len_max'):.0f}); output "
-        f"{_num(row, 'output_throughput'):.0f} tok/s at max-num-batched-tokens={budget}",
+        f"on average{_clause(' (max {v:.0f})', _num(row, 'queue_len_max'))}; output "
+        + (_clause("{v:.0f} tok/s", _num(row, "output_throughput")) or "not measured")
+        + f" at max-num-batched-tokens={budget}",
         "the token budget per step is too small to keep the GPU busy: raise max-num-batched-tokens",
         {"max-num-batched-tokens": budget * 2})
 
@@ -111,8 +118,8 @@ def _long_prefill(row, flags) -> Finding | None:
     prompts = (f"; prompts p50 {prompt50:.0f} / p99 {prompt99:.0f} tokens" if long_prompts else "")
     return Finding(
         "long-prefill", "Latency swings: long requests block the queue",
-        f"TTFT p99 {p99 * 1000:.0f} ms is {p99 / p50:.1f}x p50 {p50 * 1000:.0f} ms{prompts}; "
-        f"up to {_num(row, 'queue_len_max'):.0f} requests waiting",
+        f"TTFT p99 {p99 * 1000:.0f} ms is {p99 / p50:.1f}x p50 {p50 * 1000:.0f} ms{prompts}"
+        + _clause("; up to {v:.0f} requests waiting", _num(row, "queue_len_max")),
         "long prefills take whole steps: cap them with long-prefill-token-threshold and let "
         "several prefills share the chunked-prefill budget",
         {"long-prefill-token-threshold": suggested,
