@@ -224,3 +224,29 @@ def test_an_energy_tune_names_its_best_by_tokens_per_joule_everywhere(tmp_path):
     shown = results(tmp_path / "lab.db", "tune-energy")
     assert shown.best == point_label(dict(zip(("max-num-seqs", "max-num-batched-tokens"), expected)))
     assert shown.headline == summary["headline"] and "tok/J" in shown.table
+
+
+def test_importance_is_shown_only_for_a_flag_that_moved_the_objective_itself():
+    """PED-ANOVA ranks every flag, noise included: a flag whose values' mean objectives lie within
+    the noise gets "no measurable effect", not a share of the importance."""
+    import optuna
+
+    from vllm_lab.analysis.search import MIN_SPREAD, flag_effects, importances
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    dists = {"max-num-seqs": optuna.distributions.CategoricalDistribution([64, 128, 256]),
+             "max-num-batched-tokens": optuna.distributions.CategoricalDistribution([2048, 8192])}
+    for i in range(14):
+        seqs, budget = (64, 128, 256)[i % 3], (2048, 8192)[i % 2]
+        # Goodput follows max-num-seqs (x1.3 per step); the budget moves it by 0.5% at most.
+        value = 10.0 * 1.3 ** (i % 3) * (1.005 if budget == 8192 else 1.0) * (1 + 0.001 * (i % 5))
+        study.add_trial(optuna.trial.create_trial(
+            params={"max-num-seqs": seqs, "max-num-batched-tokens": budget}, distributions=dists, value=value))
+    effects = flag_effects([(t.params, t.values[0]) for t in study.trials])
+    assert effects["max-num-seqs"] > 0.3 and effects["max-num-batched-tokens"] < MIN_SPREAD
+    imp = importances(study)
+    assert list(imp.values) == ["max-num-seqs"] and imp.no_effect == ("max-num-batched-tokens",)
+    lines = imp.lines()
+    assert any(line.startswith("max-num-batched-tokens: no measurable effect") for line in lines)
+    assert not any("importance of max-num-batched-tokens" in line for line in lines)

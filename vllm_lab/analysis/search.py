@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -56,31 +57,67 @@ def tune_study(exp: dict, store_path):
     return search.load_study(meta["study"], meta["storage"] or search.storage_url(None, store_path))
 
 
-# Importances need enough complete trials, and an objective that moved by more than a run's noise.
+# Importances need enough complete trials, an objective that moved by more than a run's noise,
+# and, flag by flag, a flag that moved it itself.
 MIN_TRIALS = 10
 MIN_SPREAD = 2 * stats.SINGLE_RUN_CV
 MEANING = ("PED-ANOVA (Optuna's default): how far each flag's values among the best 10% of trials "
-           "lie from its values over every trial, normalized to sum to 1; a flag near 0 can stay "
-           "at its default")
+           "lie from its values over every trial, normalized to sum to 1 over every flag searched")
+MAX_GROUPS = 4  # a numeric flag with more values tried is read in this many quantile bins
 
 
 @dataclass(frozen=True)
 class Importances:
     """Each parameter's importance for the (first) objective, and a sentence saying what the
-    numbers mean, or why none are shown."""
+    numbers mean, or why none are shown; ``effects``: each flag's own effect (``flag_effects``);
+    ``no_effect``: the flags whose effect is within the noise, whose importance is not shown."""
 
     values: dict[str, float]
     note: str
+    effects: dict[str, float] = field(default_factory=dict)
+    no_effect: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        """The note, then one line per flag: its importance, or that it had no measurable effect."""
+        out = [self.note]
+        out += [f"importance of {k}: {v:.2f} (its values' mean objectives {self.effects[k]:.0%} apart)"
+                for k, v in self.values.items()]
+        out += [f"{k}: no measurable effect (its values' mean objectives {self.effects[k]:.1%} apart, "
+                f"within the {MIN_SPREAD:.0%} noise)" for k in self.no_effect]
+        return out
+
+
+def flag_effects(trials: Sequence[tuple[dict[str, Any], float]]) -> dict[str, float]:
+    """Each flag's own effect on the objective: how far apart the objective's mean lies over the
+    trials at each of its values (a numeric flag with more than ``MAX_GROUPS`` values in quantile
+    bins), relative to the best trial's objective. A flag whose marginal means lie within the noise
+    barely moves the objective, whatever rank PED-ANOVA gives it."""
+    frame = pd.DataFrame([{**params, "_objective": value} for params, value in trials])
+    top = frame["_objective"].abs().max() if len(frame) else 0.0
+    out = {}
+    for name in (c for c in frame.columns if c != "_objective"):
+        column = frame[name]
+        numeric = pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
+        if numeric and column.nunique() > MAX_GROUPS:
+            groups = pd.qcut(column.rank(method="first"), MAX_GROUPS, labels=False)
+        else:
+            groups = column.astype(str)
+        means = frame.groupby(groups)["_objective"].mean()
+        out[name] = float((means.max() - means.min()) / top) if top and len(means) > 1 else 0.0
+    return out
 
 
 def importances(study) -> Importances:
     """optuna.importance (PED-ANOVA) of each parameter, where the trials can support it: at
     least ``MIN_TRIALS`` complete trials whose objective spread past ``MIN_SPREAD`` of its
-    mean; a flat objective (every setting alike within noise) ranks noise, so none is shown."""
+    mean; a flat objective (every setting alike within noise) ranks noise, so none is shown. Of
+    the rest, a flag's importance is shown only where its own effect (``flag_effects``) is past
+    ``MIN_SPREAD``: the others had no measurable effect."""
     import optuna
     from optuna.trial import TrialState
 
-    done = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    done = [t.values[0] for t in complete]
     if len(done) < MIN_TRIALS:
         return Importances({}, f"importances not shown: {len(done)} complete trial(s), fewer than "
                                f"the {MIN_TRIALS} they need")
@@ -99,4 +136,11 @@ def importances(study) -> Importances:
             values = optuna.importance.get_param_importances(study, target=lambda t: sign * t.values[0])
     except (RuntimeError, ValueError, ZeroDivisionError):
         return Importances({}, "importances not shown: Optuna could not compute them")
-    return Importances(dict(values), f"importances: {MEANING}")
+    effects = flag_effects([(t.params, t.values[0]) for t in complete])
+    moved = {k: v for k, v in values.items() if effects.get(k, 0.0) > MIN_SPREAD}
+    quiet = tuple(k for k in values if k not in moved)
+    note = f"importances: {MEANING}"
+    if quiet:
+        note += (f"; shown only for a flag whose values' mean objectives lie more than {MIN_SPREAD:.0%} "
+                 f"apart")
+    return Importances(moved, note, effects, quiet)

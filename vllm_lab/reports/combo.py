@@ -241,7 +241,8 @@ def importance_figure(imp: dict[str, float], ctx: Context, folder: Path) -> Path
     names = list(imp)[::-1]
     ax.barh(names, [imp[n] for n in names], color="tab:blue")
     ax.set_xlabel("importance: how far the flag's values in the best 10% of trials lie from all "
-                  "(PED-ANOVA, sums to 1)", fontsize=8)
+                  "(PED-ANOVA, sums to 1 over every flag;\na flag with no measurable effect has no bar)",
+                  fontsize=8)
     ax.set_title("Parameter importances", fontsize=10)
     # Half an inch under the axes, below the x label, however few bars make the figure short.
     fig.text(0.01, -0.5 / fig.get_figheight(), ctx.caption, fontsize=7, va="top")
@@ -275,7 +276,7 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     best_path = _best_file(runs, params, best, folder,
                            _best_note(f"study {meta['study']}", best, params, figure))
     _best_summary(exp, table, best, params, figure, headline, folder)
-    notes = [imp.note] + [f"importance of {k}: {v:.2f}" for k, v in imp.values.items()]
+    notes = imp.lines()
     notes += [f"trial {r.trial}: {r.state.lower()} ({r.cause}): {r.error}" for r in
               trials[trials["state"].isin(["PRUNED", "FAIL"])].itertuples()]
     notes.append(f"study {meta['study']} in {meta['storage'] or 'the lab database'}; more workers join "

@@ -21,8 +21,8 @@ CAPTIONS = {
     "pareto": "Only points on the blue front are worth choosing; the gold star is the best that "
               "meets the SLO.",
     "history": "The blue step is the best so far: a flat tail means more trials would not help.",
-    "importances": "The longest bar is the flag that moved the objective most; short bars can stay "
-                   "at their defaults.",
+    "importances": "The longest bar is the flag that moved the objective most; a flag with no bar had "
+                   "no measurable effect and can stay at its default.",
     "stress": "The knee is where latency turns upward: past it requests queue faster than they are "
               "served.",
     "timeline": "Compare served with offered load: the gap during the spike, and how fast it closes "
