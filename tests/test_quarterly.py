@@ -153,3 +153,28 @@ def test_the_build_says_each_stage(store_path, tmp_path):
     quarterly.build(store_path, "2026Q4", tmp_path, pdf=False, say=said.append)
     assert len(said) == 2 and said[0].startswith("2026Q4: ") and " runs of " in said[0]
     assert said[1].startswith("2026Q4: analyses done, ") and said[1].endswith("figures drawn")
+
+
+def test_the_quarter_names_each_autotunes_best_as_its_own_report_does(tmp_path):
+    """reports/examples/autotune-h200: two autotunes (a store from before their experiments were
+    recorded, their plans in their studies); the quarter names each one's best by
+    analysis.autotune.outcome, the function the autotune's own report reads."""
+    from vllm_lab import search
+    from vllm_lab.analysis.autotune import outcome
+
+    example = Path(__file__).resolve().parent.parent / "reports/examples/autotune-h200"
+    db = tmp_path / "lab.db"
+    db.write_bytes((example / "lab.db").read_bytes())
+    (tmp_path / "lab.samples").symlink_to(example / "lab.samples")
+    index = quarterly.build(db, "2026Q4", tmp_path / "out", pdf=False)
+    p = quarterly.parse_period("2026Q4")
+    now = quarterly.load_runs(db, p.start, p.end)
+    table = quarterly.autotune_summary(db, now).set_index("experiment_id")
+    assert list(table.index) == ["autotune-realtime-chat-h200", "autotune-realtime-chat-h200-b"]
+    for name, row in table.iterrows():
+        found = outcome(db, name, search.storage_url(None, db))
+        assert row["best"] == found.best.candidate.name and row["verdict"] == found.verdict()
+    assert table.loc["autotune-realtime-chat-h200", "best_flags"] == {"api-server-count": 4}
+    md = (index.parent / "report.md").read_text()
+    assert "## Autotune: the best found" in md and "api-server-count=4" in md
+    assert table.loc["autotune-realtime-chat-h200-b", "verdict"] in md

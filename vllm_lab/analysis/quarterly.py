@@ -1,8 +1,8 @@
 """The quarterly report's analyses: each a table computed from the period's runs alone.
 
 The baseline now against the previous period, the best configuration per scenario and GPU and its
-margin, the sweeps, combinations and stress tests, the regression watch and the troubleshooting
-findings. ``reports.quarterly`` draws them and writes the recommended flag changes.
+margin, the sweeps, combinations and stress tests, each autotune's pick, the regression watch and the
+troubleshooting findings. ``reports.quarterly`` draws them and writes the recommended flag changes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats as _scipy
 
-from vllm_lab import stats
+from vllm_lab import search, stats
 from vllm_lab.analysis import findings as findings_mod
+from vllm_lab.analysis.autotune import STEP as AUTOTUNE
+from vllm_lab.analysis.autotune import load_record, outcome
 from vllm_lab.analysis.points import (
     RANKED,
     best_point,
@@ -216,6 +218,52 @@ def stress_summary(store_path: Path, runs: pd.DataFrame) -> pd.DataFrame:
                          "peak_throughput": peak["output_throughput"] if peak is not None else np.nan,
                          "ttft_p99_at_peak_s": peak["ttft_p99"] if peak is not None else np.nan})
     return pd.DataFrame(rows)
+
+
+def autotune_summary(store_path: Path, runs: pd.DataFrame) -> pd.DataFrame:
+    """Per autotune whose staircases ran in the period: its pick, by the function its own report
+    reads it with (``analysis.autotune.outcome``): the best candidate and its flags, its SLO
+    capacity against vLLM's defaults', the gain, the rule and the verdict, as its page says them."""
+    storage = search.storage_url(None, store_path)
+    staircases = runs[runs["step"] == "stress"]
+    with Store(store_path) as store:
+        exps = store.experiments()
+    steps = dict(zip(exps["id"], exps["step"], strict=True))
+    records: dict[str, Any] = {}
+
+    def record(name: str):
+        # An autotune of a store written before its experiment was recorded is known by its study.
+        if name not in records:
+            known = steps.get(name)
+            records[name] = (load_record(store_path, name, storage)
+                             if known == AUTOTUNE or known is None else None)
+        return records[name]
+
+    found: dict[str, str] = {}  # autotune -> the label of its staircases' runs
+    for staircase, group in staircases.groupby("experiment_id", sort=False):
+        parts = str(staircase).split("-")
+        for i in range(len(parts) - 1, 0, -1):
+            name = "-".join(parts[:i])
+            rec = record(name)
+            if rec is not None and any(staircase == f"{name}-{c.name}" for c in rec.plan.candidates):
+                found.setdefault(name, group["label"].iloc[0])
+                break
+    rows = []
+    for name, label in found.items():
+        out = outcome(store_path, name, storage)
+        best = out.best
+        rows.append({"experiment_id": name, "label": label, "objective": out.objective,
+                     "backend": out.record.plan.backend,
+                     "best": best.candidate.name if best else None,
+                     "best_flags": dict(best.candidate.flags or {}) if best else None,
+                     "best_capacity": best.measured if best else np.nan,
+                     "defaults_capacity": out.defaults.measured if out.defaults.measured is not None
+                     else np.nan,
+                     "gain": out.gain if out.gain is not None else np.nan,
+                     "rule": out.rule, "verdict": out.verdict()})
+    return pd.DataFrame(rows, columns=["experiment_id", "label", "objective", "backend", "best",
+                                       "best_flags", "best_capacity", "defaults_capacity", "gain",
+                                       "rule", "verdict"])
 
 
 def watch_summary(runs: pd.DataFrame) -> pd.DataFrame:

@@ -1,8 +1,8 @@
 """The quarterly report: every experiment of a period (runs started within it), read from the store.
 
 It compares the baseline now with the previous period, names per scenario and GPU the best
-configuration found and its margin, summarises the sweeps, combinations and stress tests, the
-monitoring probes (regression watch), the troubleshooting findings, and writes the recommended
+configuration found and its margin, summarises the sweeps, combinations and stress tests, names
+each autotune's best (by ``analysis.autotune.outcome``, as its own report does), the monitoring probes (regression watch), the troubleshooting findings, and writes the recommended
 flag changes as ready scenario files. Output: ``index.html`` (figures embedded), ``report.md``,
 ``report.pdf`` (headless Chromium prints the HTML) and ``recommended/*.yaml`` beside them.
 
@@ -21,6 +21,7 @@ from typing import Any
 from vllm_lab import outdir
 from vllm_lab.analysis.quarterly import (
     all_findings,
+    autotune_summary,
     baseline_comparison,
     best_configurations,
     findings_table,
@@ -46,10 +47,10 @@ from vllm_lab.reports.quarterly.document import quarterly_page, sections
 from vllm_lab.reports.quarterly.period import Period, parse_period
 from vllm_lab.reports.quarterly.recommended import recommendations
 
-__all__ = ["Period", "ReportError", "all_findings", "baseline_comparison", "best_configurations",
-           "build", "chromium", "findings_table", "load_runs", "parse_period", "point_means",
-           "print_pdf", "recommendations", "sample_figures", "stress_summary", "sweep_rollup",
-           "sweep_summary", "watch_summary"]
+__all__ = ["Period", "ReportError", "all_findings", "autotune_summary", "baseline_comparison",
+           "best_configurations", "build", "chromium", "findings_table", "load_runs", "parse_period",
+           "point_means", "print_pdf", "recommendations", "sample_figures", "stress_summary",
+           "sweep_rollup", "sweep_summary", "watch_summary"]
 
 
 def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True,
@@ -78,6 +79,7 @@ def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True,
     cmp = baseline_comparison(now, before)
     best = best_configurations(now)
     sweeps, stress, watch = sweep_summary(now), stress_summary(store_path, now), watch_summary(now)
+    autotunes = autotune_summary(store_path, now)
     found = findings_table(all_findings(now), now)
     recs = recommendations(best, now, folder / "recommended")
     figures = {"baseline": figure_baseline(cmp, folder, text),
@@ -87,7 +89,8 @@ def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True,
                "stress": figure_stress(points, stress, folder, text),
                "watch": figure_watch(now, folder, text)}
     say(f"{period.name}: analyses done, {sum(f is not None for f in figures.values())} figures drawn")
-    parts = sections(period, now, cmp, best, sweeps, stress, watch, found, recs, figures, points)
+    parts = sections(period, now, cmp, best, sweeps, stress, watch, found, recs, figures, points,
+                     autotunes)
     index = page.write_page(quarterly_page(period, parts, text), folder)
     best.drop(columns=["serve", "base_serve"], errors="ignore").to_csv(folder / "best.csv", index=False)
     if pdf:

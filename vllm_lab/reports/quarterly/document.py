@@ -54,11 +54,11 @@ def section_table(df: pd.DataFrame, columns: list[tuple[str, str, str]], limit: 
 def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.DataFrame,
              sweeps: pd.DataFrame, stress: pd.DataFrame, watch: pd.DataFrame,
              found: pd.DataFrame, recs: pd.DataFrame, figures: dict[str, Path | None],
-             points: pd.DataFrame) -> list[Section]:
+             points: pd.DataFrame, autotunes: pd.DataFrame) -> list[Section]:
     """The report's sections in order, from the period's analyses and figures."""
     return [_overview(runs), _baseline(period, cmp, figures), _best(best, figures),
-            _tuning(sweeps, stress, points, figures), _watch(watch, figures), _findings(found),
-            _recommended(recs)]
+            _tuning(sweeps, stress, points, figures), _autotune(autotunes), _watch(watch, figures),
+            _findings(found), _recommended(recs)]
 
 
 def _figures(figures: dict[str, Path | None], *names: str) -> list[Path]:
@@ -137,6 +137,24 @@ def _tuning(sweeps: pd.DataFrame, stress: pd.DataFrame, points: pd.DataFrame,
                          ("ttft_p99_at_peak_s", "TTFT p99 at peak ms", "ms"),
                          ("experiment_id", "experiment", "")], limit=30)],
         _figures(figures, "sweeps", "combos", "stress"), [])
+
+
+def _autotune(autotunes: pd.DataFrame) -> Section:
+    rules = sorted(set(autotunes["rule"])) if len(autotunes) else []
+    return Section(
+        "Autotune: the best found",
+        (f"{len(autotunes)} autotune(s), each one's best as its own report names it: "
+         + "; ".join(rules) + ". Its SLO capacity stands against vLLM's defaults', with the "
+         "autotune's verdict; each candidate's staircase is among the stress tests above."
+         if len(autotunes) else "No autotune this period."),
+        [section_table(autotunes, [("label", "scenario · GPU", ""), ("best", "best", ""),
+                                   ("best_flags", "its flags", ""),
+                                   ("best_capacity", "SLO capacity req/s", ""),
+                                   ("defaults_capacity", "defaults req/s", ""),
+                                   ("gain", "gain", "pct"), ("verdict", "verdict", "text"),
+                                   ("backend", "measured on", ""),
+                                   ("experiment_id", "experiment", "")])] if len(autotunes) else [],
+        [], [])
 
 
 def _watch(watch: pd.DataFrame, figures: dict[str, Path | None]) -> Section:
