@@ -132,3 +132,30 @@ def test_no_point_meeting_the_slo_is_the_headline(tmp_path):
     index = report.build(tmp_path / "lab.db", "all-slow", tmp_path / "out")
     md = (index.parent / "report.md").read_text()
     assert "**No value of max-num-seqs met every SLO. Measured: 2 values of max-num-seqs" in md
+
+
+def test_the_servers_view_names_its_figures_and_draws_no_empty_chart(tmp_path, monkeypatch):
+    """Legends read as the catalog names the figures, with units on the axes; a figure no run
+    scraped (here the queue) gets no panel rather than an empty one."""
+    from vllm_lab.reports import sweep as sweep_report
+
+    path = tmp_path / "lab.db"
+    store = Store(path)
+    store.create_experiment("no-queue", "sweep", "default", {"param": "max-num-seqs"})
+    for seqs in (8, 16):
+        _record(store, "no-queue", "sweep", 0, {"max-num-seqs": seqs}, queue_len_mean=None,
+                queue_len_max=None)
+    store.close()
+    drawn, save = {}, sweep_report.save
+
+    def keep(fig, where):
+        drawn[where.name] = [(ax.get_ylabel(), [t.get_text() for t in ax.get_legend().get_texts()])
+                             for ax in fig.axes if ax.get_legend()]
+        return save(fig, where)
+
+    monkeypatch.setattr(sweep_report, "save", keep)
+    report.build(path, "no-queue", tmp_path / "reports")
+    server = dict(drawn["server.png"])
+    assert list(server) == ["KV cache usage (% of the cache)", "preemptions per run (count)"]
+    assert server["KV cache usage (% of the cache)"] == ["KV cache usage (mean)", "KV cache usage (max)"]
+    assert not any("_" in text for _, texts in drawn["server.png"] for text in texts)

@@ -14,7 +14,7 @@ CAPTIONS = {
     "throughput": "Where goodput (orange) peaks is the best value; throughput still rising past it "
                   "means the SLO, not the server, is the limit.",
     "latency": "Read where a percentile crosses the red SLO line: the values past it miss the SLO.",
-    "server": "A growing queue, a KV cache near 1 or any preemption say the server ran out of room "
+    "server": "A growing queue, a KV cache near 100% or any preemption say the server ran out of room "
               "at that value.",
     "heatmaps": "Bold cells meet the SLO and the red frame is the best of them: look for where the "
                 "bold region ends.",

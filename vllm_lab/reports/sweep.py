@@ -55,8 +55,15 @@ def _mark_failures(ax, x, table):
                         rotation=90, color="red", fontsize=8, ha="center")
 
 
+# The server's view: the catalog's figures per panel and the panel's axis, with its unit.
+SERVER_PANELS = ((("queue_len_mean", "queue_len_max"), "requests waiting (count)"),
+                 (("kv_usage_mean", "kv_usage_max"), "KV cache usage (% of the cache)"),
+                 (("preemptions",), "preemptions per run (count)"))
+
+
 def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -> list[Path]:
-    """The sweep's three pictures: throughput/goodput, latency percentiles, server view."""
+    """The sweep's three pictures: throughput/goodput, latency percentiles, server view (that one
+    with a panel for each figure some run scraped, and none at all where no run scraped any)."""
     x, ticks, log = _x(table, param)
     best = best_point(table)
     out = []
@@ -108,17 +115,22 @@ def sweep_figures(table: pd.DataFrame, param: str, ctx: Context, folder: Path) -
     fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
     out.append(save(fig, folder / "latency.png"))
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"wspace": 0.35})
-    for ax, cols, label in ((axes[0], ("queue_len_mean", "queue_len_max"), "requests waiting"),
-                            (axes[1], ("kv_usage_mean", "kv_usage_max"), "KV cache usage (0-1)"),
-                            (axes[2], ("preemptions",), "preemptions per run")):
-        for col in cols:
-            ax.plot(x, table[col], "o-", label=col.replace("_", " "))
-        axis(ax, label)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"The server's view vs {param} (scraped from /metrics)", fontsize=11)
-    fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
-    out.append(save(fig, folder / "server.png"))
+    # A panel only for figures some run scraped: an empty chart says nothing was measured louder
+    # than no chart, and reads as zero.
+    panels = [(cols, label) for cols, label in SERVER_PANELS
+              if any(c in table and table[c].notna().any() for c in cols)]
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(max(5.0, 14 * len(panels) / 3), 4.2),
+                                 squeeze=False, gridspec_kw={"wspace": 0.35})
+        for ax, (cols, label) in zip(axes[0], panels):
+            for col in (c for c in cols if c in table and table[c].notna().any()):
+                ax.plot(x, table[col] * (100 if metric(col).unit == "share" else 1), "o-",
+                        label=metric(col).label)
+            axis(ax, label)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"The server's view vs {param} (scraped from /metrics)", fontsize=11)
+        fig.text(0.01, -0.04, ctx.caption, fontsize=7, va="top")
+        out.append(save(fig, folder / "server.png"))
     return out
 
 
