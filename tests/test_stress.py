@@ -152,3 +152,62 @@ def test_live_twin_staircase(tmp_path):
     assert not t.loc[1.5, "unbounded"] and t.loc[8.0, "unbounded"]
     assert t.loc[8.0, "queue_growth"] > 0  # the twin's own vllm:num_requests_waiting grows
     assert (tmp_path / "reports/live-st/stress.png").exists()
+
+
+def _staircase(tmp_path, fractions, duration=20):
+    """A predictor staircase of the default scenario at fractions of its capacity."""
+    s = stress.stress_scenario(resolve("default", None, [f"load.stop.duration_s={duration}"]), "ramp")
+    capacity = stress.predicted_capacity(s)
+    levels = [round(capacity * f, 3) for f in fractions]
+    plans.execute(plans.Plan("sc", "stress", stress.staircase_points(s, levels),
+                             {"shape": "ramp", "params": ["load.shape.level"]}),
+                  PredictBackend(), tmp_path / "lab.db", tmp_path / "w")
+    return capacity
+
+
+def test_predictor_staircase_serves_what_it_is_offered_until_the_knee(tmp_path):
+    """Underloaded levels serve what they are offered within the counting noise (a few %), a level
+    far past the capacity is short and not sustainable, and the console says what the page says."""
+    from vllm_lab.reports import console
+    from vllm_lab.reports import stress as stress_page
+
+    capacity = _staircase(tmp_path, (0.25, 0.5, 0.75, 1.4))
+    store = Store(tmp_path / "lab.db")
+    t = levels_table(store, "sc", store.runs("sc"))
+    low, high = t[t["level"] < capacity], t[t["level"] > capacity]
+    assert (abs(low["served"] / low["offered"] - 1) < 0.04).all(), low[["offered", "served"]]
+    assert low["sustainable"].all() and not low["served_short"].any()
+    assert high["served_short"].all() and not high["sustainable"].any()
+    assert (high["served"] < 0.9 * high["offered"]).all()
+    knee = find_knee(t)
+    top = low.iloc[-1]
+    assert knee["max_sustainable"] == pytest.approx(min(top["offered"], top["served"]))
+    shown = stress_page.levels_shown(t)
+    assert list(shown["served req/s"]) == list(t["served"])  # the page shows what was judged
+    said = console.results(tmp_path / "lab.db", "sc")
+    assert said.headline == stress_page.staircase(store, store.experiment("sc"), store.runs("sc"))[2]
+    assert f"{knee['max_sustainable']:.3g} req/s" in said.headline
+    assert list(said.table["served req/s"]) == [report.page.fmt(v) for v in t["served"]]
+    ctx = report.page.context(store.runs("sc"))
+    assert f"4 levels {t['level'].min():.3g}–{t['level'].max():.3g} req/s" in ctx.load
+
+
+def test_a_level_serving_less_than_offered_beyond_noise_is_not_sustainable(tmp_path):
+    """The same underloaded run with a tenth of its requests failed serves 10% under offered:
+    short, whatever its latency says."""
+    from vllm_lab.analysis.stress import level_flow, level_verdict
+    from vllm_lab.summary import summarize
+
+    s = stress.stress_scenario(resolve("default", None, ["load.stop.duration_s=20"]), "ramp")
+    point = stress.staircase_points(s, [20.0])[0]
+    m = PredictBackend().measure(point.scenario, None, tmp_path)
+    whole = level_flow(20.0, m.samples, m.summary.record())
+    assert abs(whole.served / whole.offered - 1) < 3 * whole.noise / whole.offered
+    assert whole.noise / whole.offered < 0.02  # the tolerance is the counting noise, not a slack
+    failed = m.samples.copy()
+    failed.loc[failed.index[::10], "status"] = "error"
+    summary = summarize(failed, point.scenario.slo, load=point.scenario.load)
+    summary["meets_slo"] = True  # latency alone would pass it
+    verdict = level_verdict(20.0, summary, failed, None)
+    assert verdict["served_short"] and verdict["unbounded"] and not verdict["sustainable"]
+    assert verdict["served"] < 0.93 * verdict["offered"]
