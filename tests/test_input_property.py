@@ -130,7 +130,11 @@ PATHS = ["serve.max-num-seqs", "serve.model", "serve.api-key", "serve.tensor-par
          "workload.source", "workload.path", "workload.input", "slo.ttft.threshold_ms", "run.repeats",
          "run.seed", "hardware.gpus", "nope.key", "serve", "load", ""]
 VALUES = ["1", "0", "-1", "1e400", ".nan", "-.inf", "null", "[]", "{}", "[1, [2, [3]]]", "&a [*a]",
-          '{"dist": "fixed", "mean": 64}', "x" * 200, "../../x", "/dev/zero", "'", '"', "{", "true"]
+          '{"dist": "fixed", "mean": 64}', "x" * 200, "../../x", "/dev/zero", "'", '"', "{", "true",
+          # PyYAML's constructors' own errors: a date that is none, a tag its text cannot take,
+          # integers past Python's digit limit (in decimal and in binary)
+          "2001-13-45", "!!float abc", "!!int ''", "!!timestamp x", "!!bool x", "9" * 5000,
+          "0b" + "1" * 20_000]
 overrides = st.lists(st.tuples(st.sampled_from(PATHS), st.sampled_from(["=", "", "=="]),
                                st.one_of(st.sampled_from(VALUES), words)).map("".join), max_size=4)
 
@@ -170,3 +174,26 @@ def test_any_workload_file_gives_a_result_or_one_sentence(content, source):
         assert_clean_or_one_sentence(rc, err)
         outside = {p for p in files_under(root) - before if out not in p.parents}
         assert not outside, f"written outside OUT: {outside}"
+
+
+# A scenario file as typed, not as yaml.safe_dump writes it: scalars PyYAML reads as dates,
+# tagged values, huge integers, under any of the schema's keys and at any line.
+typed_scalars = st.sampled_from(["2001-13-45", "2001-02-29", "2001-01-01 25:00:00", "!!float abc",
+                                 "!!int ''", "!!float ''", "!!timestamp x", "!!bool x",
+                                 "9" * 5000, "0b" + "1" * 20_000, "1:" * 300 + "0", "!!binary '@@@'",
+                                 "8", "auto", "'2001-13-45'"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(section=st.sampled_from(["serve", "workload", "load", "slo", "run"]),
+       key=st.sampled_from(KEYS), value=typed_scalars, where=st.sampled_from(["top", "section"]))
+def test_any_scalar_as_typed_gives_a_result_or_one_sentence(section, key, value, where):
+    text = (f"description: {value}\n" if where == "top"
+            else f"name: x\n{section}:\n  {key}: {value}\n")
+    with sandbox() as (root, _out):
+        path = root / "scenario.yaml"
+        path.write_text(text)
+        rc, err = run_lab(["show", "--hardware", "cpu-demo", "--scenario", str(path)], {})
+        assert_clean_or_one_sentence(rc, err)
+        if rc and "cannot be read as" in err:
+            assert f"scenario.yaml line {1 if where == 'top' else 3}: cannot be read as" in err

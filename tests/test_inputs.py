@@ -48,3 +48,35 @@ def test_aliases_cannot_expand_without_bound():
 def test_values_in_sentences_are_cut_and_secrets_hidden():
     assert inputs.shown("x" * 500).endswith("…") and len(inputs.shown("x" * 500)) == inputs.SHOWN_CHARS
     assert inputs.shown("s3cret", key="serve.api-key") == "***"
+
+
+@pytest.mark.parametrize("text, kind", [
+    ("description: 2001-13-45\n", "timestamp"),      # PyYAML's timestamp constructor: ValueError
+    ("a: 1\nb: !!float abc\n", "float"),
+    ("a: 1\nb: !!int ''\n", "int"),                  # IndexError
+    ("a: 1\nb: !!timestamp x\n", "timestamp"),        # AttributeError
+    ("a: 1\nb: !!bool x\n", "bool"),                 # KeyError
+    ("a: 1\nb: " + "9" * 10_000 + "\n", "int"),      # past Python's digit limit
+    ("a: 1\nb: 0b" + "1" * 20_000 + "\n", "int"),    # read in binary, never printable
+])
+def test_a_value_its_tag_cannot_take_is_one_sentence_naming_the_line(text, kind):
+    with pytest.raises(inputs.InputError) as e:
+        inputs.load_yaml(text, "s.yaml")
+    line = text.count("\n", 0, text.rindex(":")) + 1
+    assert str(e.value).startswith(f"s.yaml line {line}: cannot be read as {kind}")
+    assert "\n" not in str(e.value) and "sys." not in str(e.value)
+    with pytest.raises(inputs.InputError, match=r"^override x: cannot be read as"):
+        inputs.load_yaml(text.splitlines()[-1].split(": ", 1)[1], "override x", lines=False)
+
+
+def test_a_constructor_error_never_shows_the_value():
+    with pytest.raises(inputs.InputError) as e:
+        inputs.load_yaml("api-key: !!float sk-LEAKED-123\n", "s.yaml")
+    assert "LEAKED" not in str(e.value)
+
+
+def test_values_in_sentences_hide_secrets_by_each_nested_key_and_urls_userinfo():
+    shown = inputs.shown({"model": "", "api-key": "sk-LEAKED-123", "x": [{"hf-token": "hf_LEAKED"}],
+                          "url": "postgresql://u:s3cret@PW@db:5432/x"}, key="serve", chars=1000)
+    assert "LEAKED" not in shown and "s3cret" not in shown and "PW@" not in shown
+    assert "'api-key': '***'" in shown and "postgresql://***@db:5432/x" in shown

@@ -401,3 +401,47 @@ def test_a_signal_to_lab_make_stops_the_lab_once_with_its_status(tmp_path):
     assert wrapper.returncode == 143, err
     assert "stopped by SIGTERM" in err and "noted" not in err and "stopping the servers first" not in err
     assert json.loads(beat.read_text())["state"] == "interrupted"
+
+
+# -- each value checked up front, in the words the user typed ----------------------------------
+
+@pytest.mark.parametrize("extra, says", [
+    (["--deadline", "9999-12-31T23:59"], "DEADLINE='9999-12-31T23:59' is not a deadline: more than 366 days ahead"),
+    (["--deadline", "99999999999h"], "DEADLINE='99999999999h' is not a deadline: more than 366 days ahead"),
+    (["--deadline", "0001-01-01T00:00"], "DEADLINE='0001-01-01T00:00' is not a deadline"),
+    (["--out", "/dev/null"], "OUT='/dev/null' is not a folder"),
+    (["--out", "{file}"], "is not a folder: OUT must be a folder"),
+    (["--out", "{file}/below"], "is not a folder ("),
+])
+def test_a_deadline_past_a_year_or_an_out_that_is_no_folder_is_one_sentence(tmp_path, capsys, extra, says):
+    (tmp_path / "file").write_text("kept\n")
+    extra = [x.replace("{file}", str(tmp_path / "file")) for x in extra]
+    env = {f"LAB_MAKE_{k}": v for k, v in {"BACKEND": "predict", "HARDWARE": "cpu-demo",
+                                           "PARAM": "max-num-seqs", "VALUES": "8",
+                                           "SET": "load.shape.level=2 load.stop.duration_s=2",
+                                           "OUT": str(tmp_path / "out"),
+                                           extra[0][2:].upper(): extra[1]}.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        rc = cli.main(["make", "sweep"])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in one_sentence(err)
+    assert (tmp_path / "file").read_text() == "kept\n" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target, variables, says", [
+    ("stress", {"SHAPE": "step", "LEVELS": "1e-300,1e300"},
+     "LEVELS: load.shape.level=1e+300: not a valid scenario value"),
+    ("stress", {"SHAPE": "step", "LEVELS": "1,x"}, "LEVELS: 'x' is not a value of load.shape.level"),
+    ("claims", {"CLAIMS": "3-1"}, "CLAIMS: '3-1' is an empty range; write it from the lower number up"),
+    ("claims", {"CLAIMS": "1-"}, "CLAIMS: '1-' is not a claim number or range (1-9)"),
+])
+def test_levels_and_claims_are_named_as_typed_and_an_empty_range_is_refused(tmp_path, capsys, target,
+                                                                          variables, says):
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"BACKEND": "predict", "HARDWARE": "cpu-demo", "OUT": str(tmp_path), **variables}.items():
+            mp.setenv(f"LAB_MAKE_{k}", v)
+        rc = cli.main(["make", target])
+    assert rc == 2 and says in one_sentence(capsys.readouterr().err)
+    assert not (tmp_path / "lab.db").exists() or not Store(tmp_path / "lab.db").runs().shape[0]

@@ -217,3 +217,42 @@ def test_live_reaches_the_lab_as_switches():
     assert argv == ["status", "--out=elsewhere"]
     with pytest.raises(cli.UsageError, match="LIVE="):
         cli.make_argv("sweep", {"LAB_MAKE_PARAM": "max-num-seqs", "LAB_MAKE_LIVE": "maybe"})
+
+
+def _lab(argv: list[str], capsys) -> tuple[int, str]:
+    from vllm_lab import cli
+    rc = cli.main(argv)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make_it, says", [
+    (lambda p: os.mkfifo(p), "a FIFO; the status file must be a regular file"),
+    (lambda p: p.write_text('{"state": "fini'), "not the JSON record the lab writes"),
+    (lambda p: p.write_text('{"state": "finished", "updated": 1e400}'), "a field is not what"),
+    (lambda p: p.write_text('{"state": "finished", "started": "x"}'), "a field is not what"),
+    (lambda p: p.write_text("[]"), "not the JSON record the lab writes"),
+])
+def test_a_status_file_that_is_no_record_is_one_sentence_never_a_hang(tmp_path, capsys, make_it, says):
+    (tmp_path / ".work").mkdir()
+    make_it(tmp_path / ".work" / "status.json")
+    rc, err = _lab(["status", "--out", str(tmp_path)], capsys)
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("lab: "), err
+    assert says in err and "status.json" in err and "delete it" in err
+
+
+def test_a_fifo_or_garbage_as_the_timings_file_costs_an_estimate_not_a_hang(tmp_path, capsys):
+    work = tmp_path / ".work"
+    work.mkdir()
+    os.mkfifo(work / progress.TIMINGS_FILE)
+    p = progress.Progress("sweep", "exp-1", "predict", tmp_path, stream=None, window_s=5)
+    assert p._read_timings() == {}
+    (work / progress.TIMINGS_FILE).unlink()
+    (work / progress.TIMINGS_FILE).write_text('{"predict": {"run_s": 1e400, "start_s": "x"}}')
+    assert p._read_timings() == {}
+    os.unlink(work / progress.TIMINGS_FILE)
+    os.mkfifo(work / progress.TIMINGS_FILE)
+    rc, err = _lab(["sweep", "--backend", "predict", "--hardware", "cpu-demo", "--out", str(tmp_path),
+                    "--param", "max-num-seqs", "--values", "8", "--repeats", "1",
+                    "--set", "load.shape.level=2", "--set", "load.stop.duration_s=2"], capsys)
+    assert rc == 0, err
+    assert (work / progress.TIMINGS_FILE).is_file()  # the FIFO replaced by the pace learned

@@ -110,3 +110,70 @@ def test_the_store_keeps_no_secret_and_the_run_key_is_no_hash_of_it(tmp_path):
     assert run_identity(s.to_record(), 0) == run_identity(s.with_serve(**{"api-key": "other"}).to_record(), 0)
     for path in tmp_path.iterdir():
         assert KEY.encode() not in path.read_bytes(), path
+
+
+# -- one redaction for what is shown or kept: secret keys at any depth, a URL's userinfo -----------
+
+def _lab(argv, capsys, env=None, monkeypatch=None):
+    from vllm_lab import cli
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    rc = cli.main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.err, captured.out
+
+
+def _one_sentence(rc, err):
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("lab: "), (rc, err)
+    assert "Traceback" not in err and "internal error" not in err
+
+
+def test_a_url_keeps_no_userinfo_wherever_it_is_redacted():
+    assert flags.redact_url("postgresql://u:s3cretPW@127.0.0.1:1/db") == "postgresql://***@127.0.0.1:1/db"
+    assert flags.redact_url("see http://admin:p@ss@h:9/x and https://h/y") == \
+        "see http://***@h:9/x and https://h/y"
+    assert flags.redact({"storage": "mysql://root:pw@db/x", "n": 1}) == {"storage": "mysql://***@db/x", "n": 1}
+
+
+def test_a_mapping_shown_in_an_error_hides_each_nested_secret(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text('serve: {model: "", api-key: sk-LEAKED-123, hf-token: hf_LEAKED}\n')
+    rc, err, out = _lab(["show", "--scenario", str(path)], capsys)
+    _one_sentence(rc, err)
+    assert "serve.model is required" in err and "LEAKED" not in err + out
+
+
+def test_a_space_refuses_a_secret_flag_and_choices_that_are_no_scalars(tmp_path, capsys):
+    for body, says in (("space: {api-key: {choices: [a, b]}}", "key space.api-key: a secret is not searched"),
+                       ("space: {max-num-seqs: {choices: [[1, 2], {a: 1}]}}",
+                        "each of choices must be a number, a string, true/false or null"),
+                       ("space: {max-num-seqs: {choices: [8]}}\nmeasure: {hf-token: [x]}",
+                        "key measure.hf-token: a secret is not searched")):
+        (tmp_path / "space.yaml").write_text(body + "\n")
+        rc, err, _ = _lab(["tune", "--backend", "predict", "--hardware", "cpu-demo", "--trials", "1",
+                           "--out", str(tmp_path / "out"), "--space", str(tmp_path / "space.yaml")], capsys)
+        _one_sentence(rc, err)
+        assert says in err
+        assert not (tmp_path / "out" / "lab.db").exists()
+
+
+def test_an_unreachable_study_storage_is_one_sentence_without_its_password(tmp_path, capsys):
+    for url in ("postgresql://u:s3cretPW@127.0.0.1:1/db", "nonsense://u:s3cretPW@h/x", "no url at all"):
+        rc, err, out = _lab(["tune", "--backend", "predict", "--hardware", "cpu-demo", "--trials", "1",
+                             "--out", str(tmp_path), "--study-storage", url], capsys)
+        _one_sentence(rc, err)
+        assert "cannot reach the study storage" in err and "s3cretPW" not in err + out
+        assert ("(password hidden)" in err) == ("@" in url)
+        assert not (tmp_path / "lab.db").exists()  # refused before anything is recorded
+
+
+def test_a_watched_urls_password_is_neither_shown_nor_kept(tmp_path, capsys):
+    from vllm_lab import watch
+    url = "http://admin:s3cretPW@127.0.0.1:9"
+    assert watch.experiment_id(url) == watch.experiment_id("http://127.0.0.1:9") == "watch-127-0-0-1-9"
+    rc, err, out = _lab(["watch", "--url", url, "--out", str(tmp_path)], capsys)
+    _one_sentence(rc, err)
+    assert "s3cretPW" not in err + out and "http://***@127.0.0.1:9" in err
+    if (tmp_path / "lab.db").exists():
+        with sqlite3.connect(tmp_path / "lab.db") as conn:
+            assert not any("s3cretPW" in str(row) for row in conn.execute("SELECT * FROM experiments"))

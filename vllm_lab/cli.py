@@ -41,6 +41,8 @@ from vllm_lab.commands import (
 )
 from vllm_lab.commands.arguments import UsageError
 from vllm_lab.commands.settings import store_path
+from vllm_lab.flags import redact_url
+from vllm_lab.inputs import InputError
 from vllm_lab.monitor import MonitorError
 from vllm_lab.store import StoreError, describe_sqlite_error
 from vllm_lab.watch import WatchError
@@ -342,9 +344,9 @@ SENTENCE_CHARS = 1000
 
 
 def _say(message: str) -> None:
-    """One line on stderr: the message's line breaks joined, a long one cut in its middle (it
-    may echo a value; its end says what is allowed)."""
-    text = " ".join(message.splitlines())
+    """One line on stderr: the message's line breaks joined, a URL's userinfo hidden, a long one cut
+    in its middle (it may echo a value; its end says what is allowed)."""
+    text = redact_url(" ".join(message.splitlines()))  # a URL's password, wherever it came from
     if len(text) > SENTENCE_CHARS:
         text = f"{text[:SENTENCE_CHARS * 2 // 3]} … {text[-SENTENCE_CHARS // 3:]}"
     print(f"lab: {text}", file=sys.stderr)
@@ -398,7 +400,7 @@ def _main(argv: list[str]) -> int:
         with shutdown.handling():  # SIGTERM and SIGHUP stop it as Ctrl-C does
             return args.func(args)
     except (UsageError, scenarios.ScenarioError, StoreError, MonitorError, WatchError,
-            serving.InventoryError, serving.InstanceBusy, outdir.OutsideOut) as e:
+            serving.InventoryError, serving.InstanceBusy, outdir.OutsideOut, InputError) as e:
         _say(_for_make(str(e), names))
         return 2
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as e:

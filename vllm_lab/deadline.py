@@ -34,6 +34,10 @@ DEADLINE_RULE = ("write a time (2026-12-01T05:30, or 05:30 for today, local time
                  "from now (25m, 1h30m)")
 
 
+# The furthest ahead a deadline may be.
+MAX_AHEAD = timedelta(days=366)
+
+
 class DeadlineError(ValueError):
     """A deadline the lab cannot take; the message is one sentence."""
 
@@ -54,6 +58,9 @@ class Deadline:
         match = _DURATION.fullmatch(spec)
         if spec and match and any(match.groups()):
             h, m, s = (int(g or 0) for g in match.groups())
+            if h * 3600 + m * 60 + s > MAX_AHEAD.total_seconds():  # before timedelta overflows
+                raise DeadlineError(f"{text!r} is not a deadline: more than {MAX_AHEAD.days} days "
+                                    f"ahead; {DEADLINE_RULE}")
             at = now + timedelta(hours=h, minutes=m, seconds=s)
         elif re.fullmatch(r"\d{1,2}:\d{2}", spec):
             hour, minute = (int(x) for x in spec.split(":"))
@@ -63,9 +70,13 @@ class Deadline:
         else:
             try:
                 at = datetime.fromisoformat(spec)
-            except ValueError:
+                at = at.astimezone() if at.tzinfo is None else at  # a time without a zone is local
+                ahead = at - now
+            except (ValueError, OverflowError):  # OverflowError: a year 1 or 9999 in a zone
                 raise DeadlineError(f"{text!r} is not a deadline: {DEADLINE_RULE}") from None
-            at = at.astimezone() if at.tzinfo is None else at  # a time without a zone is local
+            if ahead > MAX_AHEAD:  # a timer cannot wait that long, and no reservation lasts so
+                raise DeadlineError(f"{text!r} is not a deadline: more than {MAX_AHEAD.days} days "
+                                    f"ahead (now {now:%Y-%m-%d %H:%M}); {DEADLINE_RULE}")
         if at <= now:
             raise DeadlineError(f"{text!r} is not a deadline: it is already past "
                                 f"(now {now:%Y-%m-%d %H:%M}); {DEADLINE_RULE}")

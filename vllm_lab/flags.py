@@ -9,6 +9,7 @@ change here; the catalog then only adds ranges and advice.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -156,13 +157,26 @@ def is_secret(name: str) -> bool:
     return bool(flag and flag.secret) or key.endswith(_SECRET_ENDINGS)
 
 
+# A URL's userinfo (scheme://user:password@host, a database's or a deployment's): everything from
+# the scheme to the host's last "@", which a password may hold too.
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the userinfo of every URL in it ``***`` (scheme://***@host)."""
+    return _USERINFO.sub(rf"\1{REDACTED}@", text) if "://" in text else text
+
+
 def redact(data: Any) -> Any:
-    """A copy of ``data`` (dicts and lists, any depth) with the value of every secret key ``***``."""
+    """A copy of ``data`` (dicts and lists, any depth) with the value of every secret key ``***``
+    and the userinfo of every URL in a string ``***``: what the lab shows or keeps of an input."""
     if isinstance(data, dict):
         return {k: (REDACTED if is_secret(k) and v not in (None, "") else redact(v))
                 for k, v in data.items()}
     if isinstance(data, (list, tuple)):
         return type(data)(redact(v) for v in data)
+    if isinstance(data, str):
+        return redact_url(data)
     return data
 
 

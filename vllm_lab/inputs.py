@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from vllm_lab.flags import REDACTED, is_secret
+from vllm_lab.flags import REDACTED, is_secret, redact
 
 MIB = 1024 * 1024
 # Configuration files (scenarios, presets, spaces, profiles, inventories): far above any real one.
@@ -118,13 +118,62 @@ def bounded(data: Any, where: str, limit: int = MAX_VALUES, depth: int = MAX_DEP
     return data
 
 
-def load_yaml(text: str, where: str) -> Any:
+# An integer's decimal digits Python will print (sys.get_int_max_str_digits): a longer one could be
+# read (in binary, or base 60) but never shown or stored.
+MAX_INT_DIGITS = 4300
+_MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219)  # log2(10) bits per digit, rounded down
+
+
+def _constructor_problem(error: Exception) -> str:
+    """What a PyYAML constructor's own exception says, without the value (which may be a secret)."""
+    text = str(error)
+    if "integer string conversion" in text:
+        return f"an integer of more than {MAX_INT_DIGITS:,} digits"
+    if isinstance(error, (ValueError, OverflowError)) and text:
+        return text.split(":", 1)[0]
+    return "not a value of its type"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader whose constructors' own errors (a date 2001-13-45, ``!!float abc``, an
+    integer past Python's digit limit) are InputError naming the line, never ValueError & co."""
+
+    where = ""
+    lines = True
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """PyYAML's hook for each node: its value, or InputError naming its line and tag."""
+        try:
+            value = super().construct_object(node, deep)
+        except (InputError, yaml.YAMLError, RecursionError):
+            raise
+        except (ValueError, OverflowError, TypeError, IndexError, AttributeError, KeyError) as e:
+            raise InputError(self._sentence(node, _constructor_problem(e))) from None
+        if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
+            raise InputError(self._sentence(node, f"an integer of more than {MAX_INT_DIGITS:,} "
+                                                  f"digits"))
+        return value
+
+    def _sentence(self, node: yaml.Node, problem: str) -> str:
+        line = f" line {node.start_mark.line + 1}" if self.lines else ""
+        kind = str(node.tag).rsplit(":", 1)[-1]
+        return (f"{self.where}{line}: cannot be read as {kind} ({problem}); write a valid {kind}, "
+                f"or quote the value to keep it as text")
+
+
+def load_yaml(text: str, where: str, lines: bool = True) -> Any:
     """YAML ``text`` (from ``where``) as data, bounded like ``bounded``; yaml.YAMLError as PyYAML
-    raises it, InputError for a document that nests or expands past the bounds."""
+    raises it for broken YAML, InputError for a value its tag cannot take (naming the line) and
+    for a document that nests or expands past the bounds (``lines``: whether a sentence names the
+    line, not for a one-line value such as an override's)."""
+    loader = _Loader(text)
+    loader.where, loader.lines = where, lines
     try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
     except RecursionError:
         raise InputError(f"{where}: nested too deeply to read") from None
+    finally:
+        loader.dispose()
     return bounded(data, where)
 
 
@@ -138,11 +187,12 @@ def load_json(text: str | bytes, where: str) -> Any:
 
 def shown(value: Any, key: str = "", chars: int = SHOWN_CHARS) -> str:
     """``value`` as an error sentence shows it: ``***`` for a secret (by its key, whatever its type),
-    else its repr, cut to ``chars`` characters."""
+    else its repr with every secret inside it redacted (``flags.redact``: by each nested key, a
+    URL's userinfo), cut to ``chars`` characters."""
     if key and is_secret(str(key).rsplit(".", 1)[-1]):
         return REDACTED
     try:
-        text = repr(value)
+        text = repr(redact(value))
     except (RecursionError, ValueError):
         text = f"<{type(value).__name__}>"
     return text if len(text) <= chars else f"{text[:chars - 1]}…"

@@ -61,8 +61,9 @@ def is_serve_flag(param: str) -> bool:
     return "." not in param and param not in Scenario.model_fields
 
 
-def apply_value(scenario: Scenario, param: str, value: Any) -> Scenario:
-    """The scenario with ``param`` set: a serve flag, or a dotted path (load.shape.level)."""
+def apply_value(scenario: Scenario, param: str, value: Any, variable: str = "PARAM") -> Scenario:
+    """The scenario with ``param`` set: a serve flag, or a dotted path (load.shape.level);
+    ``variable``: the make variable the value came from, which an error sentence names."""
     if is_serve_flag(param):
         return scenario.with_serve(**{param: value})
     data = deep_merge(scenario.to_record(), parse_override(f"{param}={json.dumps(value)}"))
@@ -71,8 +72,9 @@ def apply_value(scenario: Scenario, param: str, value: Any) -> Scenario:
     except ValidationError as e:  # pydantic's many lines, said in one sentence
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ScenarioError(f"PARAM={param} with value {shown(value, param)}: not a valid "
-                            f"scenario value ({where}: {first['msg']})") from None
+        given = (f"PARAM={param} with value {shown(value, param)}" if variable == "PARAM"
+                 else f"{variable}: {param}={shown(value, param)}")
+        raise ScenarioError(f"{given}: not a valid scenario value ({where}: {first['msg']})") from None
 
 
 def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
@@ -109,12 +111,13 @@ def check_modelled(param: str, backend: str, variable: str = "PARAM") -> None:
                             f"(BACKEND=vllm INVENTORY=...)")
 
 
-def parse_values(param: str, text: str) -> list[Any]:
-    """VALUES="8,16,32" for PARAM, typed as the flag's catalog entry says."""
+def parse_values(param: str, text: str, variable: str = "VALUES") -> list[Any]:
+    """VALUES="8,16,32" for PARAM, typed as the flag's catalog entry says; ``variable``: the name
+    the user gave them by (LEVELS for a stress test's), which an error sentence says."""
     flag = flagcat.FLAGS.get(param)
     out = []
     for raw in (t.strip() for t in text.split(",") if t.strip()):
-        kind = flag.kind if flag else ("float" if "." in raw else "int")
+        kind = flag.kind if flag else ("int" if raw.lstrip("+-").isdigit() else "float")
         try:
             if kind == "int":
                 out.append(int(raw))
@@ -128,10 +131,11 @@ def parse_values(param: str, text: str) -> list[Any]:
                 out.append(raw)
         except ValueError:
             allowed = flag.describe_range() if flag else "a number"
-            raise ScenarioError(f"VALUES: {shown(raw, param)} is not a value of {param} "
+            raise ScenarioError(f"{variable}: {shown(raw, param)} is not a value of {param} "
                                 f"({allowed})") from None
     if not out:
-        raise ScenarioError("VALUES is empty; give comma-separated values, e.g. VALUES=8,16,32")
+        raise ScenarioError(f"{variable} is empty; give comma-separated values, e.g. "
+                            f"{variable}=8,16,32")
     return out
 
 

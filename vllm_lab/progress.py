@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllm_lab import outdir
+from vllm_lab.inputs import InputError, read_text
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import RunStatus
 
@@ -309,8 +311,10 @@ class Progress:
         if self.work is None:
             return {}
         try:
-            return dict(json.loads((self.work / TIMINGS_FILE).read_text()).get(self.backend, {}))
-        except (OSError, ValueError, AttributeError):
+            timings = json.loads(read_text(self.work / TIMINGS_FILE, what="timings file"))
+            return {k: float(v) for k, v in dict(timings.get(self.backend, {})).items()
+                    if math.isfinite(float(v)) and float(v) >= 0}
+        except (ValueError, TypeError, AttributeError):  # InputError too: a pace not read costs an estimate
             return {}
 
     def _learn(self) -> None:
@@ -319,8 +323,10 @@ class Progress:
             return
         path = self.work / TIMINGS_FILE
         try:
-            known = json.loads(path.read_text()) if path.exists() else {}
-        except (OSError, ValueError):
+            known = json.loads(read_text(path, what="timings file"))
+        except ValueError:  # InputError too: absent, a FIFO, too big
+            known = {}
+        if not isinstance(known, dict):
             known = {}
         mine = dict(self._learned)
         if self.start_times:
@@ -500,12 +506,30 @@ def describe_status(out: Path, newest: dict[str, Any] | None = None, now: float 
     newest experiment (``newest``: id, step, runs by status)."""
     now = time.time() if now is None else now
     path = Path(out) / ".work" / STATUS_FILE
+    beat = None
+    if os.path.lexists(path):
+        try:
+            beat = json.loads(read_text(path, what="status file"))
+        except InputError as e:
+            raise InputError(f"{e}; delete it and the next lab command under {out} writes it "
+                             f"anew") from None
+        except ValueError:
+            beat = None
+        if not isinstance(beat, dict):
+            raise InputError(f"{path}: not the JSON record the lab writes (damaged or cut short); "
+                             f"delete it and the next lab command under {out} writes it anew")
     try:
-        beat = json.loads(path.read_text())
-    except FileNotFoundError:
-        beat = None
-    except (OSError, ValueError):
-        beat = None
+        lines = _status_lines(out, path, beat, now)
+    except (TypeError, ValueError, OverflowError, KeyError, AttributeError, OSError):
+        raise InputError(f"{path}: a field is not what the lab writes (damaged or edited); delete "
+                         f"it and the next lab command under {out} writes it anew") from None
+    if newest:
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(newest.get("statuses", {}).items())) or "no runs"
+        lines.append(f"store: newest experiment {newest['id']} ({newest['step']}): {counts}")
+    return "\n".join(lines)
+
+
+def _status_lines(out: Path, path: Path, beat: dict | None, now: float) -> list[str]:
     lines = []
     if beat is None:
         lines.append(f"not running: no lab command has reported under {out} ({path} is absent)")
@@ -537,7 +561,4 @@ def describe_status(out: Path, newest: dict[str, Any] | None = None, now: float 
                          f"{what}, {how} after {progress}")
         if beat.get("last"):
             lines.append(f"  last run: {beat['last']}")
-    if newest:
-        counts = ", ".join(f"{n} {s}" for s, n in sorted(newest.get("statuses", {}).items())) or "no runs"
-        lines.append(f"store: newest experiment {newest['id']} ({newest['step']}): {counts}")
-    return "\n".join(lines)
+    return lines

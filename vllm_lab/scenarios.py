@@ -159,7 +159,7 @@ def parse_override(text: str) -> dict[str, Any]:
         raise ScenarioError(f"override {shown(text)}: write section.key=value, e.g. "
                             f"serve.max-num-seqs=128")
     try:
-        value = load_yaml(raw, f"override {path.strip()}") if raw.strip() else None
+        value = load_yaml(raw, f"override {path.strip()}", lines=False) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     except InputError as e:

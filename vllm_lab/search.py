@@ -84,6 +84,11 @@ def _points(scenario: Scenario, values: dict[str, Any], repeats: int) -> list[pl
 
 # -- the declared space ------------------------------------------------------------------------
 
+def _scalar(value: Any) -> bool:
+    """Whether ``value`` is one Optuna (and a flag's command line) takes as one choice."""
+    return value is None or type(value) in (str, int, float, bool)
+
+
 class ParamRange(BaseModel):
     """One searched parameter: a numeric range (low..high, optionally log or stepped) or choices."""
 
@@ -101,6 +106,10 @@ class ParamRange(BaseModel):
         if self.choices is not None:
             if self.low is not None or self.high is not None or not self.choices:
                 raise ValueError("give either choices: [..] (non-empty) or low: and high:, not both")
+            if not all(map(_scalar, self.choices)):
+                # Optuna takes only these; a list or a mapping as one choice fails mid-study.
+                raise ValueError("each of choices must be a number, a string, true/false or null, "
+                                 "not a list, a mapping or a date")
         elif self.low is None or self.high is None or self.low > self.high:
             raise ValueError("a range needs low: and high: with low <= high (or choices: [..])")
         elif self.log and self.low <= 0:
@@ -122,6 +131,9 @@ class SearchSpace(BaseModel):
     def _check(self) -> SearchSpace:
         if not self.space:
             raise ValueError("space: needs at least one parameter")
+        if not all(_scalar(v) for values in self.measure.values() for v in values):
+            raise ValueError("each value under measure: must be a number, a string, true/false or "
+                             "null, not a list, a mapping or a date")
         return self
 
 
@@ -150,6 +162,13 @@ def load_space(spec: str | None, scenario: Scenario, measure: bool = False) -> S
         key = ".".join(str(p) for p in err["loc"])
         raise ScenarioError(f"{path}: key {key}: {err['msg']} (a space is space: {{flag: {{low: .., "
                             f"high: .., log: true}} or {{choices: [..]}}}})") from None
+    for section, params in (("space", space.space), ("measure", space.measure)):
+        for param in params:
+            if any(flagcat.is_secret(part) for part in param.split(".")):
+                # Its values would be in the study, the plan's meta and every label.
+                raise ScenarioError(f"{path}: key {section}.{param}: a secret is not searched; "
+                                    f"give it once in the scenario file, VLLM_API_KEY in the "
+                                    f"environment, or vllm_api_key in the inventory's ansible-vault")
     if space.measure and not measure:
         raise ScenarioError(f"{path}: key measure: only make autotune reads it (flags to try live "
                             f"on its best configuration); drop it for this command")
@@ -251,9 +270,27 @@ def _storage(url: str):
             # the loser finds them made (a table that exists, or the stamp already there).
             lost_race = "already exists" in str(e) or "alembic_version" in str(e)
             if not lost_race or attempt == 4:
-                raise
+                raise _unreachable(url, e) from None
             time.sleep(0.5)
+        except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError) as e:  # URL, driver
+            raise _unreachable(url, e) from None
     raise AssertionError("unreachable")
+
+
+def _unreachable(url: str, error: Exception) -> ScenarioError:
+    """The sentence for a study storage that cannot be opened; its password never in it."""
+    cause = getattr(error, "orig", None) or error
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    hidden = " (password hidden)" if flagcat.redact_url(url) != url else ""
+    return ScenarioError(f"STUDY_STORAGE={flagcat.redact_url(url)}: cannot reach the study "
+                         f"storage ({flagcat.redact_url(first)[:300]}){hidden}; give a database URL "
+                         f"that answers, or leave STUDY_STORAGE empty for the lab's own database")
+
+
+def check_storage(url: str) -> None:
+    """ScenarioError (one sentence, no password) unless the study storage ``url`` opens: checked
+    before anything is recorded."""
+    _storage(url)  # Optuna connects (and makes its tables) as it opens the storage
 
 
 def _constraints(trial) -> list[float]:

@@ -29,6 +29,7 @@ written.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -45,6 +46,7 @@ import pandas as pd
 
 from vllm_lab import outdir
 from vllm_lab.flags import redact
+from vllm_lab.inputs import DATA_BYTES, read_bytes
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.summary import COLUMNS, as_float
 
@@ -144,6 +146,12 @@ CREATE TABLE IF NOT EXISTS server_metrics (
 );
 CREATE INDEX IF NOT EXISTS server_metrics_by_run ON server_metrics (experiment_id, run_key);
 """
+
+
+def read_samples(path: Path, columns: list[str] | None = None) -> pd.DataFrame:
+    """A run's samples file, read as a regular file of bounded size (a FIFO put in its place under
+    OUT is refused, never waited on): inputs.InputError otherwise, one sentence."""
+    return pd.read_parquet(io.BytesIO(read_bytes(path, DATA_BYTES, "samples file")), columns=columns)
 
 
 class StoreError(Exception):
@@ -449,7 +457,7 @@ class Store:
         for exp in experiment_ids:
             for f in (self.samples_dir / exp).glob("*.parquet"):
                 (out.samples_dir / exp).mkdir(parents=True, exist_ok=True)
-                (out.samples_dir / exp / f.name).write_bytes(f.read_bytes())
+                (out.samples_dir / exp / f.name).write_bytes(read_bytes(f, DATA_BYTES, "samples file"))
         return out
 
     # -- reading ---------------------------------------------------------------------------
@@ -522,7 +530,7 @@ class Store:
                                  (experiment_id, run_key)).fetchone()
         if not row or not row[0]:
             return pd.DataFrame()
-        return pd.read_parquet(self.samples_dir / row[0], columns=columns)
+        return read_samples(self.samples_dir / row[0], columns)
 
     def samples_files(self, runs: pd.DataFrame) -> list[Path | None]:
         """Where each of ``runs``' samples are (None: it has none), for reading many runs in

@@ -29,6 +29,7 @@ from typing import Any
 from scipy import stats
 
 from vllm_lab import outdir, scenarios
+from vllm_lab.flags import redact_url
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
 
@@ -57,8 +58,10 @@ class Verdict:
 
 
 def experiment_id(url: str) -> str:
-    """One watch experiment per deployment: ``watch-<host>-<port>``."""
-    return "watch-" + re.sub(r"[^A-Za-z0-9]+", "-", url.split("://", 1)[-1]).strip("-")
+    """One watch experiment per deployment: ``watch-<host>-<port>`` (never a user or password)."""
+    netloc, slash, path = url.split("://", 1)[-1].partition("/")
+    host = netloc.rsplit("@", 1)[-1]  # user:password@ left out
+    return "watch-" + re.sub(r"[^A-Za-z0-9]+", "-", host + slash + path).strip("-")
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
@@ -69,7 +72,7 @@ def served_model(url: str, api_key: str | None = None) -> str:
         with urllib.request.urlopen(req, timeout=10) as r:
             return str(json.loads(r.read())["data"][0]["id"])
     except (urllib.error.URLError, OSError, KeyError, IndexError, json.JSONDecodeError) as e:
-        raise WatchError(f"{url}: the deployment does not answer /v1/models ({e}); "
+        raise WatchError(f"{redact_url(url)}: the deployment does not answer /v1/models ({e}); "
                          f"is it running (make monitor shows the targets)?") from None
 
 
@@ -89,7 +92,7 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
     scenario = probe_scenario(model, hardware, overrides)
     exp = experiment_id(url)
     with Store(store_path) as store:
-        store.create_experiment(exp, "watch", scenario.name, {"url": url, "probe": PROBE})
+        store.create_experiment(exp, "watch", scenario.name, {"url": redact_url(url), "probe": PROBE})
         index = len(store.runs(exp))  # every probe its own run, a crashed one too
         started = time.time()
         folder = outdir.no_links_within(workdir.parent, workdir / exp / str(index))  # OUT/.work/...
@@ -102,10 +105,10 @@ def probe(url: str, store_path: Path, role: str, workdir: Path, hardware: str | 
         summary.update(failures.as_summary())
         status, error = _probe_status(failures, scenario.load.failed_requests_threshold)
         record = RunRecord(
-            experiment_id=exp, run_key=run_identity({**scenario.to_record(), "url": url}, index),
+            experiment_id=exp, run_key=run_identity({**scenario.to_record(), "url": redact_url(url)}, index),
             step="watch", scenario_name=scenario.name, scenario=scenario.to_record(),
             status=status, started=started, ended=ended,
-            point={"role": role}, repeat=index, host=url, gpu_model=scenario.hardware.name,
+            point={"role": role}, repeat=index, host=redact_url(url), gpu_model=scenario.hardware.name,
             vllm_version=scenario.vllm_version, backend="live", summary=summary,
             error=error)
         if role == "probe":
@@ -201,7 +204,7 @@ def _round(url, store_path, new_baseline, repeats, overrides, hardware, workdir,
     record = probe(url, store_path, "probe", workdir, hardware, overrides)
     with Store(store_path) as store:
         verdict = judge(store.runs(exp), record.summary, record.error)
-    echo(f"{url}: probe {'REGRESSION in ' + ', '.join(verdict.regressed) if verdict.regressed else 'ok'}"
+    echo(f"{redact_url(url)}: probe {'REGRESSION in ' + ', '.join(verdict.regressed) if verdict.regressed else 'ok'}"
          f" (against {verdict.baseline_runs} baseline probes)")
     for line in verdict.lines:
         echo(f"  {line}")
@@ -212,13 +215,13 @@ def _record_baseline(url, store_path, exp, repeats, overrides, hardware, workdir
     """``repeats`` probes as the new baseline; the old one is retired (role ``old-baseline``) only
     once every new probe passed, and a failing one ends the watch with a WatchError: its probes
     become ``refused-baseline`` and the old baseline stays."""
-    echo(f"{url}: recording a baseline of {repeats} probes")
+    echo(f"{redact_url(url)}: recording a baseline of {repeats} probes")
     for i in range(repeats):
         record = probe(url, store_path, NEW_BASELINE, workdir, hardware, overrides)
         if record.status != RunStatus.OK:
             with Store(store_path) as store:
                 store.relabel_points(exp, {"role": NEW_BASELINE}, {"role": "refused-baseline"})
-            raise WatchError(f"{url}: baseline probe {i + 1} of {repeats} is {record.status} "
+            raise WatchError(f"{redact_url(url)}: baseline probe {i + 1} of {repeats} is {record.status} "
                              f"({record.error.splitlines()[0]}); a baseline is not taken while the "
                              f"deployment fails, the one before is kept")
         s = record.summary

@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_lab import flags as flagcat
 from vllm_lab import lint, plans, search, stress
+from vllm_lab.inputs import shown
 from vllm_lab.scenarios import Scenario, ScenarioError
 
 # Flags the twin's engine and step-time model react to (twin/engine.py resolve_flags, steptime.py):
@@ -39,7 +40,7 @@ def load_space(spec: str | None, scenario: Scenario) -> search.SearchSpace:
             bad = [f for f in lint.lint(scenario.with_serve(**{param: value}))
                    if f.severity == "error" and f.key == param]
             if bad:
-                raise ScenarioError(f"{path}: key measure.{param}: {value!r}: {bad[0].message}")
+                raise ScenarioError(f"{path}: key measure.{param}: {shown(value, param)}: {bad[0].message}")
     for param in space.space:
         if param in MEASURE_ONLY:
             raise ScenarioError(f"{path}: key space.{param}: the twin does not model it "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from vllm_lab.commands.precision import Precision, PrecisionError
@@ -60,6 +61,20 @@ def experiment(text: str) -> str:
                                           f"{EXPERIMENT_NAME_RULE}") from None
 
 
+def out_folder(text: str) -> Path:
+    """An argparse type: OUT, a folder or a path to make one at (checked before anything is
+    written: a file there would end the command at its first write)."""
+    path = Path(text)
+    for node in (path, *path.parents):
+        if os.path.lexists(node):
+            if not node.is_dir():
+                what = "" if node == path else f" ({node} is not a folder)"
+                raise argparse.ArgumentTypeError(f"{text!r} is not a folder{what}: OUT must be a "
+                                                  f"folder, or a path the lab can make one at")
+            break
+    return path
+
+
 def deadline(text: str) -> Deadline:
     """An argparse type: a deadline (an ISO time, HH:MM today or a duration from now)."""
     try:
@@ -88,7 +103,7 @@ def add_store_arguments(p: argparse.ArgumentParser, experiment_help: str | None 
     """Where the store is (OUT, STORE) and, with ``experiment_help``, which experiment to read."""
     if experiment_help:
         p.add_argument("--experiment", type=experiment, default=None, help=experiment_help)
-    p.add_argument("--out", type=Path, default=Path("reports"), help="reports folder")
+    p.add_argument("--out", type=out_folder, default=Path("reports"), help="reports folder")
     p.add_argument("--store", type=Path, default=None, help="store file (default OUT/lab.db)")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vllm_lab.commands.arguments import out_folder
 from vllm_lab.progress import describe_status
 from vllm_lab.store import Store
 
@@ -13,7 +14,7 @@ from vllm_lab.store import Store
 def register(sub) -> None:
     """``lab status``."""
     p = sub.add_parser("status", help="what the lab is doing now (or did last), from another shell too")
-    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--out", type=out_folder, default=Path("reports"))
     p.set_defaults(func=main)
 
 

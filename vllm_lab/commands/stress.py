@@ -51,8 +51,10 @@ def stress(settings: Settings, source: Source, shape: str, levels_text: str | No
                                           "the predictor runs constant loads only")
         return Experiment.build(settings, "stress", scenario, staircase.single_points(scenario),
                                 {"shape": shape}, shape).run()
-    levels = staircase.staircase_levels(scenario, plans.parse_values("load.shape.level", levels_text)
-                                        if levels_text else None)
+    given = plans.parse_values("load.shape.level", levels_text, "LEVELS") if levels_text else None
+    for level in given or ():  # each checked here, where the sentence can name LEVELS
+        plans.apply_value(scenario, "load.shape.level", level, "LEVELS")
+    levels = staircase.staircase_levels(scenario, given)
     meta = {"shape": shape, "params": ["load.shape.level"]}
     settings = settings.planned(levels=",".join(f"{v:g}" for v in levels))  # the staircase taken
     fixed = dataclasses.replace(settings, experiment=experiment_id(settings, "stress", scenario, shape))

@@ -63,6 +63,8 @@ def tune(settings: Settings, source: Source, options: TuneOptions) -> int:
     space = search.load_space(options.space, scenario)
     for param in space.space:
         plans.check_modelled(param, settings.backend, "SPACE")
+    if options.study_storage:  # before anything is recorded: a storage that never answers
+        search.check_storage(options.study_storage)
     exp_id = experiment_id(settings, "tune", scenario)
     study = search.TuneSettings(exp_id, space, options.objective, options.trials,
                                 search.storage_url(options.study_storage, settings.store_path),

@@ -28,6 +28,7 @@ from vllm_lab.analysis.points import (
     within_noise,
 )
 from vllm_lab.analysis.search import importances, trials_frame, tune_study
+from vllm_lab.inputs import read_text
 from vllm_lab.reports import page, sweep, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
@@ -171,7 +172,7 @@ def _yaml_section(path: Path | None) -> list[Block]:
     """best.yaml shown on the page, ready to copy."""
     if path is None:
         return []
-    text = path.read_text()
+    text = read_text(path, what="best configuration")
     return [Block(f"<h2>Best configuration: {path.name}</h2><pre>{html.escape(text)}</pre>",
                   ["", f"## Best configuration: {path.name}", "", f"```yaml\n{text}```"])]
 

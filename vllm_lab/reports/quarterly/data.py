@@ -18,7 +18,7 @@ import pandas as pd
 
 from vllm_lab import search
 from vllm_lab.analysis.points import RANKED
-from vllm_lab.store import Store
+from vllm_lab.store import Store, read_samples
 
 # The only sample columns read: prompt lengths (long requests) and the request status.
 SAMPLE_COLUMNS = ["prompt_tokens", "status"]
@@ -48,7 +48,7 @@ def _params(meta: dict[str, Any]) -> list[str]:
 def _run_sample_figures(path: Path) -> tuple[float, float, float]:
     """One run's prompt p50, p99 and error count, from two columns of its samples file."""
     try:
-        table = pd.read_parquet(path, columns=SAMPLE_COLUMNS)
+        table = read_samples(path, SAMPLE_COLUMNS)
     except (OSError, ValueError, KeyError):
         return (np.nan, np.nan, np.nan)
     prompts = table["prompt_tokens"].dropna().to_numpy(dtype=float)
