@@ -16,8 +16,9 @@ CPU measured (long replies to short prompts at 64-512 users, long prompts at 1-6
 file and realtime-chat up to the loop's limit, four API-server processes); and
 ``traffic-2026-12-03/``: open loops on one arrival schedule (Poisson at 40 req/s, two pairs, on one
 host; gamma arrivals of burstiness 0.5 at 30 req/s, one pair, on another), each lab run replaying
-the send times and lengths of the bench run before it); ``traffic-2026-12-03b/``: the same at
-25 req/s, three pairs, on a third host. Each run is replayed
+the send times and lengths of the bench run before it; ``traffic-2026-12-03b/``: the same at
+25 req/s, three pairs, on a third host, and two
+more gamma pairs on a fourth machine start. Each run is replayed
 request for request, a scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
