@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vllm_lab import inputs
 from vllm_lab.flags import redact
 from vllm_lab.reports.figures import caption_for
 
@@ -214,7 +215,7 @@ def table(df: pd.DataFrame, style: str = "sig", groups: Sequence[str] | None = N
 
 def img(path: Path) -> str:
     """A PNG embedded in the page with its one-line caption (what to look at)."""
-    data = base64.b64encode(path.read_bytes()).decode()
+    data = base64.b64encode(inputs.read_bytes(path, inputs.DATA_BYTES, "figure")).decode()
     text = caption_for(path)
     cap = f"<figcaption>{html.escape(text)}</figcaption>" if text else ""
     return f'<figure><img alt="{path.stem}" src="data:image/png;base64,{data}">{cap}</figure>'

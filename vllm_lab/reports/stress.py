@@ -37,7 +37,7 @@ def staircase_figure(table: pd.DataFrame, knee: dict, ctx: Context, folder: Path
     x = offered_axis(table)
     for metric, style in (("ttft", "-"), ("e2e", "--")):
         for p in ("p50", "p90", "p99"):
-            axes[0].plot(x, table[f"{metric}_{p}"] * 1000, style, marker="o", ms=3, label=f"{metric} {p}")
+            axes[0].plot(x, table[f"{metric}_{p}"] * 1000, style, marker="o", ms=3, label=f"{metric.upper()} {p}")
     for name, target in (ctx.slo or {}).items():
         if target and name in ("ttft", "e2e"):
             axes[0].axhline(target["threshold_ms"], color="red", ls=":", lw=1,
@@ -80,12 +80,12 @@ def timeline_figure(win: pd.DataFrame, scenario: Scenario, ctx: Context, folder:
     axes[1].plot(win["t"], win["ttft_p99"] * 1000, label="TTFT p99")
     axes[1].set_ylabel("ms")
     axes[2].bar(win["t"], win["errors"], width=1.5, color="tab:red", alpha=0.6, label="errors")
-    for col in ("waiting", "kv_usage"):
+    for col, label in (("waiting", "requests waiting"), ("kv_usage", "KV cache usage (fraction)")):
         if col in win:
             ax = axes[2].twinx() if col == "waiting" else axes[0].twinx()
             ax.plot(win["t"], win[col], color="tab:purple" if col == "waiting" else "tab:brown",
-                    label=col)
-            ax.set_ylabel(col)
+                    label=label)
+            ax.set_ylabel(label)
             ax.legend(loc="upper right", fontsize=7)
     if scenario.load.shape.kind == "spike":
         for ax in axes:
