@@ -167,6 +167,7 @@ def test_energy_is_read_from_the_counter_else_from_power_samples():
 
 
 @pytest.mark.integration
+@pytest.mark.timing  # asserts send times within 20 ms across two processes: run alone
 def test_locust_replays_a_trace_as_one_schedule_over_two_processes(tmp_path):
     rows = [{"timestamp": round(0.05 * k + (0.4 if k > 30 else 0.0), 3), "prompt_tokens": 8 + k % 5,
              "output_tokens": 4 + k % 3, "prefix_id": "sys" if k % 2 else None} for k in range(60)]
