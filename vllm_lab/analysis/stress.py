@@ -152,13 +152,8 @@ def level_flow(level: float, samples: pd.DataFrame | None, summary: Mapping[str,
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
     share = served_share(ok, t0, t1)
     pace = _keeping_up(ok[ok["start_ts"] <= first + (t1 - first) / EARLY_SHARE_DIVISOR])
-    if pace is None:
-        # Too few early requests to know the pace: the sends inside the window, which differ from
-        # what is served there by the requests in flight at its edges (about served x E2E of them
-        # by Little's law, each a share in 0..1): a count of few requests is never exact.
-        e2e = float(ok["e2e_s"].mean()) if len(ok) and "e2e_s" in ok else 0.0
-        offered = float(((sends >= t0) & (sends <= t1)).sum())
-        var = max(float(share.sum()) / span * (0.0 if math.isnan(e2e) else e2e), 0.0)
+    if pace is None:  # too few early requests to know the pace: the sends inside the window
+        offered, var = float(((sends >= t0) & (sends <= t1)).sum()), 0.0
     else:
         inside = pace(t1 - sends) - pace(t0 - sends)  # per send: its share inside, per early profile
         offered = float(inside.mean(axis=1).sum())
