@@ -138,13 +138,11 @@ def level_flow(level: float, samples: pd.DataFrame | None, summary: Mapping[str,
     server that keeps up as falling behind (2-4% at 11 req/s on the default scenario).
 
     Without samples or a steady window: the level and the summary's own figures, with no noise
-    to judge by (never short); served unknown (NaN) where the summary has no request rate, so it
-    bounds nothing.
+    to judge by (never short).
     """
     s = RunSummary.of(summary)
     if samples is None or samples.empty or s.warmup_s is None or not s.duration_s:
-        served = math.nan if s.request_throughput is None else float(s.request_throughput)
-        return Flow(level, served, s.goodput, 0.0)
+        return Flow(level, float(s.request_throughput or 0.0), s.goodput, 0.0)
     sends = samples["start_ts"].to_numpy(dtype=float)
     first = float(np.nanmin(sends))
     t0 = first + s.warmup_s
