@@ -13,16 +13,15 @@ import itertools
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from vllm_lab.run_summary import RunSummary
-from vllm_lab.scenarios import Scenario, Slo
+from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
-from vllm_lab.summary import request_meets_slo, served_share
+from vllm_lab.summary import served_share
 
 # Time in the system (E2E) rising by more than this many seconds per second of the run means the
 # requests in the server outgrow it: for arrivals at rate L and a capacity C, N(t) grows at L - C
@@ -30,24 +29,13 @@ from vllm_lab.summary import request_meets_slo, served_share
 # E2E rather than TTFT: with a large max-num-seqs the backlog sits in the running batch (TPOT
 # grows), not in the waiting queue (TTFT).
 GROWTH_SLOPE = 0.03
-# A level keeps up when it serves what it is offered over one window (``level_flow``). Given the
-# send times, what a server that keeps up serves inside the window varies only by how much of each
-# request falls inside it (the requests in flight at its edges): the sum of those shares'
-# variances over the early requests' paces. A batch slows all its requests at once, which that sum
-# of independent terms misses: on the predictor (default scenario, 20 seeds of 15 s and 10 of
-# 30 s per level) (served - offered) / its square root spread 1.3-1.5 at levels up to half the
-# capacity and 2.0 at three quarters, with a mean within -0.7..0 of it. So the deviation is
-# NOISE_INFLATION x that square root (about 1% of offered in a 15 s run, 0.5% in 30 s), and a level
-# is short beyond SERVED_SIGMAS of them: a server that keeps up is read short about once in 700.
-SERVED_SIGMAS = 3.0
-NOISE_INFLATION = 2.0
-# The pace of a server that keeps up is read from the requests sent in the first 1/this of the run,
-# when at least MIN_EARLY of them: early enough that an overloaded level's backlog has barely
-# built (at 1.35x the capacity, offered reads 5% under the sends inside the window; 7% with a
-# third), late enough that the batch is near its size (served - offered within -2..0% of offered
-# on average at levels up to 0.9 of the capacity).
-EARLY_SHARE_DIVISOR = 6
-MIN_EARLY = 10
+# Served within this share of offered is keeping up: a short run's Poisson arrivals and the
+# requests in flight at its window's edges move the two apart by a few percent, no more.
+SERVED_TOLERANCE = 0.05
+# ... and by the requests in flight at the edges, a count that varies as a Poisson one does: a
+# shortfall within this many of its standard deviations (sqrt of those in flight) is that noise.
+# At 1.5 req/s over 12 s, two requests of about 20 are 10%: the share alone would call it short.
+IN_FLIGHT_SIGMAS = 2.0
 LEVEL_COLUMNS = ("request_throughput", "output_throughput", "goodput", "errors", "ttft_p50",
                  "ttft_p90", "ttft_p99", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_p99", "queue_len_max",
                  "preemptions")
@@ -92,14 +80,12 @@ def queue_growth(metrics: pd.DataFrame | None, until: float | None = None) -> fl
 
 
 def offered_rate(samples: pd.DataFrame | None, level: float) -> float:
-    """Requests/s the run really offered over all its arrivals: sends over the arrival span (the
-    level without samples).
+    """Requests/s the run really offered: sends over the arrival window (the level without samples).
 
     A level is the arrival process's mean rate; one run draws one realisation of it, and the
     predictor and Locust draw it from the same seed at every level, so every level of a
     staircase is off by the same factor (7% low for 540 Poisson arrivals of one seed), and a
-    live client that falls behind sends less still. A staircase's levels are judged and shown
-    on ``level_flow``'s window instead, where served is counted too.
+    live client that falls behind sends less still. The knee is read on this axis.
     """
     if samples is None or len(samples) < 10:
         return level
@@ -108,91 +94,43 @@ def offered_rate(samples: pd.DataFrame | None, level: float) -> float:
     return (len(t) - 1) / span if span > 0 else level
 
 
-@dataclass(frozen=True)
-class Flow:
-    """A level's offered and served load, both counted over the same window: the one figure the
-    levels table, the verdict, the console and the page show and judge (``level_flow``)."""
-
-    offered: float  # requests/s sent inside the window
-    served: float  # requests/s served inside it (each request by its share of output tokens there)
-    goodput: float | None  # of those, the requests that met the SLO (None: no SLO given)
-    noise: float  # requests/s: the standard deviation of served - offered for a server that keeps up
-    start_s: float | None = None  # the window, seconds after the first send (None: no samples)
-    end_s: float | None = None
-
-    @property
-    def short(self) -> bool:
-        """Served below offered by more than ``SERVED_SIGMAS`` deviations of the counting noise."""
-        return self.served < self.offered - SERVED_SIGMAS * self.noise
-
-
-def level_flow(level: float, samples: pd.DataFrame | None, summary: Mapping[str, Any],
-               slo: Slo | None = None) -> Flow:
-    """Offered and served requests/s of one level over the run's steady window.
-
-    Served counts each request by the share of its output emitted inside the window
-    (``summary.served_share``). Offered counts every request sent by the share a server that
-    keeps up would emit inside the window: its send time, and the pace of the run's early
-    requests (``_keeping_up``). Past the fill the two are the sends inside the window; at its start
-    a level's backlog is still rising from an empty server, and counting sends there would read a
-    server that keeps up as falling behind (2-4% at 11 req/s on the default scenario).
-
-    Without samples or a steady window: the level and the summary's own figures, with no noise
-    to judge by (never short).
-    """
+def served_and_sent(samples: pd.DataFrame | None,
+                    summary: Mapping[str, Any]) -> tuple[float | None, float | None, float]:
+    """Requests/s served and sent inside the run's steady window, both from its samples over the
+    same span (a Poisson run's arrivals over all of it differ from those in a part of it), served
+    as the summary counts it (``summary.served_share``): a run recorded before that count read
+    its served rate short by the requests in flight at the window's end, and is read alike.
+    Third: the rate the requests in flight at the window's edges can move them apart by
+    (``IN_FLIGHT_SIGMAS`` standard deviations of that count, by Little's law served x E2E)."""
     s = RunSummary.of(summary)
     if samples is None or samples.empty or s.warmup_s is None or not s.duration_s:
-        return Flow(level, float(s.request_throughput or 0.0), s.goodput, 0.0)
+        return None, None, 0.0
     sends = samples["start_ts"].to_numpy(dtype=float)
-    first = float(np.nanmin(sends))
-    t0 = first + s.warmup_s
-    t1, span = t0 + s.duration_s, float(s.duration_s)
+    t0 = float(np.nanmin(sends)) + s.warmup_s
+    t1 = t0 + s.duration_s
     ok = samples[samples["status"] == "ok"] if "status" in samples else samples
-    share = served_share(ok, t0, t1)
-    pace = _keeping_up(ok[ok["start_ts"] <= first + (t1 - first) / EARLY_SHARE_DIVISOR])
-    if pace is None:  # too few early requests to know the pace: the sends inside the window
-        offered, var = float(((sends >= t0) & (sends <= t1)).sum()), 0.0
-    else:
-        inside = pace(t1 - sends) - pace(t0 - sends)  # per send: its share inside, per early profile
-        offered = float(inside.mean(axis=1).sum())
-        var = float(inside.var(axis=1).sum())
-    good = None if slo is None else float(share[request_meets_slo(ok, slo).to_numpy()].sum()) / span
-    noise = NOISE_INFLATION * math.sqrt(var) / span
-    return Flow(offered / span, float(share.sum()) / span, good, noise, t0 - first, t1 - first)
-
-
-def _keeping_up(early: pd.DataFrame):
-    """The emitted share of a request at each age as the early requests had it (first token at
-    its TTFT, the rest evenly to its end, as ``summary.emitted_by`` counts): a function of ages
-    (n,) giving shares (n, early); None with fewer than ``MIN_EARLY`` of them."""
-    if len(early) < MIN_EARLY:
-        return None
-    n = early["output_tokens"].fillna(0).to_numpy(dtype=float)
-    ttft = early["ttft_s"].to_numpy(dtype=float)
-    e2e = early["e2e_s"].to_numpy(dtype=float)
-
-    def shares(age: np.ndarray) -> np.ndarray:
-        a = age[:, None]
-        along = np.clip((a - ttft) / np.maximum(e2e - ttft, 1e-9), 0.0, 1.0)
-        tokens = np.where(a >= ttft, (1 + (n - 1) * along) / np.maximum(n, 1.0), 0.0)
-        return np.where(n > 0, tokens, (a >= e2e).astype(float))
-    return shares
+    served = float(served_share(ok, t0, t1).sum()) / s.duration_s
+    e2e = float(ok["e2e_s"].mean()) if len(ok) and "e2e_s" in ok else 0.0
+    edges = IN_FLIGHT_SIGMAS * np.sqrt(max(served * e2e, 0.0)) / s.duration_s
+    return served, float(((sends >= t0) & (sends <= t1)).sum()) / s.duration_s, edges
 
 
 def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFrame,
-                  metrics: pd.DataFrame | None, slo: Slo | None = None) -> dict[str, Any]:
+                  metrics: pd.DataFrame | None) -> dict[str, Any]:
     """One staircase level: bounded or not, the SLO verdict, and the capacity it implies.
 
-    A level is sustainable when the server serves what it is offered (``level_flow``: served
-    within ``SERVED_SIGMAS`` deviations of the counting noise of the rate sent inside the same
-    window), its queue stays bounded and the SLO holds; served below offered is overload by
-    itself (the queue grows at the difference), whatever the latency trend of a short run says.
+    A level is sustainable when the server serves what it is offered (served within
+    ``SERVED_TOLERANCE`` of the rate sent inside the same window, less the noise of the requests
+    in flight at its edges), its queue stays bounded and
+    the SLO holds;
+    served below offered is overload by itself (the queue grows at the difference), whatever the
+    latency trend of a short run says.
     """
     slope = latency_growth(samples)
     last_send = float(samples["start_ts"].max()) if samples is not None and len(samples) else None
     qslope = queue_growth(metrics, until=last_send)
-    flow = level_flow(level, samples, summary, slo)
-    offered = flow.offered
+    offered = offered_rate(samples, level)
+    served, sent, edges = served_and_sent(samples, summary)
     # The queue series, where there is one, confirms: a TTFT trend alone can be noise.
     unbounded = slope > GROWTH_SLOPE and (qslope is None or qslope > 0)
     capacity = offered / (1 + slope)
@@ -202,13 +140,12 @@ def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFram
     # the full batch frees slots: the capacity is the offered rate less the queue's growth.
     if qslope is not None and qslope > GROWTH_SLOPE * max(offered - qslope, 0.0):
         unbounded, capacity = True, offered - qslope
-    short = flow.short
+    short = served is not None and sent is not None \
+        and served < (1 - SERVED_TOLERANCE) * sent - edges
     if short:
-        unbounded, capacity = True, min(capacity, flow.served) if unbounded else flow.served
+        unbounded, capacity = True, min(capacity, served) if unbounded else served
     meets = bool(RunSummary.of(summary).meets_slo)
-    return {"level": level, "offered": offered, "served": flow.served,
-            "served_goodput": flow.goodput, "served_noise": flow.noise, "window_start_s": flow.start_s,
-            "window_end_s": flow.end_s, "served_short": short,
+    return {"level": level, "offered": offered, "served": served, "served_short": short,
             "latency_growth": slope, "queue_growth": qslope, "unbounded": unbounded,
             "meets_slo": meets, "sustainable": meets and not unbounded,
             "capacity_estimate": capacity if unbounded else math.nan}
@@ -218,10 +155,9 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
     """The knee, the highest load that holds, and the highest that holds under the SLO.
 
     ``levels`` has one row per offered load (level, unbounded, meets_slo, capacity_estimate, ok;
-    ``offered`` and ``served``, where known). The SLO knee is on the offered axis, the maximum
-    sustainable load and the knee's lower bound on the sustained one (``sustained_axis``);
-    ``bracket`` (the last bounded and the first unbounded level) is in levels, for the ramp's
-    next round. The unbounded-growth knee is the capacity the lowest overloaded level
+    ``offered``, the rate a run really sent, where known). The loads returned are on the offered
+    axis; ``bracket`` (the last bounded and the first unbounded level) is in levels, for the
+    ramp's next round. The unbounded-growth knee is the capacity the lowest overloaded level
     implies (offered / (1 + E2E slope)), kept inside the bracket.
     """
     t = levels[levels["ok"]].sort_values("level")
@@ -229,13 +165,13 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
                            "max_sustainable": None, "bracket": None}
     if t.empty:
         return out
-    x, held = offered_axis(t), sustained_axis(t)
+    x = offered_axis(t)
     bad = t[t["unbounded"]]
     if len(bad):
         first_bad = float(bad["level"].iloc[0])
         below = t[(t["level"] < first_bad)]
         last_good = float(below["level"].iloc[-1]) if len(below) else 0.0
-        lo = float(held[below.index[-1]]) if len(below) else 0.0
+        lo = float(x[below.index[-1]]) if len(below) else 0.0
         hi = float(x[bad.index[0]])
         # The lowest overloaded level is the closest to the knee: its queue grows the least, so
         # the service rate it saw is the one at the knee (higher levels preempt and slow down).
@@ -258,7 +194,7 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
         fails = t[~good]
         limit = float(fails["level"].iloc[0]) if len(fails) else math.inf
         ok_below = holds[holds["level"] < limit]
-        out["max_sustainable"] = float(held[ok_below.index[-1]]) if len(ok_below) else None
+        out["max_sustainable"] = float(x[ok_below.index[-1]]) if len(ok_below) else None
     return out
 
 
@@ -268,16 +204,9 @@ def sustainable(levels: pd.DataFrame) -> pd.Series:
 
 
 def offered_axis(levels: pd.DataFrame) -> pd.Series:
-    """The load each level really offered inside the window its served load is counted over
-    (``level_flow``; its level where a run has no samples): every knee and capacity is read on it."""
+    """The load each level really offered (its level where a run has no samples): every knee and
+    capacity is read on it."""
     return levels["offered"].fillna(levels["level"]) if "offered" in levels else levels["level"]
-
-
-def sustained_axis(levels: pd.DataFrame) -> pd.Series:
-    """The load each level showed it sustains: offered, or served where that is less (a
-    sustainable level serves within its noise of offered, never more than it served)."""
-    x = offered_axis(levels)
-    return np.minimum(x, levels["served"].fillna(x)) if "served" in levels else x
 
 
 def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
@@ -290,10 +219,9 @@ def levels_table(store: Store, exp_id: str, runs: pd.DataFrame) -> pd.DataFrame:
         row = {"level": level, "ok": ok, "status": run["status"], "confirmed": run["confirmed"],
                **{m: run[m] for m in LEVEL_COLUMNS if m in run}}
         if ok:
-            slo = Scenario.model_validate_json(run["scenario_json"]).slo
             verdict = level_verdict(level, RunSummary.of_row(run),
-                                    store.samples(exp_id, run["run_key"]),
-                                    store.server_metrics(exp_id, run["run_key"]), slo)
+                                           store.samples(exp_id, run["run_key"]),
+                                           store.server_metrics(exp_id, run["run_key"]))
             row.update(verdict)
         else:
             row.update(unbounded=False, meets_slo=False, sustainable=False, latency_growth=math.nan,

@@ -74,12 +74,9 @@ def _points(exp: dict, runs: pd.DataFrame, headline: str | None = None) -> Resul
 
 
 def _levels(table: pd.DataFrame, knee: dict, headline: str) -> Results:
-    from vllm_lab.analysis.stress import offered_axis
-    from vllm_lab.reports.stress import served_columns, verdict_text
-    # The page's own offered and served (one window, ``analysis.stress.level_flow``).
-    table = table.assign(offered=offered_axis(table), served=served_columns(table)[0])
-    rows = [{"level req/s": page.fmt(r["level"]), "offered req/s": page.fmt(r["offered"]),
-             "served req/s": page.fmt(r["served"]),
+    from vllm_lab.reports.stress import verdict_text
+    rows = [{"level req/s": page.fmt(r["level"]), "offered req/s": page.fmt(r.get("offered")),
+             "served req/s": page.fmt(r.get("request_throughput")),
              "TTFT p99 ms": page.fmt(r["ttft_p99"] * 1000 if pd.notna(r.get("ttft_p99")) else None),
              "E2E p99 ms": page.fmt(r["e2e_p99"] * 1000 if pd.notna(r.get("e2e_p99")) else None),
              "verdict": verdict_text(r)} for _, r in table.iterrows()]

@@ -126,32 +126,19 @@ def context(runs: pd.DataFrame, swept: Sequence[str] = ()) -> Context:
     w, ld = first["workload"], first["load"]
     shape = ld["shape"]
     unit = "users" if ld["mode"] == "closed" else "req/s"
-    # Every run's load, not the first's: a staircase's levels (and its longer confirmations) vary.
-    loads = [json.loads(j)["load"] for j in runs["scenario_json"]]
-    per_run = _span(ld_["stop"]["duration_s"] for ld_ in loads) + " s per run"
     if ld["mode"] == "replay":
-        rates = [(x.get("replay") or {}).get("rate") for x in loads]
         rp = ld.get("replay") or {}
-        pace = f"at a mean {_span(rates)} req/s" if all(rates) else f"at {rp.get('speed', 1):g}x"
-        load = f"trace replayed {pace}, {per_run}"
+        pace = f"at a mean {rp['rate']:g} req/s" if rp.get("rate") else f"at {rp.get('speed', 1):g}x"
+        load = f"trace replayed {pace}, {ld['stop']['duration_s']:g} s per run"
     else:
-        levels = sorted({float(x["shape"]["level"]) for x in loads})
-        level = _span(levels) if len(levels) == 1 else f"{len(levels)} levels {_span(levels)}"
-        load = f"{ld['mode']} loop, {shape['kind']} {level} {unit}, {per_run}"
+        load = (f"{ld['mode']} loop, {shape['kind']} {shape['level']:g} {unit}, "
+                f"{ld['stop']['duration_s']:g} s per run")
     source = f"trace {Path(w['path']).name} ({w.get('trace_format')})" if w["source"] == "trace" \
         else w["source"]
     return Context(hardware=runs.iloc[0]["gpu_model"], model=str(first["serve"].get("model")),
                    vllm_version=runs.iloc[0]["vllm_version"], backend=runs.iloc[0]["backend"],
                    workload=f"{source} via /v1/{w['api']}", load=load, slo=first.get("slo") or {},
                    serve=first["serve"])
-
-
-def _span(values: Iterable[Any]) -> str:
-    """One value as itself, several as their range ("10.9–74.4")."""
-    v = sorted({float(x) for x in values if x is not None})
-    if not v:
-        return "?"
-    return f"{v[0]:g}" if len(v) == 1 else f"{v[0]:.3g}–{v[-1]:.3g}"
 
 
 # -- blocks ------------------------------------------------------------------------------------

@@ -14,10 +14,9 @@ import pandas as pd
 
 from vllm_lab.analysis.stress import (
     GROWTH_SLOPE,
-    SERVED_SIGMAS,
+    SERVED_TOLERANCE,
     find_knee,
     levels_table,
-    offered_axis,
     soak_drift,
     spike_behaviour,
     windows,
@@ -32,9 +31,8 @@ from vllm_lab.store import Store
 def staircase_figure(table: pd.DataFrame, knee: dict, ctx: Context, folder: Path) -> Path:
     """Latency, throughput and errors against offered load, knee and max sustainable load marked."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    # The rate each run really sent inside its window (the knee is read on it); the level where
-    # a run has no samples.
-    x = offered_axis(table)
+    # The rate each run really sent (the knee is read on it); the level where a run has no samples.
+    x = table["offered"].fillna(table["level"]) if "offered" in table else table["level"]
     for metric, style in (("ttft", "-"), ("e2e", "--")):
         for p in ("p50", "p90", "p99"):
             axes[0].plot(x, table[f"{metric}_{p}"] * 1000, style, marker="o", ms=3, label=f"{metric.upper()} {p}")
@@ -45,9 +43,8 @@ def staircase_figure(table: pd.DataFrame, knee: dict, ctx: Context, folder: Path
     axes[0].set_yscale("log")
     axes[0].set_ylabel("latency (ms)")
     axes[1].plot(x, x, ":", color="gray", label="offered")
-    served, good = served_columns(table)
-    axes[1].plot(x, served, "o-", label="served req/s")
-    axes[1].plot(x, good, "s--", label="goodput req/s")
+    axes[1].plot(x, table["request_throughput"], "o-", label="served req/s")
+    axes[1].plot(x, table["goodput"], "s--", label="goodput req/s")
     axes[1].set_ylabel("requests/s")
     axes[2].plot(x, table["errors"], "o-", color="tab:red", label="errors")
     ax3 = axes[2].twinx()
@@ -135,20 +132,13 @@ def verdict_text(row: pd.Series) -> str:
     return ", ".join(why)
 
 
-def served_columns(table: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
-    """Served and goodput requests/s per level, over the window its offered load is counted in
-    (``analysis.stress.level_flow``); the summary's own where a level has none."""
-    served = table["served"] if "served" in table else pd.Series(math.nan, index=table.index)
-    good = table["served_goodput"] if "served_goodput" in table else served * math.nan
-    return (served.fillna(table["request_throughput"]).astype(float),
-            good.fillna(table["goodput"]).astype(float))
-
-
 def levels_shown(table: pd.DataFrame) -> pd.DataFrame:
     """The levels as the page shows them: every load and latency with its unit."""
     out = pd.DataFrame({"level req/s": table["level"]})
-    out["offered req/s"] = offered_axis(table)
-    out["served req/s"], out["goodput req/s"] = served_columns(table)
+    if "offered" in table:
+        out["offered req/s"] = table["offered"]
+    out["served req/s"] = table["request_throughput"]
+    out["goodput req/s"] = table["goodput"]
     for col, heading in (("ttft_p50", "TTFT p50 ms"), ("ttft_p99", "TTFT p99 ms"),
                          ("e2e_p99", "E2E p99 ms")):
         out[heading] = table[col] * 1000
@@ -169,11 +159,9 @@ def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
         notes = [(f"knee bracket: levels {knee['bracket'][0]:.3g}–{knee['bracket'][1]:.3g} req/s; loads "
                   "are the rates the runs really sent (a level is the arrival process's mean)")] \
             if knee["bracket"] else []
-        notes.append(f"offered and served: requests/s over each run's steady window, each request "
-                     f"counted by the share of its output emitted there (offered: at the pace of "
-                     f"the run's early requests, i.e. as a server that keeps up would); "
-                     f"sustainable: served at most {SERVED_SIGMAS:g} standard deviations of that "
-                     f"count below offered, the queue bounded (E2E growth under {GROWTH_SLOPE:g} "
+        notes.append(f"sustainable: served within {SERVED_TOLERANCE:.0%} of the rate sent inside the "
+                     f"run's steady window (less twice the square root of the requests in flight "
+                     f"at its edges), the queue bounded (E2E growth under {GROWTH_SLOPE:g} "
                      f"s/s) and the SLO met")
         table.to_csv(folder / "summary.csv", index=False)
     else:
