@@ -167,7 +167,6 @@ def test_energy_is_read_from_the_counter_else_from_power_samples():
 
 
 @pytest.mark.integration
-@pytest.mark.timing  # asserts send times within 20 ms across two processes: run alone
 def test_locust_replays_a_trace_as_one_schedule_over_two_processes(tmp_path):
     rows = [{"timestamp": round(0.05 * k + (0.4 if k > 30 else 0.0), 3), "prompt_tokens": 8 + k % 5,
              "output_tokens": 4 + k % 3, "prefix_id": "sys" if k % 2 else None} for k in range(60)]
@@ -182,7 +181,10 @@ def test_locust_replays_a_trace_as_one_schedule_over_two_processes(tmp_path):
     assert list(df["index"]) == list(range(60)) and df.worker.nunique() == 2
     got = df.scheduled_ts.to_numpy() - df.scheduled_ts.min()
     want = np.array([row["timestamp"] * 2 for row in rows])  # speed 0.5: twice as slow
-    assert np.abs(got - want).max() < 0.02
+    # Both processes anchor the schedule at their master's one start (`lab_go`), so the planned
+    # times agree to the clock reading's microseconds however loaded the host (each process's own
+    # spawning_complete put one 23 ms behind the other under a loaded suite).
+    assert np.abs(got - want).max() < 0.002
     assert (df.target_output_tokens.to_numpy() == [row["output_tokens"] for row in rows]).all()
     # The trace's 60 requests take 7 s at half speed: the run ends with them, not at its 60 s.
     assert r.stop_reason == "schedule"

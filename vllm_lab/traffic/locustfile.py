@@ -13,7 +13,9 @@ it from one list in one process:
   remain (with a quota per user, users with short requests finished first and the run drained
   for half its length on variable lengths);
 - an open loop follows one arrival schedule (`arrivals.planned_arrivals`), dealt out to processes;
-- every user and the schedule start together, once all users are spawned (`GO`).
+- every user and the schedule start together, once all users are spawned (`GO`), and across
+  processes at one wall-clock instant their master names (`lab_go`), not each at the moment
+  it hears that spawning is complete.
 Across processes the pool is the Locust master's: a worker asks it for each index over Locust's
 own master-worker messages (`lab_take` / `lab_ticket`), and reports each finished request
 (`lab_end`) so the master ends a counted run the moment its last request ends.
@@ -73,9 +75,8 @@ PREBUILT_MAX = 2048
 # worker reports (master); the shape reads it for the saturation stop.
 TTFT_FEED: deque = deque(maxlen=200_000)
 
-# Set once every user of the run is spawned (Locust's spawning_complete, which a master sends its
-# workers when all of them have spawned): users and the arrival schedule start together, as the
-# tasks of vllm bench serve do, instead of trickling in at the spawn rate.
+# Set at the run's start, once every user of the run is spawned: users and the arrival schedule
+# start together, as the tasks of vllm bench serve do, instead of trickling in at the spawn rate.
 GO = Event()
 
 
@@ -191,11 +192,49 @@ def _on_init(environment, **_kw):
             POOL = WorkerPool(runner, LOAD.request_timeout_s)
 
 
+# How far ahead of its message a master sets the shared start: the workers' event loops may be
+# busy (a prompt being built, a stream being read), and a start that reaches one of them late
+# would shift its share of the schedule (23 ms was seen on a loaded host when each process
+# started at the moment it heard).
+GO_LEAD_S = 0.5
+
+# The shared start, in Unix time, when a master's message comes before this process's state.
+_GO_WALL: float | None = None
+# This process's runner (Locust's spawning_complete event does not carry it).
+_RUNNER = None
+
+
+@events.init.add_listener
+def _on_init_go(environment, **_kw):
+    global _RUNNER
+    _RUNNER = environment.runner
+    if isinstance(_RUNNER, WorkerRunner):
+        _RUNNER.register_message("lab_go", _on_go_message)
+
+
 @events.spawning_complete.add_listener
 def _on_spawned(**_kw):
-    if not GO.is_set() and STATE is not None:
-        STATE.go_pc = time.perf_counter()
-        GO.set()
+    runner = _RUNNER
+    if isinstance(runner, MasterRunner):
+        # One start for every process, on every host: a wall-clock instant a little ahead.
+        runner.send_message("lab_go", {"wall": time.time() + GO_LEAD_S})
+    elif not isinstance(runner, WorkerRunner):  # a run of one process starts when its users are up
+        _go_at(time.time())
+    # A worker ignores Locust's own spawning_complete: it starts at its master's instant.
+
+
+def _on_go_message(environment, msg, **_kw) -> None:
+    _go_at(float(msg.data["wall"]))
+
+
+def _go_at(wall: float) -> None:
+    """Anchor the schedule at the Unix time ``wall`` and release the users then."""
+    global _GO_WALL
+    if GO.is_set() or _GO_WALL is not None:
+        return  # a staircase's later levels spawn too: the run starts once
+    _GO_WALL = wall
+    if STATE is not None:
+        STATE.anchor(wall)
 
 
 # Users per second Locust spawns: all of a run's at once (they wait for GO before their first send).
@@ -307,7 +346,7 @@ class _Process:
         # Wall-clock anchor: timestamps comparable across workers, differences as exact as
         # perf_counter.
         self.wall0, self.pc0 = time.time(), time.perf_counter()
-        self.go_pc: float | None = None  # when GO was set: the schedule's zero
+        self.go_pc: float | None = None  # the shared start on this clock: the schedule's zero
         self.cpu0 = process_cpu_s()
         # Loop lag and CPU fraction count only while a request is in flight (see InFlightMeter).
         self.meter = InFlightMeter()
@@ -330,6 +369,11 @@ class _Process:
         if LOAD.stop.max_requests is not None:
             n = min(n, LOAD.stop.max_requests)
         return list(range(min(n, PREBUILT_MAX)))
+
+    def anchor(self, wall: float) -> None:
+        """Set the schedule's zero at the Unix time ``wall`` and release the users at it."""
+        self.go_pc = self.pc0 + (wall - self.wall0)
+        gevent.spawn_later(max(0.0, self.go_pc - time.perf_counter()), GO.set)
 
     def wall(self, pc: float) -> float:
         """Convert a perf_counter reading to Unix time."""
@@ -404,6 +448,8 @@ def _on_start(environment, **_kw):
     global STATE
     if not isinstance(environment.runner, MasterRunner) and STATE is None:
         STATE = _Process(environment.runner)
+        if _GO_WALL is not None and not GO.is_set():
+            STATE.anchor(_GO_WALL)
 
 
 @events.test_stop.add_listener
