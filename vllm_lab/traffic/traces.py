@@ -18,7 +18,8 @@ ids share those blocks, so the prefix cache sees what production saw) or a plain
   share their first ``prefix_tokens`` (default: the group's shortest prompt).
 
 Parsing is strict: a row that cannot be read is one sentence naming the file, the line and the
-field. A file is read at most `MAX_BYTES` and `MAX_ROWS` rows.
+field, and what the field takes. A file is read at most `MAX_BYTES` and `MAX_ROWS` rows, a
+request's prompt and output at most `MAX_TOKENS` tokens each.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import datetime as dt
 import io
 import json
 import math
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -38,6 +41,11 @@ FORMATS = ("mooncake", "azure", "burstgpt", "jsonl")
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_BYTES = 512 * 2**20
 MAX_ROWS = 5_000_000
+# A request's prompt or output tokens, past any model's context: a typo (1e12) would otherwise be a
+# prompt built of terabytes, in the load generator or the predictor.
+MAX_TOKENS = 10_000_000
+# Python reads no integer of more decimal digits (sys.get_int_max_str_digits).
+MAX_INT_DIGITS = 4300
 
 
 class TraceError(ValueError):
@@ -84,9 +92,20 @@ def _count(path: Path, line: int, field: str, value, minimum: int = 1) -> int:
         n = float(value)
     except ValueError:
         raise _bad(path, line, field, f"expected a whole number, got {str(value)[:40]!r}") from None
+    except OverflowError:  # an integer past a float's range
+        n = math.inf
+    if n > MAX_TOKENS:  # never NaN
+        raise _bad(path, line, field, f"expected at most {MAX_TOKENS:,} tokens (past any model's "
+                                      f"context), got {_digits(value)}")
     if not math.isfinite(n) or n != int(n) or n < minimum:
         raise _bad(path, line, field, f"expected a whole number >= {minimum}, got {str(value)[:40]}")
     return int(n)
+
+
+def _digits(value) -> str:
+    """A number as an error shows it: itself when short, else how many digits it has."""
+    text = str(value).strip()
+    return text if len(text) <= 40 else f"a number of {len(text):,} characters"
 
 
 def _seconds(path: Path, line: int, field: str, value, scale: float = 1.0) -> float:
@@ -96,26 +115,37 @@ def _seconds(path: Path, line: int, field: str, value, scale: float = 1.0) -> fl
         t = float(value) * scale
     except ValueError:
         raise _bad(path, line, field, f"expected a number, got {str(value)[:40]!r}") from None
+    except OverflowError:
+        t = math.inf
     if not math.isfinite(t) or t < 0:
-        raise _bad(path, line, field, f"expected a time >= 0, got {str(value)[:40]}")
+        raise _bad(path, line, field, f"expected a finite time >= 0, got {_digits(value)}")
     return t
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
-        size = path.stat().st_size
+        # O_NONBLOCK: a FIFO is refused below, never waited on for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise TraceError(f"workload.path: {path}: {e.strerror or e}") from None
-    if not path.is_file():
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
         raise TraceError(f"workload.path: {path} is not a regular file")
-    if size > MAX_BYTES:
-        raise TraceError(f"workload.path: {path} is {size / 2**20:.0f} MiB, more than the "
+    if info.st_size > MAX_BYTES:
+        os.close(fd)
+        raise TraceError(f"workload.path: {path} is {info.st_size / 2**20:.0f} MiB, more than the "
                          f"{MAX_BYTES // 2**20} MiB a trace may be: cut it to the window you replay")
-    with open(path, encoding="utf-8", errors="strict", newline="") as fh:
+    read = 0
+    with open(fd, encoding="utf-8", errors="strict", newline="") as fh:
         try:
             for n, text in enumerate(fh, 1):
                 if n > MAX_ROWS + 1:
                     raise TraceError(f"workload.path: {path} has more than {MAX_ROWS:,} rows")
+                read += len(text)
+                if read > MAX_BYTES:
+                    raise TraceError(f"workload.path: {path} grew past the {MAX_BYTES // 2**20} "
+                                     f"MiB a trace may be while it was read")
                 yield n, text
         except UnicodeDecodeError as e:
             raise TraceError(f"workload.path: {path} is not UTF-8 text ({e.reason})") from None
@@ -129,6 +159,13 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict]]:
             row = json.loads(text)
         except json.JSONDecodeError as e:
             raise TraceError(f"{path}: line {n}: not JSON ({e.msg})") from None
+        except ValueError:  # Python's own limit on an integer's digits
+            raise TraceError(f"{path}: line {n}: a number of more than {MAX_INT_DIGITS:,} digits; "
+                             f"token counts are whole numbers up to {MAX_TOKENS:,}, times "
+                             f"finite numbers") from None
+        except RecursionError:
+            raise TraceError(f"{path}: line {n}: nested too deeply to read; a row is one JSON "
+                             f"object of numbers") from None
         if not isinstance(row, dict):
             raise TraceError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
         yield n, row

@@ -6,6 +6,7 @@ request sequence at every sweep point and on every worker, whatever the number o
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import numpy as np
 
 from vllm_lab.inputs import CONFIG_BYTES, DATA_BYTES, InputError, load_json, read_text, shown
 from vllm_lab.traffic.spec import Lengths, Workload
+from vllm_lab.traffic.traces import MAX_INT_DIGITS, MAX_TOKENS
 
 # Common English words that GPT-2/Llama-3-style BPE vocabularies hold as one token each with
 # their leading space; without a tokenizer a prompt of N of them is taken as N tokens.
@@ -191,13 +193,24 @@ def _read(path: Path) -> str:
         raise WorkloadError(f"workload.path: {e}") from None
 
 
+def _not_json(error: ValueError) -> str:
+    """Why json could not read a file or line, in the user's terms (not Python's advice)."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"not JSON ({error.msg} at character {error.pos + 1})"
+    if isinstance(error, InputError):  # nested past reading
+        return "nested too deeply to read"
+    # The one other ValueError json raises: an integer past Python's digit limit.
+    return f"a number of more than {MAX_INT_DIGITS:,} digits"
+
+
 def _load_sharegpt(path: Path) -> list[tuple[str, str | None]]:
     """A ShareGPT-format file's first two turns of each conversation (the prompt, the reply)."""
     text = _read(path)
     try:
         data = load_json(text, str(path))
     except ValueError as e:  # a truncated or broken file, or one nested past reading
-        raise WorkloadError(f"workload.path: {path}: not a ShareGPT JSON file ({e})") from None
+        raise WorkloadError(f"workload.path: {path}: not a ShareGPT JSON file ({_not_json(e)}); "
+                            f"it is a JSON list of conversations of text turns") from None
     if not isinstance(data, list):
         raise WorkloadError(f"workload.path: {path}: a ShareGPT file is a JSON list of "
                             f"conversations, not a {type(data).__name__}")
@@ -217,6 +230,11 @@ def _load_sharegpt(path: Path) -> list[tuple[str, str | None]]:
     return pairs
 
 
+# What a line of a JSONL prompt file is, as its errors say it.
+_JSONL_LINE = (f"each line is an object with a 'prompt' (text) and an optional 'output_tokens' "
+               f"(a whole number from 1 to {MAX_TOKENS:,})")
+
+
 def _load_jsonl(path: Path) -> list[tuple[str, int | None]]:
     """A JSONL file's prompts, one JSON object a line: "prompt" (text), "output_tokens" (optional)."""
     rows = []
@@ -226,22 +244,31 @@ def _load_jsonl(path: Path) -> list[tuple[str, int | None]]:
         try:
             obj = load_json(line, f"{path} line {n}")
         except ValueError as e:
-            raise WorkloadError(f"workload.path: {path} line {n}: not JSON ({e})") from None
+            raise WorkloadError(f"workload.path: {path} line {n}: {_not_json(e)}; "
+                                f"{_JSONL_LINE}") from None
         if not isinstance(obj, dict) or "prompt" not in obj:
-            raise WorkloadError(f"workload.path: {path} line {n} has no 'prompt' key (each line "
-                                f"is an object with a 'prompt')")
+            raise WorkloadError(f"workload.path: {path} line {n} has no 'prompt' key ({_JSONL_LINE})")
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt:
             raise WorkloadError(f"workload.path: {path} line {n}: 'prompt' must be text, not "
                                 f"{shown(prompt)}")
         out = obj.get("output_tokens")
-        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 1):
+        if out is not None and (isinstance(out, bool) or not isinstance(out, int)
+                                or not 1 <= out <= MAX_TOKENS):
             raise WorkloadError(f"workload.path: {path} line {n}: 'output_tokens' must be a whole "
-                                f"number of 1 or more")
+                                f"number from 1 to {MAX_TOKENS:,} (past any model's context), "
+                                f"not {_shown_number(out)}")
         rows.append((prompt, out))
     if not rows:
         raise WorkloadError(f"workload.path: {path} holds no prompts")
     return rows
+
+
+def _shown_number(value) -> str:
+    """A value as an error shows it; a long integer by its digits (Python prints none past 4300)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a number of about {int(value.bit_length() * 0.30103):,} digits"
+    return shown(value)
 
 
 def check_workload(workload: Workload, load=None) -> None:
