@@ -5,6 +5,10 @@ One host: `locust --processes N` (or one process). Several hosts: a master here 
 sample files copied back with scp). Every Locust process runs in its own process group and is
 stopped by that group's id.
 
+The files of a run's folder (under OUT/.work) are made fresh before Locust starts, never written
+through what was there (a link, a FIFO), and read back bounded and without blocking
+(`samples.read_run_samples`, `worker_summaries`, `stop_reason`).
+
 Remote workers run the lab that provision.yml (role lab_host) installed on the inventory's
 load-generator hosts: `loadgen_workers(inventory)` reads each host's address, SSH settings and
 interpreter (`<lab_host_venv>/bin/python`, or `lab_host_python` where `lab_host_lab_install` is
@@ -34,8 +38,10 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import pandas as pd
 
+from vllm_lab.inputs import InputError
 from vllm_lab.traffic import samples as samples_mod
 from vllm_lab.traffic.arrivals import client_overloaded
+from vllm_lab.traffic.samples import LiveFigures
 from vllm_lab.traffic.scrape import Scraper, frame
 from vllm_lab.traffic.spec import Load, Workload
 from vllm_lab.traffic.workloads import PromptBuilder
@@ -46,6 +52,8 @@ API_KEY_ENV = "VLLM_LAB_API_KEY"
 _LOCAL = {"127.0.0.1", "localhost", "::1"}
 # The lab_host role's defaults (playbooks/roles/lab_host/defaults/main.yml), for hosts that set none.
 LAB_HOST_ROOT_DEFAULT = "/opt/vllm-lab"
+# The end of Locust's output that a failure shows.
+TAIL_BYTES = 2000
 
 
 @dataclass
@@ -85,9 +93,9 @@ def _group_alive(pgid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
-    for stat in stats:
+    for stat_file in stats:
         with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
             if int(fields[2]) == pgid and fields[0] != "Z":
                 return True
     return False
@@ -326,46 +334,6 @@ def _fetch_remote_samples(workers: list[WorkerHost], out_dir: Path, run_tag: str
                   file=sys.stderr)
 
 
-class LiveFigures:
-    """Requests done, output tok/s and errors so far, read from the sample files local Locust
-    processes flush every second (remote workers' files arrive only after the run)."""
-
-    WINDOW_S = 10.0  # tok/s over the last this-many seconds: the current rate, not the average
-
-    def __init__(self, samples_dir: Path):
-        self.samples_dir = samples_dir
-        self.offsets: dict[Path, int] = {}
-        self.requests = self.errors = self.tokens = 0
-        self.history: list[tuple[float, int]] = [(time.monotonic(), 0)]
-
-    def read(self) -> dict:
-        """Take in what the files gained since the last read; the figures so far."""
-        for path in sorted(self.samples_dir.glob("*.jsonl")):
-            try:
-                with open(path, "rb") as fh:
-                    fh.seek(self.offsets.get(path, 0))
-                    chunk = fh.read()
-            except OSError:
-                continue
-            end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            for line in chunk[:end].splitlines():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                self.requests += 1
-                self.errors += row.get("status") != "ok"
-                self.tokens += int(row.get("output_tokens") or 0)
-        now = time.monotonic()
-        self.history.append((now, self.tokens))
-        while len(self.history) > 2 and now - self.history[1][0] >= self.WINDOW_S:
-            self.history.pop(0)
-        t0, k0 = self.history[0]
-        rate = (self.tokens - k0) / (now - t0) if now > t0 else None
-        return {"requests": self.requests, "tok_s": rate, "errors": self.errors}
-
-
 def _wait(proc: subprocess.Popen, limit: float, samples_dir: Path,
           on_progress: Callable[..., None] | None, every_s: float = 2.0) -> int:
     """Wait for Locust (-1 past ``limit``), reporting live figures every ``every_s`` seconds."""
@@ -382,10 +350,6 @@ def _wait(proc: subprocess.Popen, limit: float, samples_dir: Path,
         except subprocess.TimeoutExpired:
             on_progress(**live.read())
     return -1
-
-
-def _summaries(samples_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(samples_dir.glob("*.summary.json"))]
 
 
 def run_load(
@@ -437,30 +401,57 @@ def run_load(
         # through ssh's command line it would show in ps on both ends.
         _copy_to_remote(hosts, {**config, "api_key": api_key}, run_tag)
     scraper = Scraper(base_url, scrape_interval_s).start() if scrape_metrics else None
-    rc = _run_locust(cmd, env, out_dir, load, hosts,
-                     lambda h: _worker_popen_args(h, cfg, run_tag, port, processes), on_progress)
+    rc, tail = _run_locust(cmd, env, out_dir, load, hosts,
+                           lambda h: _worker_popen_args(h, cfg, run_tag, port, processes),
+                           on_progress)
     metrics = scraper.stop() if scraper else frame([])
     _fetch_remote_samples(hosts, out_dir, run_tag)
-    return _result(out_dir, rc, metrics, load, workload)
+    return _result(out_dir, rc, tail, metrics, load, workload)
+
+
+# What the lab and Locust write in a run's folder: each made fresh for the run.
+_RUN_FILES = ("traffic_config.json", "locust.stdout", "locust.log", "stop_reason.json",
+              "locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv",
+              "locust_exceptions.csv")
 
 
 def _fresh_out_dir(out_dir: Path) -> Path:
-    """The run's folder, its samples folder empty and no stop reason of an earlier run left."""
+    """The run's folder, its samples folder empty and nothing of an earlier run left in the files
+    the run writes: a link there is removed as a link, never written through, and a FIFO is
+    removed, never opened (Locust and the lab would wait on it for a reader)."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    samples_dir = out_dir / "samples"
-    shutil.rmtree(samples_dir, ignore_errors=True)
-    samples_dir.mkdir()
-    (out_dir / "stop_reason.json").unlink(missing_ok=True)
+    for name in ("samples", *_RUN_FILES):
+        _remove(out_dir / name)
+    (out_dir / "samples").mkdir()
     return out_dir
+
+
+def _remove(path: Path) -> None:
+    """Remove what is at ``path``: a folder with what it holds (links in it as links), else the
+    entry itself."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _create(path: Path, mode: int = 0o600) -> int:
+    """A new file at ``path``, open for writing (and reading back): O_EXCL makes it ours, never
+    whatever took the name after ``_fresh_out_dir`` cleared it; TrafficError otherwise."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       mode)
+    except FileExistsError:
+        raise TrafficError(f"{path}: appeared while the run was being set up; the lab writes "
+                           f"its own files there and writes through nothing else") from None
 
 
 def _write_config(out_dir: Path, config: dict) -> Path:
     # The config stays beside the samples, so it holds no key: local Locust processes get the key
     # in their environment (never in argv, which ps shows to every user).
     cfg = out_dir / "traffic_config.json"
-    fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
+    with os.fdopen(_create(cfg), "w") as fh:
         json.dump(config, fh)
     return cfg
 
@@ -499,47 +490,50 @@ def _worker_popen_args(h: WorkerHost, cfg: Path, run_tag: str, port: int, proces
 
 def _run_locust(cmd: list[str], env: dict, out_dir: Path, load: Load, hosts: list[WorkerHost],
                 worker_cmd: Callable[[WorkerHost], list[str]],
-                on_progress: Callable[..., None] | None) -> int:
+                on_progress: Callable[..., None] | None) -> tuple[int, str]:
     """Locust (and its workers on hosts) from start to stop, each in its own process group; its
-    exit code."""
+    exit code and the end of its output (read from the lab's own file, not the name again)."""
     worker_procs: list[subprocess.Popen] = []
-    log = open(out_dir / "locust.stdout", "w")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        for h in hosts:
-            worker_procs.append(subprocess.Popen(
-                worker_cmd(h), env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True))
-        # The shape stops the run, and Locust's graceful stop gives the requests in flight up to
-        # the request timeout (--stop-timeout); this limit only catches a hung Locust.
-        return _wait(proc, load.stop.duration_s + load.request_timeout_s + 60, out_dir / "samples",
-                     on_progress)
-    finally:
+    with os.fdopen(_create(out_dir / "locust.stdout"), "w+b") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            _stop_run(proc, worker_procs, load.request_timeout_s)
-        except KeyboardInterrupt:
-            # A stop signal during the drain: the run is not recorded, so nothing waits for it.
-            for p in (proc, *worker_procs):
-                _stop_group(p, grace_s=2.0)
-            raise
+            for h in hosts:
+                worker_procs.append(subprocess.Popen(
+                    worker_cmd(h), env=env, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True))
+            # The shape stops the run, and Locust's graceful stop gives the requests in flight up
+            # to the request timeout (--stop-timeout); this limit only catches a hung Locust.
+            rc = _wait(proc, load.stop.duration_s + load.request_timeout_s + 60,
+                       out_dir / "samples", on_progress)
         finally:
-            log.close()
+            try:
+                _stop_run(proc, worker_procs, load.request_timeout_s)
+            except KeyboardInterrupt:
+                # A stop signal during the drain: the run is not recorded, so nothing waits for it.
+                for p in (proc, *worker_procs):
+                    _stop_group(p, grace_s=2.0)
+                raise
+        size = os.fstat(log.fileno()).st_size
+        tail = os.pread(log.fileno(), TAIL_BYTES, max(0, size - TAIL_BYTES))
+    return rc, tail.decode("utf-8", errors="replace")
 
 
-def _result(out_dir: Path, rc: int, metrics: pd.DataFrame, load: Load, workload) -> LoadResult:
+def _result(out_dir: Path, rc: int, tail: str, metrics: pd.DataFrame, load: Load,
+            workload) -> LoadResult:
     samples_dir = out_dir / "samples"
-    df = samples_mod.merge_dir(samples_dir)
-    workers = _summaries(samples_dir)
+    try:
+        df = samples_mod.read_run_samples(samples_dir)
+    except InputError as e:
+        raise TrafficError(f"the run's samples cannot be read: {e}") from None
+    workers = samples_mod.worker_summaries(samples_dir)
     if rc not in (0, 1) or (df.empty and not workers):
-        tail = (out_dir / "locust.stdout").read_text()[-2000:]
         raise TrafficError(f"locust exited with {rc} and wrote no samples; output tail:\n{tail}")
     sched = df["sched_lag_s"].dropna().to_numpy(dtype=float) if len(df) else np.array([])
     sched_p99 = float(np.percentile(sched, 99)) if sched.size else 0.0
     # Per-worker loop-lag p99s are not averaged: the worst worker decides.
     loop_p99 = max((w["loop_lag"]["p99"] for w in workers), default=0.0)
     cpu = max((w["cpu_fraction"] for w in workers), default=0.0)
-    stop = out_dir / "stop_reason.json"
     approx = PromptBuilder(workload.tokenizer).approximation
     return LoadResult(
         samples=df,
@@ -548,7 +542,7 @@ def _result(out_dir: Path, rc: int, metrics: pd.DataFrame, load: Load, workload)
         schedule_lag_p99_s=sched_p99,
         loop_lag_p99_s=loop_p99,
         cpu_fraction_max=cpu,
-        stop_reason=json.loads(stop.read_text())["reason"] if stop.exists() else "killed",
+        stop_reason=samples_mod.stop_reason(out_dir / "stop_reason.json"),
         locust_rc=rc,
         out_dir=out_dir,
         workers=workers,
