@@ -26,6 +26,10 @@ FRONTEND_FLAGS = {"host", "port", "api-key", "served-model-name", "uvicorn-log-l
 SERVER_FLAGS = frozenset({"host", "port", "api-key", "served-model-name", "uvicorn-log-level",
                           "chat-template", "disable-uvicorn-access-log", "model", "tokenizer",
                           "stream-interval", "max-logprobs", "seed", "api-server-count"})
+# Faults the twin can be told to inject into generation requests (--twin-fault), for testing how a
+# client and the lab take a server that misbehaves: none ("ok"), a 500 before anything is generated,
+# a streamed event that is not JSON after the first token, the connection closed after it.
+FAULTS = ("ok", "http500", "malformed", "broken")
 # vLLM parses these with human_readable_int ("8k", "1K"); max-model-len also takes "auto"/-1.
 HUMAN_INT_FLAGS = {"max-num-batched-tokens", "kv-cache-memory-bytes", "max-model-len"}
 
@@ -80,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "(env VLLM_TWIN_PROFILE, default h200-llama-3-8b).")
     twin.add_argument("--twin-startup-seconds", type=float,
                       help="Simulated start-up time (env VLLM_TWIN_STARTUP_SECONDS, default 1).")
+    twin.add_argument("--twin-fault", help=(
+        "Faults injected into completion and chat requests, dealt in turn: a comma-separated list "
+        "of ok, http500 (vLLM's 500 error body, nothing generated), malformed (a streamed event "
+        "that is not JSON after the first token, then the stream goes on), broken (the connection "
+        "closed after a stream's first token); e.g. ok,ok,ok,http500 fails every fourth request. "
+        "Env VLLM_TWIN_FAULT; default: none."))
     return parser
 
 
@@ -125,6 +135,7 @@ class ServeArgs:
     flags: dict[str, Any]
     profile: str
     startup_s: float
+    faults: tuple[str, ...] = ()  # --twin-fault: dealt to generation requests in turn
 
 
 def parse_serve_args(argv: list[str]) -> ServeArgs:
@@ -160,9 +171,20 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
     startup = ns.pop("twin_startup_seconds", None)
     if startup is None:
         startup = float(os.environ.get("VLLM_TWIN_STARTUP_SECONDS", "1.0"))
+    faults = _faults(parser, ns.pop("twin_fault", None) or os.environ.get("VLLM_TWIN_FAULT", ""))
     given = {k.replace("_", "-"): v for k, v in ns.items()}
     _check_ranges(given)
-    return ServeArgs(model=model, flags=given, profile=profile, startup_s=startup)
+    return ServeArgs(model=model, flags=given, profile=profile, startup_s=startup, faults=faults)
+
+
+def _faults(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+    """--twin-fault's list; an unknown fault is argparse's error (exit 2), naming the choices."""
+    faults = tuple(f.strip() for f in text.split(",") if f.strip())
+    bad = [f for f in faults if f not in FAULTS]
+    if bad:
+        parser.error(f"argument --twin-fault: invalid choice: {bad[0]!r} (choose from "
+                     f"{', '.join(FAULTS)}, separated by commas)")
+    return () if set(faults) <= {"ok"} else faults
 
 
 def _check_ranges(given: dict[str, Any]) -> None:

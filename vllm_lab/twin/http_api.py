@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import os
 import time
@@ -58,6 +59,20 @@ class TwinServer:
         self.created = int(time.time())
         coeffs = getattr(getattr(engine, "profile", None), "coefficients", None)
         self.frontend_delay_s = Frontend.delay(coeffs) if coeffs is not None else 0.0
+        self.faults = itertools.cycle(args.faults) if args.faults else None
+        if args.faults:
+            log("WARNING", "http_api.py:0", f"twin: --twin-fault {','.join(args.faults)}: "
+                "completion and chat requests get these faults in turn")
+
+    def _fault(self) -> str:
+        """The fault --twin-fault deals the next generation request ("ok": none)."""
+        return next(self.faults) if self.faults is not None else "ok"
+
+    @staticmethod
+    def _failed() -> web.Response:
+        # vLLM's answer when its engine fails a request: an OpenAI error body with status 500.
+        return error_response(500, "twin: injected fault (--twin-fault http500)",
+                              "InternalServerError")
 
     def app(self) -> web.Application:
         """The aiohttp application with vLLM's routes."""
@@ -316,6 +331,8 @@ class TwinServer:
                     for ids, text in prompts for i in range(n)]
         except BadRequest as e:
             return e.response()
+        if (fault := self._fault()) == "http500":
+            return self._failed()
         rid = self._request_id(request, "cmpl")
         reqs = self._submit(rid, plan, arrival)
         echo = bool(body.get("echo"))
@@ -324,7 +341,8 @@ class TwinServer:
                    enumerate(zip(reqs, plan))]
         prompt_tokens = sum(len(ids) for ids, _t in prompts)
         if body.get("stream"):
-            return await self._stream(request, rid, choices, body, False, logprobs, prompt_tokens)
+            return await self._stream(request, rid, choices, body, False, logprobs, prompt_tokens,
+                                      fault)
         return await self._full(rid, choices, False, logprobs, prompt_tokens)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -343,12 +361,14 @@ class TwinServer:
                     for i in range(n)]
         except BadRequest as e:
             return e.response()
+        if (fault := self._fault()) == "http500":
+            return self._failed()
         rid = self._request_id(request, "chatcmpl")
         reqs = self._submit(rid, plan, arrival, chat=True)
         choices = [_Choice(i, r) for i, r in enumerate(reqs)]
         if body.get("stream"):
             return await self._stream(request, rid, choices, body, True, logprobs,
-                                      len(prompt_ids))
+                                      len(prompt_ids), fault)
         return await self._full(rid, choices, True, logprobs, len(prompt_ids))
 
     def _submit(self, rid: str, plan: list, arrival: float, chat: bool = False) -> list[_Req]:
@@ -434,7 +454,8 @@ class TwinServer:
         return web.json_response(body, dumps=compact)
 
     async def _stream(self, request: web.Request, rid: str, choices: list[_Choice], body: dict,
-                      chat: bool, logprobs: int, prompt_tokens: int) -> web.StreamResponse:
+                      chat: bool, logprobs: int, prompt_tokens: int,
+                      fault: str = "ok") -> web.StreamResponse:
         opts = body.get("stream_options") or {}
         include_usage = bool(opts.get("include_usage"))
         continuous = include_usage and bool(opts.get("continuous_usage_stats"))
@@ -457,7 +478,7 @@ class TwinServer:
                     f'"logprobs":null,"finish_reason":null}}]'
                     + (f',"usage":{_usage(len(c.req.prompt_ids), 0)}' if continuous else "")
                     + "}\n\n" for c in choices).encode())
-            args = (resp, prefix, chat, continuous, logprobs, role)
+            args = (resp, prefix, chat, continuous, logprobs, role, fault)
             if len(choices) == 1:
                 sent = [await self._stream_choice(choices[0], *args)]
             else:
@@ -484,6 +505,11 @@ class TwinServer:
                 self.loop.abort(c.req)
             if self.debug:
                 log("DEBUG", "http_api.py:0", f"client disconnected, request {rid} aborted")
+        except _Broken:
+            for c in choices:
+                self.loop.abort(c.req)
+            if request.transport is not None:
+                request.transport.abort()
         except asyncio.CancelledError:
             for c in choices:
                 self.loop.abort(c.req)
@@ -491,10 +517,12 @@ class TwinServer:
         return resp
 
     async def _stream_choice(self, c: _Choice, resp: web.StreamResponse, prefix: str, chat: bool,
-                             continuous: bool, logprobs: int, role: list[bytes]) -> int:
+                             continuous: bool, logprobs: int, role: list[bytes],
+                             fault: str = "ok") -> int:
         """Stream one choice's tokens as they are handed out; returns how many were sent.
 
-        ``role``: the chat role chunks not written yet; the first choice to write goes first."""
+        ``role``: the chat role chunks not written yet; the first choice to write goes first.
+        ``fault``: after the first token, an event that is not JSON (malformed) or _Broken."""
         req = c.req
         head = f"{prefix}{c.index},"
         n_prompt = len(req.prompt_ids)
@@ -541,6 +569,11 @@ class TwinServer:
             if role:
                 data = role.pop() + data
             await resp.write(data)
+            if toks and fault == "malformed":
+                await resp.write(b'data: {"choices": [{"text": "\n\n')
+                fault = "ok"  # once; the stream goes on
+            elif toks and fault == "broken":
+                raise _Broken
             now = perf()
             if toks:
                 if req.first_sent is None:
@@ -554,6 +587,10 @@ class TwinServer:
             if req.finished:
                 self.loop.record_truth(req)
                 return sent
+
+
+class _Broken(Exception):
+    """--twin-fault broken: the stream's connection is to be closed mid-reply."""
 
 
 @dataclass
