@@ -134,7 +134,7 @@ def test_workers_on_two_hosts_over_ssh_merge_raw_samples(loadgen_fleet, tmp_path
     assert set(df_host) == {"fleet-1", "fleet-2"}
     assert set(df.worker) == {s["worker"] for s in r.workers}
 
-    # Counts add up: the merged frame, each host's raw file, Locust's master and the server agree.
+    # Counts add up: the merged frame, each host's raw file and the server agree.
     files = sorted((tmp_path / "run" / "samples").glob("*.jsonl"))
     per_file = {f.stem: samples_mod.read_worker_file(f) for f in files}
     assert sorted(per_file) == sorted(set(df.worker))
@@ -143,9 +143,13 @@ def test_workers_on_two_hosts_over_ssh_merge_raw_samples(loadgen_fleet, tmp_path
     # One pool across hosts: the master deals the first 40 of the seed's sequence, once each, to
     # whichever user is free, on either host.
     assert sorted(df["index"]) == list(range(40)) and df.request_id.is_unique
-    stats = pd.read_csv(tmp_path / "run" / "locust_stats.csv")
-    assert int(stats.loc[stats.Name == "Aggregated", "Request Count"].iloc[0]) == 40
     assert (df.status == "ok").all() and served == 40
+    # Locust's master table heard from the workers, never more than was sent. Not all of it: a
+    # master that quits waits half a second for the last reports, which a busy host can miss
+    # (34 of 40 was seen), so the lab's counts come from the raw samples.
+    stats = pd.read_csv(tmp_path / "run" / "locust_stats.csv").set_index("Name")
+    assert 0 < stats.loc["Aggregated", "Request Count"] <= 40
+    assert stats.loc["Aggregated", "Failure Count"] == 0
 
     # Percentiles come from the pooled raw samples, not from per-worker figures.
     pooled = np.concatenate([x.ttft_s.to_numpy(float) for x in per_file.values()])

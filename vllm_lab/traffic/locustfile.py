@@ -452,13 +452,21 @@ def _on_start(environment, **_kw):
             STATE.anchor(_GO_WALL)
 
 
+@events.test_stopping.add_listener
+def _on_stopping(environment, **_kw):
+    if isinstance(environment.runner, WorkerRunner):
+        # The statistics so far, the moment the stop arrives: a master that quits waits only half
+        # a second for its workers' last reports, and the graceful stop below can take that long
+        # by itself (a user napping on an empty pool), so Locust's own report at the end came too
+        # late on a busy host. Locust's table is for its UI; the lab counts the raw samples.
+        environment.runner._send_stats()
+
+
 @events.test_stop.add_listener
 def _on_stop(environment, **_kw):
     global STATE
     if isinstance(environment.runner, WorkerRunner):
-        # The last requests' statistics, sent ahead of the "stopped" reply the master waits for:
-        # Locust's own final report comes with "quit", which the master waits half a second for,
-        # and a busy host misses that (the master's counts fall short of the raw samples').
+        # The requests that ended during the graceful stop, ahead of the "stopped" reply.
         environment.runner._send_stats()
     if STATE is not None:
         STATE.close()
