@@ -2,6 +2,7 @@
 variable that contradicts it refused in one sentence (on the predictor: seconds, no process)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -23,14 +24,22 @@ def _make(monkeypatch, tmp_path, **variables) -> int:
     return cli.main(["make", "sweep"])
 
 
-def _a100(monkeypatch, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def a100_made(tmp_path_factory):
+    """The a100 sweep made once (seconds on the predictor); each test takes a copy of its folder."""
+    out = tmp_path_factory.mktemp("a100")
     variables = {k.removeprefix("LAB_MAKE_"): v for k, v in A100.items()}
-    assert _make(monkeypatch, tmp_path, EXPERIMENT="a100", **variables) == 0
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert _make(monkeypatch, out, EXPERIMENT="a100", **variables) == 0
+    return out
 
 
-def test_the_plan_is_recorded_when_the_experiment_is_made(monkeypatch, tmp_path, capsys):
-    _a100(monkeypatch, tmp_path)
-    with Store(tmp_path / "lab.db") as store:
+def _a100(made, tmp_path) -> None:
+    shutil.copytree(made, tmp_path, dirs_exist_ok=True)
+
+
+def test_the_plan_is_recorded_when_the_experiment_is_made(a100_made):
+    with Store(a100_made / "lab.db") as store:
         made_by = store.experiment("a100")["meta"][plan_record.META_KEY]
     assert made_by["command"] == "sweep"
     assert made_by["options"] == {"--hardware": ["a100-80g"], "--set": ["load.shape.level=4",
@@ -39,8 +48,8 @@ def test_the_plan_is_recorded_when_the_experiment_is_made(monkeypatch, tmp_path,
                                   "--values": ["16,32"]}
 
 
-def test_a_resume_without_the_variables_restores_the_plan(monkeypatch, tmp_path, capsys):
-    _a100(monkeypatch, tmp_path)
+def test_a_resume_without_the_variables_restores_the_plan(monkeypatch, tmp_path, capsys, a100_made):
+    _a100(a100_made, tmp_path)
     capsys.readouterr()
     assert _make(monkeypatch, tmp_path, PARAM="max-num-seqs", RESUME="1", EXPERIMENT="a100") == 0
     out = capsys.readouterr().out
@@ -53,8 +62,8 @@ def test_a_resume_without_the_variables_restores_the_plan(monkeypatch, tmp_path,
     assert {json.loads(s)["load"]["stop"]["duration_s"] for s in runs["scenario_json"]} == {10}
 
 
-def test_resume_without_experiment_finds_it_by_its_plan(monkeypatch, tmp_path, capsys):
-    _a100(monkeypatch, tmp_path)
+def test_resume_without_experiment_finds_it_by_its_plan(monkeypatch, tmp_path, capsys, a100_made):
+    _a100(a100_made, tmp_path)
     capsys.readouterr()
     assert _make(monkeypatch, tmp_path, PARAM="max-num-seqs", RESUME="1") == 0
     assert capsys.readouterr().out.startswith("resuming a100 as planned:")
@@ -65,8 +74,8 @@ def test_resume_without_experiment_finds_it_by_its_plan(monkeypatch, tmp_path, c
     ("VALUES", "8,1024", "VALUES=16,32"), ("BACKEND", "vllm", "BACKEND=predict"),
 ])
 def test_a_variable_that_contradicts_the_plan_is_refused_in_one_sentence(
-        monkeypatch, tmp_path, capsys, variable, value, planned):
-    _a100(monkeypatch, tmp_path)
+        monkeypatch, tmp_path, capsys, a100_made, variable, value, planned):
+    _a100(a100_made, tmp_path)
     capsys.readouterr()
     assert _make(monkeypatch, tmp_path, PARAM="max-num-seqs", RESUME="1", EXPERIMENT="a100",
                  **{variable: value}) == 2
