@@ -22,7 +22,7 @@ from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
-SUMMARY_KEYS = {"defaults_capacity", "best_capacity", "gain", "predicted_best_capacity",
+SUMMARY_KEYS = {"defaults_capacity", "best_capacity", "gain", "gain_interval", "predicted_best_capacity",
                 "predicted_defaults_capacity", "gpu_minutes", "best_flags", "backend"}
 
 
@@ -233,6 +233,27 @@ def test_staircase_centre_follows_what_was_measured():
     assert autotune.best_measured(plan, {"defaults": exact, "c1": replace(exact, capacity=31.0)}).name == "c1"
 
 
+def test_a_capacity_lies_between_the_levels_that_held_and_broke_and_so_does_the_gain():
+    from vllm_lab.analysis.autotune import Outcome, Record, Row, Spend, capacity_from_levels
+
+    def levels(pairs):  # (level, held): offered 4% above each level, as one Poisson draw can be
+        return pd.DataFrame([{"level": lv, "ok": True, "offered": lv * 1.04, "meets_slo": held,
+                              "unbounded": False, "sustainable": held} for lv, held in pairs])
+
+    dflt = capacity_from_levels(levels([(30, True), (33, True), (36, False)]))
+    best = capacity_from_levels(levels([(40, True), (45, True), (50, False)]))
+    assert dflt.interval == pytest.approx((33 * 1.04, 36 * 1.04)) and best.bound == "="
+    assert capacity_from_levels(levels([(40, True), (45, True)])).interval == (pytest.approx(46.8), None)
+    assert capacity_from_levels(levels([(40, False)])).interval == (0.0, pytest.approx(41.6))
+    rows = [Row(autotune.Candidate(n, f, None), c, Spend())
+            for n, f, c in (("defaults", {}, dflt), ("c1", {"max-num-seqs": 64}, best))]
+    plan = autotune.Plan({}, {}, [], "vllm", 60, 1, 3, 80.0, [r.candidate for r in rows])
+    found = Outcome("x", Record(plan), rows, 0, 0)
+    low, high = found.gain_interval
+    assert low == pytest.approx(45 / 36 - 1) and high == pytest.approx(50 / 33 - 1)
+    assert low < found.gain < high and "(+25% to +52% between the levels that held and broke)" in found.verdict()
+
+
 def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path):
     scenario = chat()
     cases = {"measure:\n  max-num-seqs: [64]\n": r"key measure\.max-num-seqs: only flags the twin does not model",
@@ -271,7 +292,8 @@ def test_live_twin_autotune(tmp_path):
     assert (tmp_path / "reports/live-at/report.md").exists()
 
 
-@pytest.mark.parametrize("exp", ["autotune-realtime-chat-h200", "autotune-realtime-chat-h200-b"])
+@pytest.mark.parametrize("exp", ["autotune-realtime-chat-h200", "autotune-realtime-chat-h200-b",
+                                 "autotune-realtime-chat-h200-c"])
 def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
     """reports/examples/autotune-h200: each committed report is what its store gives today; the
     folder's summary.json is the newest experiment's (the headline)."""
@@ -284,8 +306,11 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
     assert SUMMARY_KEYS <= set(summary) and summary["gain"] > autotune.NOISE
     for name in ("summary.json", "report.md", "best.yaml"):
         assert (tmp_path / exp / name).read_text() == (example / exp / name).read_text(), name
-    if exp.endswith("-b"):
+    if exp.endswith("-c"):  # the headline: the client of one arrival schedule, the gain's interval
         assert (example / "summary.json").read_text() == (example / exp / "summary.json").read_text()
+        low, high = summary["gain_interval"]
+        assert 0.30 <= low <= summary["gain"] <= high and summary["gpu_minutes"] <= 20
+    if exp[-2:] in ("-b", "-c"):
         assert summary["best_flags"]["api-server-count"] == 4 and summary["gain"] >= 0.30
     else:
         assert summary["best_flags"] == {"api-server-count": 4}

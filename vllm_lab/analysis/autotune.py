@@ -50,6 +50,18 @@ class Capacity:
     bracket: tuple[float | None, float | None] | None = None
     status: str = "not measured"
     tokens_per_joule: float | None = None  # output tokens per joule at the last level that held
+    # The load offered at the first level that broke (req/s): the capacity lies below it.
+    ceiling: float | None = None
+
+    @property
+    def interval(self) -> tuple[float | None, float | None]:
+        """Where the capacity lies on the offered axis: from the last level that held to the
+        first that broke (None: no bound on that side)."""
+        if self.measured is None:
+            return (None, None)
+        if self.bound == "<":
+            return (0.0, self.ceiling)
+        return (self.capacity, self.ceiling)
 
     @property
     def measured(self) -> float | None:
@@ -83,11 +95,13 @@ def capacity_from_levels(table: pd.DataFrame) -> Capacity:
         top = ok["level"].idxmax()
         return Capacity(round(float(offered[top]), 3), ">=", (float(ok.loc[top, "level"]), None), "ok")
     first = float(broken["level"].iloc[0])
+    ceiling = round(float(offered[broken.index[0]]), 3)
     below = ok[good & (ok["level"] < first)]
     if below.empty:
-        return Capacity(0.0, "<", (None, first), "ok")
+        return Capacity(0.0, "<", (None, first), "ok", ceiling=ceiling)
     last = below["level"].idxmax()
-    return Capacity(round(float(offered[last]), 3), "=", (float(ok.loc[last, "level"]), first), "ok")
+    return Capacity(round(float(offered[last]), 3), "=", (float(ok.loc[last, "level"]), first), "ok",
+                    ceiling=ceiling)
 
 
 def measured_capacity(store_path: Path, experiment_id: str) -> Capacity:
@@ -314,6 +328,19 @@ class Outcome:
         best, dflt = self.best, self.defaults.score
         return best.score / dflt - 1 if best and dflt else None
 
+    @property
+    def gain_interval(self) -> tuple[float | None, float | None] | None:
+        """Where the gain lies, from each capacity's interval (last level held, first broken):
+        the best's lowest over the defaults' highest, and its highest over their lowest, less
+        one; None on either side that no broken level bounds. For the capacity objective."""
+        best = self.best
+        if self.objective != "capacity" or best is None or self.defaults.measured is None:
+            return None
+        (b_low, b_high), (d_low, d_high) = best.found.interval, self.defaults.found.interval
+        low = b_low / d_high - 1 if b_low is not None and d_high else None
+        high = b_high / d_low - 1 if b_high is not None and d_low else None
+        return (low, high)
+
     def minutes(self) -> tuple[float, float]:
         """Minutes of the measuring backend spent starting (and stopping) servers, and measuring."""
         return (sum(r.spend.start_s for r in self.rows) / 60,
@@ -341,8 +368,16 @@ class Outcome:
             return (f"the defaults are within {max(top / dflt - 1, 0):.0%} of the best reachable on "
                     f"this traffic ({dflt:.2f} against {top:.2f} req/s): keep them")
         return (f"{name} carries {best.measured:.2f} req/s within the SLO against "
-                f"{dflt:.2f} for vLLM's defaults: {gain:+.0%}")
+                f"{dflt:.2f} for vLLM's defaults: {gain:+.0%}{self._gain_range()}")
 
+    def _gain_range(self) -> str:
+        """The gain's interval in words, from the levels that held and broke on each side."""
+        low, high = self.gain_interval or (None, None)
+        if low is None and high is None:
+            return ""
+        where = f"{low:+.0%} to {high:+.0%}" if low is not None and high is not None else (
+            f"at least {low:+.0%}" if low is not None else f"at most {high:+.0%}")
+        return f" ({where} between the levels that held and broke)"
 
     def _energy_verdict(self) -> str:
         best, dflt, gain = self.best, self.defaults.score, self.gain

@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm_lab import search, stress
 from vllm_lab.analysis.autotune import Candidate
-from vllm_lab.analysis.stress import level_verdict
+from vllm_lab.analysis.stress import level_verdict, offered_rate
 from vllm_lab.autotune.space import open_loop, with_flags
 from vllm_lab.backends import Measurement, PredictBackend
 from vllm_lab.progress import point_label
@@ -62,13 +62,16 @@ def predicted_slo_capacity(scenario: Scenario, start: float, duration_s: float,
     """The predictor's SLO capacity of a configuration: bracket it from ``start`` (req/s), then bisect.
 
     Each probe is one open-loop run of ``duration_s`` on the predictor (the levels the live staircase
-    runs last as long, so both read the same p99). The capacity is 0 when even a tenth of ``start``
-    breaks the SLO; the error is vLLM's words when the configuration would not start.
+    runs last as long, so both read the same p99). The capacity is on the axis a measured one is
+    read on: the load the last level that held really offered (``analysis.stress.offered_rate``:
+    one seed's arrivals are a few percent off the level asked), not the level. It is 0 when even
+    a tenth of ``start`` breaks the SLO; the error is vLLM's words when the configuration would
+    not start.
     """
     backend = PredictBackend()
     base = open_loop(scenario, duration_s)
     low, high, rate = 0.0, math.inf, start
-    tokens_per_joule = None
+    offered, tokens_per_joule = 0.0, None
     for _ in range(probes):
         point = stress.staircase_points(base, [round(rate, 4)])[0]
         m = backend.measure(point.scenario, None, Path("."))
@@ -76,6 +79,7 @@ def predicted_slo_capacity(scenario: Scenario, start: float, duration_s: float,
             return Predicted(error=m.error or m.status)
         if level_holds(rate, m):
             low, tokens_per_joule = rate, m.summary.output_tokens_per_joule
+            offered = offered_rate(m.samples, rate)
         else:
             high = rate
         if math.isinf(high):
@@ -86,7 +90,7 @@ def predicted_slo_capacity(scenario: Scenario, start: float, duration_s: float,
                 break
         else:
             rate = (low + high) / 2
-    return Predicted(round(low, 3), tokens_per_joule=tokens_per_joule)
+    return Predicted(round(offered, 3), tokens_per_joule=tokens_per_joule)
 
 
 def saturation(scenario: Scenario) -> Predicted:

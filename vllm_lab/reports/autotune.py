@@ -123,6 +123,8 @@ def summary_of(found: Outcome) -> dict[str, Any]:
         "defaults_capacity": dflt.measured,
         "best_capacity": best.measured if best else (0.0 if found.any_measured else None),
         "gain": round(gain, 4) if gain is not None else None,
+        # Each capacity lies between its last level held and its first broken, so the gain does.
+        "gain_interval": _rounded(found.gain_interval),
         "best": best.candidate.name if best else None,
         "best_flags": best.candidate.flags if best else None,
         "predicted_defaults_capacity": dflt.candidate.predicted,
@@ -138,6 +140,10 @@ def summary_of(found: Outcome) -> dict[str, Any]:
     } | (_energy_summary(found) if found.objective == "energy" else {})
 
 
+def _rounded(pair: tuple[float | None, float | None] | None) -> list[float | None] | None:
+    return None if pair is None else [None if v is None else round(v, 4) for v in pair]
+
+
 def _energy_summary(found: Outcome) -> dict[str, Any]:
     """An energy autotune's own figures: output tokens per joule at each SLO capacity."""
     best = found.best
@@ -149,6 +155,7 @@ def _energy_summary(found: Outcome) -> dict[str, Any]:
 def _candidate_summary(row: Row) -> dict[str, Any]:
     c = row.candidate
     out = {"name": c.name, "flags": c.flags, "predicted": c.predicted, "measured": row.measured,
+           "interval": list(row.found.interval) if row.measured is not None else None,
            "centre": c.centre, "bound": row.found.bound, "status": row.found.status}
     return out | ({"measure": c.measure, "base": c.base} if c.measure else {})
 
