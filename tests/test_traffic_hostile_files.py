@@ -131,3 +131,14 @@ def test_the_lab_ends_on_a_hostile_trace_with_one_sentence_and_exit_2(tmp_path, 
     lines = err.getvalue().splitlines()
     assert rc == 2 and len(lines) == 1, err.getvalue()
     assert lines[0].startswith(f"lab: {path}: line 2: ") and "Traceback" not in lines[0], lines
+
+
+@pytest.mark.parametrize("override", ["workload.input={dist: fixed, mean: 1e12}",
+                                      "workload.output.max=99999999999999",
+                                      "workload.input={dist: lognormal, mean: 100, std: 1e300}"])
+def test_lengths_past_any_context_in_a_scenario_are_one_sentence_before_anything_runs(override, capsys):
+    """The bound a file's token counts have holds for a scenario's length distributions too."""
+    rc = cli.main(["show", "--scenario", "default", "--set", override])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"less than or equal to {MAX_TOKENS}" in err and override.split("=")[0] in err

@@ -21,14 +21,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# A request's prompt or output, in tokens, at most: past any model's context, and a prompt of
+# this many tokens is already a few tens of megabytes to build (more was a typo, or an attack).
+MAX_TOKENS = 10_000_000
+
+
 class Lengths(_Strict):
     """A token-length distribution: fixed, uniform, normal or lognormal, clipped to [min, max]."""
 
     dist: Literal["fixed", "uniform", "normal", "lognormal"] = "fixed"
-    mean: float = Field(128, gt=0, description="mean tokens (fixed: the value)")
-    std: float = Field(0, ge=0, description="standard deviation in tokens (normal, lognormal)")
-    min: int = Field(1, ge=1, description="lower clip, and the low end of uniform")
-    max: int = Field(32768, ge=1, description="upper clip, and the high end of uniform")
+    mean: float = Field(128, gt=0, le=MAX_TOKENS, description="mean tokens (fixed: the value)")
+    std: float = Field(0, ge=0, le=MAX_TOKENS, description="standard deviation in tokens (normal, lognormal)")
+    min: int = Field(1, ge=1, le=MAX_TOKENS, description="lower clip, and the low end of uniform")
+    max: int = Field(32768, ge=1, le=MAX_TOKENS, description="upper clip, and the high end of uniform")
 
     @model_validator(mode="after")
     def _check(self) -> Lengths:

@@ -36,14 +36,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from vllm_lab.traffic.spec import MAX_TOKENS  # noqa: F401  (one bound, said where lengths are)
+
 FORMATS = ("mooncake", "azure", "burstgpt", "jsonl")
 # Mooncake's traces hash prompts in blocks of this many tokens.
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_BYTES = 512 * 2**20
 MAX_ROWS = 5_000_000
-# A request's prompt or output tokens, past any model's context: a typo (1e12) would otherwise be a
-# prompt built of terabytes, in the load generator or the predictor.
-MAX_TOKENS = 10_000_000
 # Python reads no integer of more decimal digits (sys.get_int_max_str_digits).
 MAX_INT_DIGITS = 4300
 
