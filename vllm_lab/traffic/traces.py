@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from vllm_lab.traffic.spec import MAX_TOKENS  # noqa: F401  (one bound, said where lengths are)
+from vllm_lab.traffic.spec import MAX_TOKENS  # one bound, said where lengths are
 
 FORMATS = ("mooncake", "azure", "burstgpt", "jsonl")
 # Mooncake's traces hash prompts in blocks of this many tokens.
