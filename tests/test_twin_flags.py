@@ -10,7 +10,7 @@ from vllm_lab.twin.profile import load_profile
 
 
 def _parser_flags() -> set[str]:
-    twin_only = {"config", "twin-profile", "twin-startup-seconds", "help"}
+    twin_only = {"config", "twin-profile", "twin-startup-seconds", "twin-fault", "help"}
     names = set()
     for action in build_parser()._actions:  # argparse keeps no public list of options
         for opt in action.option_strings:
