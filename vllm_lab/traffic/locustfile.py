@@ -199,7 +199,8 @@ def _on_init(environment, **_kw):
 # started at the moment it heard).
 GO_LEAD_S = 0.5
 
-# The shared start, in Unix time, when a master's message comes before this process's state.
+# The run's start, in Unix time: the instant a master named (kept by it and by every worker), or
+# when a run of one process had every user up. A run's duration and shape count from it.
 _GO_WALL: float | None = None
 # This process's runner (Locust's spawning_complete event does not carry it).
 _RUNNER = None
@@ -215,13 +216,23 @@ def _on_init_go(environment, **_kw):
 
 @events.spawning_complete.add_listener
 def _on_spawned(**_kw):
+    global _GO_WALL
     runner = _RUNNER
     if isinstance(runner, MasterRunner):
-        # One start for every process, on every host: a wall-clock instant a little ahead.
-        runner.send_message("lab_go", {"wall": time.time() + GO_LEAD_S})
+        # One start for every process, on every host: a wall-clock instant a little ahead (the
+        # same one again when a staircase's later level spawns).
+        _GO_WALL = _GO_WALL or time.time() + GO_LEAD_S
+        runner.send_message("lab_go", {"wall": _GO_WALL})
     elif not isinstance(runner, WorkerRunner):  # a run of one process starts when its users are up
         _go_at(time.time())
     # A worker ignores Locust's own spawning_complete: it starts at its master's instant.
+
+
+def run_time(locust_run_time: float) -> float:
+    """Seconds of the run so far, from its start (``_GO_WALL``): the users wait for it, so the
+    half second a master gives its workers to hear of it is no part of the duration. Locust's
+    own run time until a start is known."""
+    return locust_run_time if _GO_WALL is None else max(0.0, time.time() - _GO_WALL)
 
 
 def _on_go_message(environment, msg, **_kw) -> None:
@@ -297,7 +308,7 @@ class LabShape(LoadTestShape):
     def tick(self):
         """Return (users, spawn rate) for now, or None once a stop condition holds."""
         load = self.load
-        t = self.get_run_time()
+        t = run_time(self.get_run_time())
         stop = load.stop
         # A counted run ends when its last request has ended, which the pool hears at once (the
         # workers' statistics reach a master only every few seconds).
