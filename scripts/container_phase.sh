@@ -6,7 +6,9 @@
 #
 #   MODEL=/models/llama-3-8b VLLM_VENV=/opt/vllm bash scripts/container_phase.sh PHASE
 #
-# PHASE: claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
+# PHASE: sweep (make sweep PARAM=max-num-seqs on the default scenario at USERS closed-loop users,
+#        default 64, PRECISION=default with REPEATS=5, one GPU; EXPERIMENT names it),
+#        claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
 #        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
@@ -17,7 +19,7 @@
 # then the lab is interrupted as Ctrl-C would, so it stops its servers and keeps every finished
 # run; calling the phase again resumes it.
 set -uo pipefail
-phase=${1:?usage: container_phase.sh claims|tp|tp70b|autotune}
+phase=${1:?usage: container_phase.sh sweep|claims|tp|tp70b|autotune}
 : "${MODEL:?MODEL is required: the model folder on this host, e.g. MODEL=/models/llama-3-8b}"
 budget=${BUDGET_S:-520}
 deadline=$((budget - 20))s  # the lab stops itself by then; the interrupt below is the backstop
@@ -34,6 +36,13 @@ common=(LAB_PYTHON="${LAB_PYTHON:-python3}" BACKEND=vllm OUT="$store" DURATION="
         VLLM_VENV="${VLLM_VENV:-}" LAB_ROOT="${LAB_ROOT:-}" DEADLINE="$deadline")
 
 case $phase in
+  # The lab's defaults (15-s runs) at a fixed user count; five runs per point in one server start
+  # give each point its interval and the host's run-to-run noise.
+  sweep) users=${USERS:-64}
+         args=(sweep PARAM=max-num-seqs HARDWARE=h200 INVENTORY=inventory/container.yml PRECISION=default
+               REPEATS=5 EXPERIMENT="${EXPERIMENT:-h200-sweep-max-num-seqs-$users-users}")
+         common=("${common[@]/#DURATION=*/DURATION=${DURATION:-15}}")
+         sets="$sets load.shape.level=$users run.start_timeout_s=300" ;;
   # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
   claims) args=(claims CLAIMS=1-6,8 SPREAD=1 INVENTORY=inventory/container-pair.yml EXPERIMENT=claims-h200) ;;
   tp) args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
@@ -61,7 +70,7 @@ PY
                   CONFIRM="${CONFIRM:-2}")
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
       sets="$sets run.start_timeout_s=300" ;;
-  *) echo "container_phase.sh: unknown phase $phase (claims, tp, tp70b or autotune)" >&2; exit 2 ;;
+  *) echo "container_phase.sh: unknown phase $phase (sweep, claims, tp, tp70b or autotune)" >&2; exit 2 ;;
 esac
 
 # The TP phases continue the committed example's store, so the runs it holds (TP 1 of the 8B

@@ -1,4 +1,4 @@
-"""PRECISION: each point is repeated round after round until its intervals are as narrow as asked
+"""PRECISION: each point is repeated (its first runs in one server start, then round after round) until its intervals are as narrow as asked
 or the cap is hit; the verdicts and the host's noise are kept with the experiment."""
 
 import time
@@ -16,7 +16,7 @@ from vllm_lab.store import Store
 
 class NoisyBackend:
     """max-num-seqs=8 reads with a 6% spread run to run, 64 with 0.3%; every run is recorded
-    with the order it ran in, so the test can see the rounds interleave."""
+    with the order it ran in, so the test can see how the rounds group."""
 
     name = "predict"
 
@@ -37,7 +37,7 @@ class NoisyBackend:
         pass
 
 
-def test_points_repeat_until_precise_or_capped_in_interleaved_rounds(tmp_path, monkeypatch, capsys):
+def test_points_repeat_in_one_start_then_in_rounds_until_precise_or_capped(tmp_path, monkeypatch, capsys):
     backend = NoisyBackend()
     monkeypatch.setattr(command_backend, "make_backend", lambda settings, exp_id="", hooks=None: backend)
     settings = Settings(backend="predict", out=tmp_path, experiment="prec",
@@ -48,8 +48,8 @@ def test_points_repeat_until_precise_or_capped_in_interleaved_rounds(tmp_path, m
     out = capsys.readouterr().out
     assert "precision reached: max-num-seqs=64" in out and "after 3 runs" in out
     assert "precision cap of 6 runs hit: max-num-seqs=8" in out
-    # Rounds: both points' first three runs alternate, then only the imprecise one goes on.
-    assert backend.order[:6] == [8, 64, 8, 64, 8, 64] and set(backend.order[6:]) == {8}
+    # The first three runs of each point share its server start; then only the imprecise one goes on.
+    assert backend.order[:6] == [8, 8, 8, 64, 64, 64] and set(backend.order[6:]) == {8}
     assert len(backend.order) == 9
     store = Store(tmp_path / "lab.db")
     meta = store.experiment("prec")["meta"]

@@ -115,9 +115,11 @@ class Experiment:
 
     def take_rounds(self, backend: Backend, hosts: Sequence[str | None], shown: Progress,
                     say: Callable[[str], Any]) -> dict[str, int]:
-        """Repeat each point, round after round, until its intervals are as narrow as PRECISION
-        asks or the cap is hit; round r takes the r-th repeat of every point still open, so a
-        drift of the host over time lands on every point alike instead of passing for an effect."""
+        """Repeat each point until its intervals are as narrow as PRECISION asks or the cap is hit.
+        The first round takes each point's planned runs back to back in one server start (as
+        ``vllm bench sweep``'s --num-runs does: on a GPU a start costs more than three runs); each
+        round after takes the next repeat of every point still open, so a drift of the host over
+        time lands on every open point alike instead of passing for an effect."""
         s, target = self.settings, self.settings.precision
         base: dict[str, plans.Point] = {}
         for point in self.points:
@@ -125,14 +127,13 @@ class Experiment:
         planned = max(max(p.repeat for p in self.points) + 1, target.min_repeats)
         counts: dict[str, int] = {}
         still, reached = list(base), {}
-        for r in range(target.max_repeats):
-            plan = plans.Plan(self.id, self.step, [dataclasses.replace(base[i], repeat=r) for i in still],
-                              self.meta)
+        for r in range(planned - 1, max(target.max_repeats, planned)):
+            repeats = range(r + 1) if r == planned - 1 else (r,)
+            plan = plans.Plan(self.id, self.step, [dataclasses.replace(base[i], repeat=k)
+                                                   for i in still for k in repeats], self.meta)
             for status, n in plans.execute(plan, backend, s.store_path, s.out / ".work", hosts,
                                            progress=shown).items():
                 counts[status] = counts.get(status, 0) + n
-            if r + 1 < planned:
-                continue
             with Store(s.store_path) as store:
                 reached = target.judge(store.runs(self.id), base, r + 1)
             still = [i for i in still if not reached[i]["reached"]]
