@@ -60,7 +60,7 @@ def test_claim_six_on_the_live_twin(lab):
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts/lab.py"), "claims", "--claims", "6", "--hardware", "cpu-demo",
          "--inventory", str(lab / "inv.yml"), "--out", str(lab / "claims"), "--experiment", "claims-live",
-         # 10 s: a request drains for about 4 s here, and a window under half its run is unsteady.
+         # 10 s: a window under half the time its load was sent is unsteady.
          "--set", "load.stop.duration_s=10", "--set", "load.shape.level=4",
          "--set", "workload.source=alpaca-like", "--set", "run.warmup_requests=1"],
         check=False, capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -111,6 +111,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("warmup_s", "s", "start of the steady window after the first send", NEITHER),
     Metric("drain_s", "s", "drain after the last send", NEITHER),
     Metric("window_share", "share", "steady window's share of the run", NEITHER),
+    Metric("send_span_s", "s", "first send to last send", NEITHER),
     Metric("window_requests", "count", "requests finished inside the steady window", NEITHER),
     Metric("output_throughput_rel_ci", "share", "output tokens/s 95% half-width (batch means)", LOWER),
     # A closed loop's client turnaround: each user's wait between a reply's end and its next send.
@@ -310,8 +311,12 @@ def _window_reason(warmup_s: float, window: Window) -> str:
 # Bins of the output-rate series a window is judged on: enough for MSER-5 to see a trend.
 RATE_BINS = 40
 WARMUP_MIN_BINS = 20
-# A window shorter than this share of its run's span, or with fewer finished requests, measured
-# too little of the run to stand for it: the summary says so (``window_note``).
+# A window shorter than this share of the time its load was sent (first send to the window's
+# end: the fill is what it leaves out), or with fewer finished requests, measured too little of
+# the run to stand for it: the summary says so (``window_note``). The drain after the last send
+# is the requests in flight finishing, as long as the longest reply: it is judged on its own
+# (``DRAIN_MAX_E2E``), not against the window, or every short run of long-tailed replies would
+# read as one that did not hold its load.
 WINDOW_MIN_SHARE = 0.5
 WINDOW_MIN_REQUESTS = 20
 
@@ -411,11 +416,21 @@ def served_share(ok: pd.DataFrame, t0: float, t1: float) -> np.ndarray:
     return np.where(n > 0, part, whole)
 
 
+def held_share(summary: Mapping[str, Any]) -> float | None:
+    """The steady window's share of the time the load was sent (first send to last send; at
+    least its warm-up plus the window). An older summary without them: its share of the run."""
+    warm, window = as_float(summary.get("warmup_s")), as_float(summary.get("duration_s"))
+    if warm is None or not window:
+        return as_float(summary.get("window_share"))
+    return window / max(as_float(summary.get("send_span_s")) or 0.0, warm + window)
+
+
 def _window_note(share: float, finished: float) -> str:
     """What a reader must know about a window too small to stand for its run ("" when none)."""
     why = []
     if share < WINDOW_MIN_SHARE:
-        why.append(f"the load held for only {share:.0%} of the run (fill and drain took the rest)")
+        why.append(f"the load held for only {share:.0%} of the time it was sent (the fill took the "
+                   "rest)")
     if finished < WINDOW_MIN_REQUESTS:
         why.append(f"only {finished:.0f} requests finished inside it")
     return "; ".join(why)
@@ -432,18 +447,18 @@ def unsteady_reason(summary: Mapping[str, Any], load: Load) -> str:
     """Why a run did not hold its load ("" when it did), from its steady window's figures.
 
     A closed loop holds its load while its users are all in the loop: a window under
-    ``WINDOW_MIN_SHARE`` of the run means fill and drain were most of it. An open loop's arrivals
+    ``WINDOW_MIN_SHARE`` of the time the load was sent means the fill was most of it. An open loop's arrivals
     keep their schedule whatever the server does (a client that fell behind is client-limited),
     so its share is not judged: an overloaded server drains long, and that is the stress test's
     evidence. Any run whose drain is far longer than its requests take did not hold its load.
     A run without a steady window (a tiny run) says nothing here.
     """
-    share, drain = as_float(summary.get("window_share")), as_float(summary.get("drain_s"))
+    share, drain = held_share(summary), as_float(summary.get("drain_s"))
     e2e = as_float(summary.get("e2e_p99"))
     why = []
     if share is not None and not load.open_loop and share < WINDOW_MIN_SHARE:
-        why.append(f"its steady window covered {share:.0%} of the run (at least "
-                   f"{WINDOW_MIN_SHARE:.0%} is needed: make the run longer than a few requests)")
+        why.append(f"its steady window covered {share:.0%} of the time its load was sent (at least "
+                   f"{WINDOW_MIN_SHARE:.0%} is needed: make the run longer than its fill)")
     if drain is not None and e2e and drain > max(DRAIN_MAX_E2E * e2e, DRAIN_FLOOR_S):
         why.append(f"it drained {drain:.1f} s after its window, {drain / e2e:.0f}x its E2E p99 of "
                    f"{e2e:.1f} s: the load went on after the window")
@@ -519,7 +534,8 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
         # Within-run precision: batch means of the window's output rate (10 batches).
         _, rates = output_rate_series(ok, t0, t1)
         out["output_throughput_rel_ci"] = stats.batch_means_ci(rates).relative
-        note = _window_note(out["window_share"], out["window_requests"])
+        out["send_span_s"] = float(samples["start_ts"].max() - samples["start_ts"].min())
+        note = _window_note(held_share({**out, "duration_s": duration_s}), out["window_requests"])
         if note:
             out["window_note"] = note
         out.update(energy_view(server_metrics, t0, t1, out_tokens))

@@ -11,9 +11,9 @@ from vllm_lab.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 
-# 30 s of load: a closed loop's window ends at its last send, and a run whose fill and drain
-# take more than its window is unsteady (store.RunStatus), not measured; one sequence at a time
-# for six users drains for about 20 s on cpu-demo.
+# 30 s of load: a closed loop's window ends at its last send, and a run whose fill takes more
+# than half the time its load is sent is unsteady (store.RunStatus), not measured; one sequence
+# at a time for six users takes several seconds to fill on cpu-demo.
 SETS = ["load.shape.level=6", "load.stop.duration_s=30", "workload.source=alpaca-like",
         "run.warmup_requests=2"]
 
