@@ -49,6 +49,9 @@ def test_a_report_reads_the_recorded_prediction(tmp_path, no_twin):
     assert table["twin_output_throughput"].tolist() == [35200.0, 70400.0]
     assert table["twin_output_throughput_error"].round(3).tolist() == [0.1, 0.1]
     assert "no prediction recorded" not in index.read_text()
+    # Every point has its prediction: the page shows them beside the measured figures.
+    md = (index.parent / "report.md").read_text()
+    assert "The twin's prediction, recorded with each run" in md and "+10.0%" in md
 
 
 def test_an_old_store_says_no_prediction_recorded(tmp_path, no_twin):

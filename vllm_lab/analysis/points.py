@@ -121,7 +121,7 @@ def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[
         wanted = {k: row[k] for k in params}
         match = runs[runs["point"].map(lambda p, w=wanted: all(p.get(k) == v for k, v in w.items()))]
         rec = recorded_prediction(match.iloc[0]["summary"])
-        figures = {f"twin_{k}": np.nan for k in TWIN_METRICS}
+        figures: dict[str, Any] = {f"twin_{k}": np.nan for k in TWIN_METRICS} | {"twin_error": ""}
         if rec is None:
             figures["twin_error"] = NO_PREDICTION
         elif not rec.get("predicted", True):  # the predictor could not take the scenario: said so
