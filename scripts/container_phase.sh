@@ -73,10 +73,11 @@ PY
   *) echo "container_phase.sh: unknown phase $phase (sweep, claims, tp, tp70b or autotune)" >&2; exit 2 ;;
 esac
 
-# The TP phases continue the committed example's store, so the runs it holds (TP 1 of the 8B
-# shape) are resumed, not taken again.
-seed=reports/examples/tp-scaling-h200
-if [[ $phase == tp* && ! -e $store/lab.db ]]; then
+# The TP and sweep phases continue the committed example's store, so the runs it holds (TP 1 of
+# the 8B shape; the sweep's points so far) are resumed, not taken again. Its plan names the model
+# folder /models/llama-3-8b: give MODEL that path (a link to the folder will do).
+case $phase in tp*) seed=reports/examples/tp-scaling-h200 ;; sweep) seed=reports/examples/h200-llama8b ;; *) seed= ;; esac
+if [[ -n $seed && ! -e $store/lab.db ]]; then
   cp "$seed/lab.db" "$store/lab.db" && cp -r "$seed/lab.samples" "$store/"
 fi
 
