@@ -4,20 +4,15 @@ failed with its cause, the other point kept, the report built, nothing left runn
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import pandas as pd
 import pytest
 
 from tests.support.processes import TwinProcess, private_inventory
-from tests.test_faults import REPO, SETS, left_behind, locust_groups
+from tests.support.sweep_run import REPO, SETS, sweep
 from vllm_lab.store import Store
 from vllm_lab.twin.cli_args import parse_serve_args
 
@@ -124,31 +119,14 @@ def test_a_sweep_records_a_point_whose_server_fails_its_requests_keeps_the_other
     """`make sweep` on two points, the second served by a twin that answers 500s, sends events
     that are not JSON and closes streams early: that point is recorded failed with its cause, the
     first is measured as usual, the sweep ends 0 with its report, and nothing is left running."""
-    pids, fake, out = tmp_path / "servers.pids", tmp_path / "vllm", tmp_path / "reports"
+    pids, fake = tmp_path / "servers.pids", tmp_path / "vllm"
     fake.write_text(FAULTY_TWIN.format(python=sys.executable, pids=str(pids), faulty=4,
                                        faults="http500,malformed,broken", repo=str(REPO)))
     fake.chmod(0o755)
     inv = private_inventory(tmp_path, vllm_executable=str(fake))
-    cmd = [sys.executable, str(REPO / "scripts/lab.py"), "sweep", "--param", "max-num-seqs",
-           "--values", "2,4", "--hardware", "cpu-demo", "--inventory", str(inv), "--out", str(out),
-           "--experiment", "faulty", *[x for s in SETS for x in ("--set", s)]]
-    log = tmp_path / "lab.log"  # a file, not a pipe: the lab never waits on the test to read
-    with log.open("w") as sink:
-        lab = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
-                               process_group=0, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    groups: set[int] = set()
-    servers: list[int] = []
-    try:
-        deadline = time.monotonic() + 400  # only keeps a hang from holding the suite
-        while lab.poll() is None and time.monotonic() < deadline:
-            groups |= locust_groups(lab.pid)
-            time.sleep(0.2)
-        if lab.poll() is None:  # the sweep hung: killed, and its status below says so
-            os.killpg(lab.pid, signal.SIGKILL)
-            lab.wait()
-        servers = [int(p) for p in pids.read_text().split()] if pids.exists() else []
-        output = log.read_text()
-        assert lab.returncode == 0, output  # a failed point is data: the sweep itself succeeded
+    with sweep(tmp_path, inv, "faulty", "max-num-seqs", "2,4", SETS, pids=pids) as run:
+        output, out = run.output, run.out
+        assert run.returncode == 0, output  # a failed point is data: the sweep itself succeeded
         assert "Traceback" not in output, output
         with Store(out / "lab.db") as store:
             runs = store.runs("faulty")
@@ -168,10 +146,5 @@ def test_a_sweep_records_a_point_whose_server_fails_its_requests_keeps_the_other
         table = pd.read_csv(out / "faulty/summary.csv").set_index("max-num-seqs")
         assert sorted(table.index) == [2, 4] and table.loc[4, "status"] == "failed-requests"
         # Nothing the test started is left: the lab's process group, each Locust's, both servers.
-        assert groups and len(servers) == 2
-        assert left_behind(lab.pid, groups, servers) == {}
-    finally:
-        # Only after a failure: by the groups the test knows (the lab's, each Locust's, the servers').
-        for group in {lab.pid, *groups, *servers} & set(left_behind(lab.pid, groups, servers).values()):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
+        assert run.groups and len(run.servers) == 2
+        assert run.left_behind() == {}
