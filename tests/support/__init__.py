@@ -1,5 +1,6 @@
 """What the tests share that is not a fixture: processes they start (``processes``), the
-network-namespace fleet (``fleet``) and the scripted OpenAI-compatible server (``scripted_server``).
+network-namespace fleet (``fleet``), the scripted OpenAI-compatible server (``scripted_server``) and
+a live `lab.py sweep` watched for what it leaves behind (``sweep_run``).
 
 Fixtures live in tests/conftest.py; these are plain modules, imported as ``tests.support.<name>``
 (pytest puts the repository root on sys.path because tests/ is a package).
