@@ -311,12 +311,12 @@ def _window_reason(warmup_s: float, window: Window) -> str:
 # Bins of the output-rate series a window is judged on: enough for MSER-5 to see a trend.
 RATE_BINS = 40
 WARMUP_MIN_BINS = 20
-# A window shorter than this share of the time its load was sent (first send to the window's
-# end: the fill is what it leaves out), or with fewer finished requests, measured too little of
-# the run to stand for it: the summary says so (``window_note``). The drain after the last send
-# is the requests in flight finishing, as long as the longest reply: it is judged on its own
-# (``DRAIN_MAX_E2E``), not against the window, or every short run of long-tailed replies would
-# read as one that did not hold its load.
+# A window shorter than this share of the time its load was sent (first send to last send: the
+# fill before it, and sends after it, are what it leaves out), or with fewer finished requests,
+# measured too little of the run to stand for it: the summary says so (``window_note``). The
+# drain after the last send is the requests in flight finishing, as long as the longest reply:
+# it is judged on its own (``DRAIN_MAX_E2E``), not against the window, or every short run of
+# long-tailed replies would read as one that did not hold its load.
 WINDOW_MIN_SHARE = 0.5
 WINDOW_MIN_REQUESTS = 20
 
