@@ -76,3 +76,16 @@ def test_every_step_has_a_builder_and_one_formatter():
     assert page.fmt(float("nan")) == "–" and page.fmt(None, "text") == ""
     assert page.fmt(0.0123) == "0.0123" and page.fmt(12345.6) == "12,346"
     assert page.fmt(0.25, "pct") == "+25.0%" and page.fmt(0.4, "ms") == "400"
+
+
+def test_a_stopped_sweep_names_the_values_it_planned_and_did_not_take(tmp_path, no_twin):
+    """A deadline stopped the sweep before vLLM's default: the headline says so, on the page and
+    in the console, rather than naming a best as if the plan were done."""
+    _sweep_store(tmp_path / "lab.db", prediction=True)
+    with Store(tmp_path / "lab.db") as store:
+        store.update_meta("sw", values=[32, 64, 1024], reference={"max-num-seqs": 1024})
+    index = reports.build(tmp_path / "lab.db", "sw", tmp_path)
+    said = "max-num-seqs=1024 (vLLM's default), planned and not taken yet (RESUME=1 takes it)"
+    assert said in (index.parent / "report.md").read_text()
+    from vllm_lab.reports.console import results
+    assert said in results(tmp_path / "lab.db", "sw").headline

@@ -70,7 +70,8 @@ def _points(exp: dict, runs: pd.DataFrame, headline: str | None = None) -> Resul
         rows.append(out)
     label = None if best is None else point_label({p: best[p] for p in params})
     return Results(pd.DataFrame(rows), label,
-                   headline or sweep.headline(table, best, params, ctx, figure), STATISTIC)
+                   headline or sweep.headline(table, best, params, ctx, figure,
+                                              planned=sweep.untaken(exp, table, params)), STATISTIC)
 
 
 def _levels(table: pd.DataFrame, knee: dict, headline: str) -> Results:

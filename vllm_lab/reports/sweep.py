@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -278,11 +279,33 @@ def _runs_said(row: pd.Series) -> str:
     return "one run" if n == 1 else f"means of {n} runs"
 
 
+def untaken(exp: dict, table: pd.DataFrame, params: list[str]) -> list[str]:
+    """The values a one-flag sweep planned (its meta's ``values``) that have no run yet: an
+    experiment a deadline or Ctrl-C stopped, as a headline must say ("max-num-seqs=1024")."""
+    values = exp["meta"].get("values") if len(params) == 1 else None
+    if not values or params[0] not in table:
+        return []
+    taken = {_same(v) for v in table[params[0]]}
+    reference = _same((exp["meta"].get("reference") or {}).get(params[0]))
+    return [f"{params[0]}={v}" + (" (vLLM's default)" if _same(v) == reference else "")
+            for v in values if _same(v) not in taken]
+
+
+def _same(value: Any) -> Any:
+    """A flag's value as a point and the plan both spell it: 1024 and 1024.0 are one value."""
+    if isinstance(value, bool) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
 def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None = None,
-             figure: str = RANKED) -> str:
+             figure: str = RANKED, planned: list[str] | None = None) -> str:
     """The page's result in a few sentences: the best by the one rule (``best_rule``) on
     ``figure``, its effect against vLLM's defaults, what else is within noise of it, and what was
-    measured (where, under which load) and what was not."""
+    measured (where, under which load) and what was not (``planned``: values not taken yet)."""
     if not params:
         row = table.iloc[0]
         if not row["ok_runs"]:
@@ -293,7 +316,7 @@ def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None =
                 f"the 95% interval).")
     if best is None:
         return (f"No value of {', '.join(params)} met every SLO." + _measured(table, params, ctx)
-                + _unmeasured(table, params, ctx))
+                + _unmeasured(table, params, ctx, planned))
     value = ", ".join(f"{p}={best[p]}" for p in params)
     ranked = "" if figure == RANKED else f" by {ranked_label(figure)}"
     text = (f"Best under the SLO{ranked}: {value} — {ranked_lead(best, figure)}goodput "
@@ -318,7 +341,7 @@ def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None =
         on = ranked_label(figure)
         close = f"Equal to it on {on}" if exact else f"Within noise of it on {on}{single}"
         text += f" {close}: {names}; the best is the cheapest of them."
-    return text + _measured(table, params, ctx) + _unmeasured(table, params, ctx)
+    return text + _measured(table, params, ctx) + _unmeasured(table, params, ctx, planned)
 
 
 # The figures a best's sentence, table row and console line give whatever it was ranked by.
@@ -349,10 +372,14 @@ def _measured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> st
     return f" Measured: {what} ({ok} of {runs} runs ok) on {where}; {ctx.load}."
 
 
-def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> str:
-    """What the sweep did not measure: values the load could not tell apart, points left out,
-    and a GPU where a simulation stood in for it."""
+def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None,
+                planned: list[str] | None = None) -> str:
+    """What the sweep did not measure: values planned and not taken yet, values the load could
+    not tell apart, points left out, and a GPU where a simulation stood in for it."""
     parts = []
+    if planned:
+        parts.append(f"{', '.join(planned)}, planned and not taken yet (RESUME=1 takes "
+                     f"{'it' if len(planned) == 1 else 'them'})")
     load = ctx.load if ctx else ""
     if params == ["max-num-seqs"] and load.startswith("closed"):
         users = float(load.split()[3])
@@ -446,7 +473,8 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     notes = warnings(table) if params else baseline_notes(table)
     notes += prediction_notes(table)
     shown = display_table(table, params)
-    return page.write_page(experiment_page(exp, ctx, headline(table, best, params, ctx), shown,
+    said = headline(table, best, params, ctx, planned=untaken(exp, table, params))
+    return page.write_page(experiment_page(exp, ctx, said, shown,
                                            notes, figures, groups=column_groups(shown, params),
                                            rule=BEST_RULE if params else None,
                                            tables=tables(table, params)), folder)
