@@ -200,12 +200,13 @@ def reference_row(table: pd.DataFrame, reference: Mapping[str, Any] | None) -> p
     """The row of the reference point (vLLM's defaults, as the experiment recorded them)."""
     if not reference or table.empty or any(p not in table for p in reference):
         return None
-    match = table[np.logical_and.reduce([table[p].map(lambda v, w=v: _same(v, w))
+    match = table[np.logical_and.reduce([table[p].map(lambda v, w=v: same_value(v, w))
                                          for p, v in reference.items()])]
     return match.iloc[0] if len(match) and match.iloc[0]["ok_runs"] else None
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """One flag value however a point and a plan spell it: 1024 and 1024.0 are the same."""
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return float(a) == float(b)
     return a == b

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -25,6 +24,7 @@ from vllm_lab.analysis.points import (
     best_point,
     point_table,
     ranked_label,
+    same_value,
     with_effects,
     with_twin_predictions,
     within_noise,
@@ -285,20 +285,11 @@ def untaken(exp: dict, table: pd.DataFrame, params: list[str]) -> list[str]:
     values = exp["meta"].get("values") if len(params) == 1 else None
     if not values or params[0] not in table:
         return []
-    taken = {_same(v) for v in table[params[0]]}
-    reference = _same((exp["meta"].get("reference") or {}).get(params[0]))
-    return [f"{params[0]}={v}" + (" (vLLM's default)" if _same(v) == reference else "")
-            for v in values if _same(v) not in taken]
-
-
-def _same(value: Any) -> Any:
-    """A flag's value as a point and the plan both spell it: 1024 and 1024.0 are one value."""
-    if isinstance(value, bool) or value is None:
-        return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
+    taken = list(table[params[0]])
+    reference = (exp["meta"].get("reference") or {}).get(params[0])
+    return [f"{params[0]}={v}" + (" (vLLM's default)" if reference is not None
+                                  and same_value(v, reference) else "")
+            for v in values if not any(same_value(v, t) for t in taken)]
 
 
 def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None = None,
