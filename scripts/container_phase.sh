@@ -35,6 +35,7 @@ sets="serve.load-format=dummy workload.tokenizer=$MODEL"
 common=(LAB_PYTHON="${LAB_PYTHON:-python3}" BACKEND=vllm OUT="$store" DURATION="${DURATION:-10}"
         VLLM_VENV="${VLLM_VENV:-}" LAB_ROOT="${LAB_ROOT:-}" DEADLINE="$deadline")
 
+seed=  # the committed example's store a phase continues (below)
 case $phase in
   # The lab's defaults (15-s runs) at a fixed user count; five runs per point in one server start
   # give each point its interval and the host's run-to-run noise.
@@ -42,12 +43,14 @@ case $phase in
          args=(sweep PARAM=max-num-seqs HARDWARE=h200 INVENTORY=inventory/container.yml PRECISION=default
                REPEATS=5 EXPERIMENT="${EXPERIMENT:-h200-sweep-max-num-seqs-$users-users}")
          common=("${common[@]/#DURATION=*/DURATION=${DURATION:-15}}")
-         sets="$sets load.shape.level=$users run.start_timeout_s=300" ;;
+         sets="$sets load.shape.level=$users run.start_timeout_s=300"
+         seed=reports/examples/h200-llama8b ;;
   # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
   claims) args=(claims CLAIMS=1-6,8 SPREAD=1 INVENTORY=inventory/container-pair.yml EXPERIMENT=claims-h200) ;;
   tp) args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
             EXPERIMENT=tp-scaling-llama-3-8b)
-      sets="$sets hardware.gpu_count=2 load.shape.level=256" ;;
+      sets="$sets hardware.gpu_count=2 load.shape.level=256"
+      seed=reports/examples/tp-scaling-h200 ;;
   tp70b)
       # The 70B shape: MODEL's tokenizer with a Llama-3-70B config (dummy weights, 131 GiB in bf16).
       model=$store/llama-3-70b
@@ -62,7 +65,8 @@ PY
       args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
             EXPERIMENT=tp-scaling-llama-3-70b)
       # The base runs on 2 GPUs (one cannot hold it); TP 1 is then recorded as refused before launch.
-      sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2" ;;
+      sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2"
+      seed=reports/examples/tp-scaling-h200 ;;
   # The staircase's levels last DURATION (30 s unless set); the search runs on the predictor for
   # the H200 preset, then the defaults and the best candidates are measured here.
   autotune) args=(autotune SCENARIO=realtime-chat HARDWARE=h200 INVENTORY=inventory/container.yml
@@ -76,7 +80,6 @@ esac
 # The TP and sweep phases continue the committed example's store, so the runs it holds (TP 1 of
 # the 8B shape; the sweep's points so far) are resumed, not taken again. Its plan names the model
 # folder /models/llama-3-8b: give MODEL that path (a link to the folder will do).
-case $phase in tp*) seed=reports/examples/tp-scaling-h200 ;; sweep) seed=reports/examples/h200-llama8b ;; *) seed= ;; esac
 if [[ -n $seed && ! -e $store/lab.db ]]; then
   cp "$seed/lab.db" "$store/lab.db" && cp -r "$seed/lab.samples" "$store/"
 fi

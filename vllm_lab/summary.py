@@ -447,9 +447,9 @@ def unsteady_reason(summary: Mapping[str, Any], load: Load) -> str:
     """Why a run did not hold its load ("" when it did), from its steady window's figures.
 
     A closed loop holds its load while its users are all in the loop: a window under
-    ``WINDOW_MIN_SHARE`` of the time the load was sent means the fill was most of it. An open loop's arrivals
-    keep their schedule whatever the server does (a client that fell behind is client-limited),
-    so its share is not judged: an overloaded server drains long, and that is the stress test's
+    ``WINDOW_MIN_SHARE`` of the time the load was sent means the fill was most of it. An open
+    loop's arrivals keep their schedule whatever the server does (a client that fell behind is
+    client-limited), so its share is not judged: an overloaded server drains long, and that is the stress test's
     evidence. Any run whose drain is far longer than its requests take did not hold its load.
     A run without a steady window (a tiny run) says nothing here.
     """
