@@ -7,7 +7,8 @@
 #   MODEL=/models/llama-3-8b VLLM_VENV=/opt/vllm bash scripts/container_phase.sh PHASE
 #
 # PHASE: sweep (make sweep PARAM=max-num-seqs on the default scenario at USERS closed-loop users,
-#        default 64, PRECISION=default with REPEATS=5, one GPU; EXPERIMENT names it),
+#        default 64, with REPEATS=5 and PRECISION, default "default"; PRECISION=...,max=5 keeps
+#        each point to its first five runs; one GPU; EXPERIMENT names it),
 #        claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
 #        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
@@ -40,7 +41,7 @@ case $phase in
   # The lab's defaults (15-s runs) at a fixed user count; five runs per point in one server start
   # give each point its interval and the host's run-to-run noise.
   sweep) users=${USERS:-64}
-         args=(sweep PARAM=max-num-seqs HARDWARE=h200 INVENTORY=inventory/container.yml PRECISION=default
+         args=(sweep PARAM=max-num-seqs HARDWARE=h200 INVENTORY=inventory/container.yml PRECISION="${PRECISION:-default}"
                REPEATS=5 EXPERIMENT="${EXPERIMENT:-h200-sweep-max-num-seqs-$users-users}")
          common=("${common[@]/#DURATION=*/DURATION=${DURATION:-15}}")
          sets="$sets load.shape.level=$users run.start_timeout_s=300"
