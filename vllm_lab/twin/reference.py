@@ -18,7 +18,9 @@ file and realtime-chat up to the loop's limit, four API-server processes); and
 host; gamma arrivals of burstiness 0.5 at 30 req/s, one pair, on another), each lab run replaying
 the send times and lengths of the bench run before it; ``traffic-2026-12-03b/``: the same at
 25 req/s, three pairs, on a third host, and two
-more gamma pairs on a fourth machine start. Each run is replayed
+more gamma pairs on a fourth machine start; ``traffic-2026-12-03c/``: the lab's own max-num-seqs
+sweeps (`reports/examples/h200-llama8b`: the default scenario's ShareGPT-like lengths, closed loops
+of 64 users at 16-1024 sequences and 256 users at 64-256, five runs each). Each run is replayed
 request for request, a scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
 # Measurements taken after the fit, held out whole.
 LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b", ROOT / "traffic-2026-12-02c",
-         ROOT / "traffic-2026-12-03", ROOT / "traffic-2026-12-03b")
+         ROOT / "traffic-2026-12-03", ROOT / "traffic-2026-12-03b", ROOT / "traffic-2026-12-03c")
 
 # The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
@@ -67,12 +69,14 @@ FRONTEND_FITTED = {
     FRONTEND_C: {("bench", "closed", 128), ("bench", "closed", 512), ("bench", "closed", 16)}}
 # How each case of the measurement is read: a fidelity table per kind.
 KINDS = {"closed": "closed fixed", "filefixed": "closed fixed", "sharegpt": "closed variable",
+         "sharegpt-like": "closed variable",
          "poisson": "open", "gamma b=0.5": "open", "chat": "chat"}
 # The traffic `vllm bench serve` can send too; any other workload is a scenario's (vllm_lab.scenarios).
 BENCH_WORKLOADS = ("random", "sharegpt", "chat", "filefixed")
 CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048},
            "long-prefill-token-threshold=256": {"long-prefill-token-threshold": 256},
-           "api-server-count=4": {"api-server-count": 4}}
+           "api-server-count=4": {"api-server-count": 4},
+           **{f"max-num-seqs={n}": {"max-num-seqs": n} for n in (16, 32, 64, 128, 256, 1024)}}
 
 
 def bench_files(root: Path = ROOT) -> list[BenchPoint]:
