@@ -6,9 +6,12 @@
 #
 #   MODEL=/models/llama-3-8b VLLM_VENV=/opt/vllm bash scripts/container_phase.sh PHASE
 #
+# The claims and autotune phases discard one run of the load after each server start
+# (run.warmup_runs=1: the first run after a start reads slow on an H200).
 # PHASE: sweep (make sweep PARAM=max-num-seqs on the default scenario at USERS closed-loop users,
 #        default 64, with REPEATS=5 and PRECISION, default "default"; PRECISION=...,max=5 keeps
-#        each point to its first five runs; one GPU; EXPERIMENT names it),
+#        each point to its first five runs; WARMUP_RUNS=1 discards a run after each start, for a
+#        new experiment (the committed ones were taken without); one GPU; EXPERIMENT names it),
 #        claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
 #        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
@@ -44,10 +47,11 @@ case $phase in
          args=(sweep PARAM=max-num-seqs HARDWARE=h200 INVENTORY=inventory/container.yml PRECISION="${PRECISION:-default}"
                REPEATS=5 EXPERIMENT="${EXPERIMENT:-h200-sweep-max-num-seqs-$users-users}")
          common=("${common[@]/#DURATION=*/DURATION=${DURATION:-15}}")
-         sets="$sets load.shape.level=$users run.start_timeout_s=300"
+         sets="$sets load.shape.level=$users run.start_timeout_s=300${WARMUP_RUNS:+ run.warmup_runs=$WARMUP_RUNS}"
          seed=reports/examples/h200-llama8b ;;
   # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
-  claims) args=(claims CLAIMS=1-6,8 SPREAD=1 INVENTORY=inventory/container-pair.yml EXPERIMENT=claims-h200) ;;
+  claims) args=(claims CLAIMS=1-6,8 SPREAD=1 INVENTORY=inventory/container-pair.yml EXPERIMENT=claims-h200)
+          sets="$sets run.warmup_runs=1" ;;
   tp) args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
             EXPERIMENT=tp-scaling-llama-3-8b)
       sets="$sets hardware.gpu_count=2 load.shape.level=256"
@@ -74,7 +78,7 @@ PY
                   EXPERIMENT="${EXPERIMENT:-autotune-realtime-chat-h200}" GPU_MINUTES="${GPU_MINUTES:-20}"
                   CONFIRM="${CONFIRM:-2}")
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
-      sets="$sets run.start_timeout_s=300" ;;
+      sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   *) echo "container_phase.sh: unknown phase $phase (sweep, claims, tp, tp70b or autotune)" >&2; exit 2 ;;
 esac
 

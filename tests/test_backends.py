@@ -119,6 +119,31 @@ def test_a_server_that_stops_answering_health_is_crashed_even_when_requests_fail
     assert m.status == "crashed" and "stopped answering /health" in m.error
 
 
+def test_warm_up_runs_follow_each_start_and_only_a_start(tmp_path, health, monkeypatch):
+    """run.warmup_runs: after a server starts, the scenario's own load is run and discarded that
+    many times before the measured run; a server reused for the next run gets none."""
+    starts = []
+    monkeypatch.setattr(serving, "start", lambda flags, **kw: starts.append(flags) or
+                        serving.Instances([_instance()]))
+    monkeypatch.setattr(serving, "stop", lambda *a, **kw: None)
+    monkeypatch.setattr(backends, "_post", lambda *a, **k: 200)
+    s = scenarios.resolve("default", overrides=["load.shape.level=64", "run.warmup_runs=2"])
+    b = Scripted(limited_with=set())
+    phases = []
+    b.hooks = type("Hooks", (), {"phase": lambda self, name, **i: phases.append(name),
+                                 "figures": lambda self, **f: None})()
+    m = b.measure(s, None, tmp_path)
+    assert len(starts) == 1 and len(b.calls) == 3 and m.status == "ok"
+    assert [p for p in phases if p.startswith("warm-up")] == [
+        "warm-up run 1 of 2 (discarded)", "warm-up run 2 of 2 (discarded)"]
+    b.measure(s, None, tmp_path)
+    assert len(starts) == 1 and len(b.calls) == 4  # the same flags: the server is reused
+    b.measure(s.with_serve(**{"max-num-seqs": 8}), None, tmp_path)
+    assert len(starts) == 2 and len(b.calls) == 7  # a new start: its own warm-up runs
+    b.measure(scenarios.resolve("default", overrides=["load.shape.level=64"]), None, tmp_path)
+    assert len(starts) == 3 and len(b.calls) == 8  # none asked (the default)
+
+
 @pytest.mark.parametrize("cause, status", [
     ("oom", "oom"), ("refused-flag", "failed-start"), ("start-timeout", "timeout"), ("crashed", "crashed"),
     ("unreachable", "unreachable"), ("refused-config", "failed-start"), ("something-new", "failed-start"),

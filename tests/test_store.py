@@ -61,6 +61,16 @@ def test_run_identity_is_stable_and_ignores_provenance():
     assert a != run_identity({"serve": {"x": 1}}, 1) and a != run_identity({"serve": {"x": 2}}, 0)
 
 
+def test_a_run_setting_added_later_keeps_older_runs_identity_at_its_default():
+    from vllm_lab import scenarios
+
+    now = scenarios.resolve("default").to_record()
+    before = {**now, "run": {k: v for k, v in now["run"].items() if k != "warmup_runs"}}
+    assert run_identity(now, 0) == run_identity(before, 0)  # an older experiment resumes
+    warmed = {**now, "run": {**now["run"], "warmup_runs": 1}}
+    assert run_identity(warmed, 0) != run_identity(now, 0)  # another way of measuring
+
+
 def test_bad_status_and_step_are_refused(tmp_path):
     store = Store(tmp_path / "lab.db")
     with pytest.raises(StoreError, match="not one of"):

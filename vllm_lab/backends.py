@@ -209,6 +209,16 @@ class LiveBackend:
         for _ in range(scenario.run.warmup_requests):
             _post(instance.url + "/v1/completions", body, self._api_key(scenario, instance))
 
+    def _warm_up_runs(self, scenario: Scenario, instance: serving.Instance, workdir: Path) -> None:
+        """``run.warmup_runs`` runs of the scenario's own load on a server just started, each
+        taken as a run is and discarded: what a start leaves slow lasts longer than a few
+        requests (vllm bench serve's --num-warmups sends its own requests at its concurrency too)."""
+        for i in range(scenario.run.warmup_runs):
+            self.hooks.phase(f"warm-up run {i + 1} of {scenario.run.warmup_runs} (discarded)")
+            m = self.measure_on(scenario, instance, workdir / f"warm-up-{i + 1}")
+            log.info("%s: warm-up run %d after the start, discarded: %s, %.0f output tok/s",
+                     instance.url, i + 1, m.status, m.summary.get("output_throughput") or 0.0)
+
     def _api_key(self, scenario: Scenario, instance: serving.Instance) -> str | None:
         """The key the server got, from wherever it got it: the role's (scenario serve.api-key,
         inventory or vault vllm_api_key, the control node's VLLM_API_KEY), else the scenario's,
@@ -261,6 +271,7 @@ class LiveBackend:
         recorded as ``client-limited``. Both are kept out of every comparison.
         """
         started = time.time()
+        before = self._running.get(host)
         try:
             instance = self._ensure_server(scenario, host)
         except serving.ServeError as e:
@@ -270,6 +281,8 @@ class LiveBackend:
             return self._with_prediction(scenario, Measurement(
                 status=START_STATUS.get(e.cause, RunStatus.FAILED_START), started=started, ended=time.time(),
                 host=e.host or host or "", error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}"))
+        if self._running.get(host) is not before:  # a server started for this run
+            self._warm_up_runs(scenario, instance, workdir)
         m = self.measure_on(scenario, instance, workdir)
         if m.status == RunStatus.CRASHED:
             self._running.pop(host, None)

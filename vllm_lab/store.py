@@ -186,9 +186,17 @@ def describe_sqlite_error(path: Path | str, error: Exception) -> str:
     return f"{path}: the store cannot be used ({text}); nothing was written"
 
 
+# Run settings added after stores were made, at the value that measures as before: left out of a
+# run's identity there, so an experiment taken before them resumes instead of starting over.
+LATER_RUN_SETTINGS = {"warmup_runs": 0}
+
+
 def run_identity(resolved: dict[str, Any], repeat: int) -> str:
     """A run's identity: a hash of its resolved scenario (minus provenance) and its repeat index."""
     body = redact({k: v for k, v in resolved.items() if k != "sources"})  # no hash of a key
+    if isinstance(body.get("run"), dict):
+        body["run"] = {k: v for k, v in body["run"].items()
+                       if k not in LATER_RUN_SETTINGS or v != LATER_RUN_SETTINGS[k]}
     text = json.dumps({"scenario": body, "repeat": repeat}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
