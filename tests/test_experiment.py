@@ -147,6 +147,10 @@ def test_timing_uses_measured_starts_and_runs(tmp_path):
     assert timing.expected("h", scenario, start=False) == 8.0
     assert timing.expected("h", scenario, start=True) == 40.0
     assert timing.expected("other", scenario, start=True) == 40.0  # another host: what was seen anywhere
+    # A start followed by runs discarded: until one is measured, each is a run's expected time.
+    warmed = scenario.model_copy(update={"run": scenario.run.model_copy(update={"warmup_runs": 2})})
+    fresh = Timing(live=True)
+    assert fresh.expected("h", warmed, start=True) == scenario.run.start_timeout_s + 3 * (5 + RUN_OVERHEAD_S)
 
 
 # -- the deadline on the twin -----------------------------------------------------------------------

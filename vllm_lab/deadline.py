@@ -145,8 +145,10 @@ class Timing:
             scenario.load.stop.duration_s + RUN_OVERHEAD_S if self.live else PREDICTED_RUN_S)
         if not start:
             return run_s
+        # A start measured here includes the runs discarded after it (run.warmup_runs).
         starts = [total - run_s for total in seen(self.starts)]
-        start_s = max(starts) if starts else scenario.run.start_timeout_s
+        start_s = max(starts) if starts else (scenario.run.start_timeout_s
+                                              + scenario.run.warmup_runs * run_s)
         return max(0.0, start_s) + run_s
 
 
