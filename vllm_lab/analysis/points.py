@@ -53,12 +53,29 @@ SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50", "output_
 # and how many Locust processes sent the load. Means over every run of a point, limited ones too.
 AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
                "audit_span_diff")
+# vLLM's account of where a request's TTFT went (means over every run, as AUDIT): waiting in the engine's
+# queue, and from its scheduling to its first token; the rest is the API server's
+# (``api_server_hold``).
+TTFT_SPLIT = select("server_queue_mean", "server_prefill_mean")
+# The API server's share is named where it is this much of vLLM's TTFT and at least this long.
+HOLD_SHARE, HOLD_MIN_S = 0.5, 0.1
 # The GPUs' energy over each ok run's window (energy.energy_view; the twin's power model on the
 # twin and the predictor): means over a point's ok repeats.
 ENERGY = select("power_mean_w", "joules_per_output_token", "output_tokens_per_joule")
 # The figures the twin's recorded prediction is compared on.
 TWIN_METRICS = select("output_throughput", "ttft_p50", "tpot_p50")
 NO_PREDICTION = "no prediction recorded"
+
+
+def api_server_hold(row: pd.Series) -> float:
+    """Seconds of vLLM's own mean TTFT outside its engine's queue and prefill (NaN where vLLM gave
+    no account): the API server's, on a request's way in (HTTP, tokenizing, the hand-off to the
+    engine core) and its first token's way out, which one busy event loop stretches."""
+    parts = [row.get(k) for k in ("server_ttft_mean", "server_queue_mean", "server_prefill_mean")]
+    if any(v is None or pd.isna(v) for v in parts):
+        return float("nan")
+    ttft, queue, prefill = (float(v) for v in parts)
+    return ttft - queue - prefill
 
 
 def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
@@ -82,6 +99,9 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
         row["meets_slo"] = bool(len(ok)) and all(RunSummary.of(s).meets_slo for s in ok["summary"]) \
             if "summary" in ok else False
         for k in AUDIT:
+            vals = [v for s in group.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
+            row[k] = float(np.mean(vals)) if vals else np.nan
+        for k in TTFT_SPLIT:  # beside AUDIT's TTFT mean, over the same runs
             vals = [v for s in group.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
             row[k] = float(np.mean(vals)) if vals else np.nan
         for k in ENERGY:

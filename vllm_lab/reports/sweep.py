@@ -17,10 +17,13 @@ from vllm_lab.analysis.points import (
     BEST_RULE,
     CV_WARN,
     DETERMINISTIC,
+    HOLD_MIN_S,
+    HOLD_SHARE,
     RANKED,
     SPREAD,
     STATISTIC,
     TWIN_METRICS,
+    api_server_hold,
     best_point,
     point_table,
     ranked_label,
@@ -252,6 +255,24 @@ def warnings(table: pd.DataFrame) -> list[str]:
     return notes
 
 
+def api_server_notes(table: pd.DataFrame, params: list[str]) -> list[str]:
+    """Points whose TTFT vLLM's own account puts mostly in its API server, not its engine: there a
+    flag of the engine cannot help, and ``--api-server-count`` (more API-server processes) may."""
+    notes = []
+    for _, row in table.iterrows():
+        hold, ttft = api_server_hold(row), row.get("server_ttft_mean")
+        if not (hold >= HOLD_MIN_S and hold >= HOLD_SHARE * float(ttft)):
+            continue
+        where = ", ".join(f"{p}={row[p]}" for p in params) or "this configuration"
+        notes.append(
+            f"at {where} vLLM's API server held each request {hold * 1e3:,.0f} ms of its "
+            f"{float(ttft) * 1e3:,.0f} ms TTFT (vLLM's /metrics: {row['server_queue_mean'] * 1e3:,.0f} ms "
+            f"queued, {row['server_prefill_mean'] * 1e3:,.0f} ms from scheduling to first token): "
+            f"the API server, not the engine, sets TTFT there; --api-server-count (more API-server "
+            f"processes) is the flag for it")
+    return notes
+
+
 def prediction_notes(table: pd.DataFrame) -> list[str]:
     """Points whose runs carry no recorded prediction of the twin: said, never made up now."""
     if "twin_error" not in table:
@@ -462,7 +483,7 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     figures = [f for f in [*figures, traffic.trace_figure(runs, folder, ctx.caption)] if f]
     best = best_point(table) if params else None
     notes = warnings(table) if params else baseline_notes(table)
-    notes += prediction_notes(table)
+    notes += api_server_notes(table, params) + prediction_notes(table)
     shown = display_table(table, params)
     said = headline(table, best, params, ctx, planned=untaken(exp, table, params))
     return page.write_page(experiment_page(exp, ctx, said, shown,
