@@ -8,6 +8,7 @@ it can take the machine's memory or hang the command.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import stat
@@ -161,11 +162,31 @@ class _Loader(yaml.SafeLoader):
                 f"or quote the value to keep it as text")
 
 
+# The same few files (hardware presets, twin profiles, scenarios) are read again for every point a
+# plan resolves and every prediction it makes, and PyYAML's pure-Python parser is slow: a small
+# document read before is handed out again, as a copy of its data.
+_PARSED: dict[tuple[str, str, bool], Any] = {}
+_PARSED_MAX_CHARS = 1 << 16
+
+
 def load_yaml(text: str, where: str, lines: bool = True) -> Any:
     """YAML ``text`` (from ``where``) as data, bounded like ``bounded``; yaml.YAMLError as PyYAML
     raises it for broken YAML, InputError for a value its tag cannot take (naming the line) and
     for a document that nests or expands past the bounds (``lines``: whether a sentence names the
     line, not for a one-line value such as an override's)."""
+    key = (text, where, lines)
+    known = _PARSED.get(key, _PARSED)
+    if known is not _PARSED:
+        return copy.deepcopy(known)
+    data = _load_yaml(text, where, lines)
+    if len(text) <= _PARSED_MAX_CHARS:
+        if len(_PARSED) >= 256:
+            _PARSED.clear()
+        _PARSED[key] = copy.deepcopy(data)
+    return data
+
+
+def _load_yaml(text: str, where: str, lines: bool) -> Any:
     loader = _Loader(text)
     loader.where, loader.lines = where, lines
     try:

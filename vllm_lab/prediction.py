@@ -5,6 +5,7 @@ arrivals in, per-request samples and the modelled energy out. ``backends.Predict
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from typing import Any
 
@@ -43,7 +44,7 @@ def modelled_energy(p) -> dict[str, Any]:
 def predicted_requests(scenario: Scenario, count: int):
     """The scenario's workload as predictor requests: the live run's own lengths (request i's
     drawn from request i's stream, ``traffic.workloads.request_rng``) and prefix sharing, no text."""
-    from vllm_lab.traffic.workloads import drawn_lengths, request_rng, shared_prefix_length
+    from vllm_lab.traffic.workloads import shared_prefix_length
 
     if scenario.workload.source == "trace":
         return trace_predict_requests(scenario, count)
@@ -51,7 +52,7 @@ def predicted_requests(scenario: Scenario, count: int):
     if lin is None or lout is None:
         raise ValueError(f"workload source {scenario.workload.source!r} has no length "
                          f"distribution the predictor can use; give input: and output: lengths")
-    drawn = [drawn_lengths(lin, lout, request_rng(scenario.run.seed, i)) for i in range(count)]
+    drawn = _drawn(lin, lout, scenario.run.seed, count)
     prompts = np.array([n_in for n_in, _ in drawn], dtype=int)
     outputs = [n_out for _, n_out in drawn]
     shared = shared_prefix_length(scenario.workload.shared_prefix_ratio, lin.mean)
@@ -64,6 +65,28 @@ def predicted_requests(scenario: Scenario, count: int):
 
     tokens = shared_prefix_prompts(prompts, shared, scenario.workload.prefix_groups)
     return [PredictRequest(p, int(o), chat) for p, o in zip(tokens, outputs)]
+
+
+# Request i's lengths depend on the distributions, the seed and i alone: an autotune or a staircase
+# predicts the same workload hundreds of times, and a generator per request costs more than the
+# rest of its drawing. Kept per workload and seed, extended as a longer run asks for more.
+_DRAWN: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
+_DRAWN_LOCK = threading.Lock()
+
+
+def _drawn(lin, lout, seed: int, count: int) -> list[tuple[int, int]]:
+    """The first ``count`` requests' (prompt, output) lengths, each drawn from its own stream."""
+    from vllm_lab.traffic.workloads import drawn_lengths, request_rng
+
+    key = (lin.model_dump_json(), lout.model_dump_json(), seed)
+    with _DRAWN_LOCK:  # a spread plan predicts on several threads
+        drawn = _DRAWN.get(key)
+        if drawn is None:
+            if len(_DRAWN) >= 64:
+                _DRAWN.clear()
+            drawn = _DRAWN[key] = []
+        drawn.extend(drawn_lengths(lin, lout, request_rng(seed, i)) for i in range(len(drawn), count))
+        return drawn[:count]
 
 
 def shared_prefix_prompts(prompts, shared: int, groups: int) -> list:

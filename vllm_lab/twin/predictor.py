@@ -276,10 +276,13 @@ class _Run:
         ends = self.now + np.cumsum(times)
         fe = self.frontend
         if fe.token_cost_s or fe.request_cost_s or fe.chat_cost_s:
-            vis = np.array([fe.release(e, nb) for e in ends])
+            vis = np.array([fe.release(e, nb) for e in ends.tolist()])
         else:
             vis = ends
-        self.itl_t.append(np.diff(vis, prepend=max(self.last_seen, self.now)))
+        gaps = np.empty(vis.size)  # np.diff(vis, prepend=...), without its concatenation's cost
+        gaps[0] = vis[0] - max(self.last_seen, self.now)
+        np.subtract(vis[1:], vis[:-1], out=gaps[1:])
+        self.itl_t.append(gaps)
         self.itl_w.append(np.full(times.size, nb, dtype=np.int64))
         seen = self.last_seen = float(vis[-1])
         dur = float(times.sum())
