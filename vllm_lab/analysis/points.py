@@ -98,10 +98,7 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
                 row.update(_spread(m, col))
         row["meets_slo"] = bool(len(ok)) and all(RunSummary.of(s).meets_slo for s in ok["summary"]) \
             if "summary" in ok else False
-        for k in AUDIT:
-            vals = [v for s in group.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
-            row[k] = float(np.mean(vals)) if vals else np.nan
-        for k in TTFT_SPLIT:  # beside AUDIT's TTFT mean, over the same runs
+        for k in (*AUDIT, *TTFT_SPLIT):
             vals = [v for s in group.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
             row[k] = float(np.mean(vals)) if vals else np.nan
         for k in ENERGY:
