@@ -58,6 +58,7 @@ from vllm_lab.summary import summarize
 from vllm_lab.traffic.arrivals import planned_arrivals
 from vllm_lab.traffic.samples import merge_dir
 from vllm_lab.traffic.scrape import frame, parse_metrics
+from vllm_lab.twin.reference import request_rows
 
 METRICS = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50")
 
@@ -620,13 +621,7 @@ def _requests_of(store: Path, run: dict) -> pd.DataFrame:
         df = bench_samples(json.loads((store / "bench" / f"{tag}.json").read_text()))
     else:
         df = merge_dir(store / "lab" / tag / "samples")
-    df = df[df.status == "ok"].sort_values("start_ts")
-    t0 = df.start_ts.min()
-    return pd.DataFrame({"tag": tag, "start_s": df.start_ts - t0, "ttft_s": df.ttft_s,
-                         "e2e_s": df.e2e_s, "prompt_tokens": df.prompt_tokens,
-                         "output_tokens": df.output_tokens,
-                         "itl_max_s": [max(x or [], default=np.nan) for x in df.itl_s],
-                         "scheduled_s": df.scheduled_ts - t0})
+    return request_rows(df, tag)
 
 
 def host_paths_out(raw_line: str) -> str:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from vllm_lab.twin.reference import request_rows
+
 SUMMARY = ("ttft_mean", "tpot_mean", "e2e_mean", "duration_s", "warmup_s", "drain_s", "window_reason",
            "window_share", "loadgen_processes", "client_cpu_max")
 
@@ -36,28 +38,24 @@ def convert(store: Path, out: Path, experiments: list[str]) -> int:
         (flag, value), = json.loads(point).items()
         users = int(sc["load"]["shape"]["level"])
         d = pd.read_parquet(store / "lab.samples" / samples)
-        d = d[d.status == "ok"].sort_values("start_ts")
-        t0 = d.start_ts.min()
+        rows = request_rows(d, "")
+        d = d[d.status == "ok"]
         tag = f"{sc['name']}-closed{users}-{flag}{value}-lab-{int(started)}"
         figures = {k: s.get(k) for k in SUMMARY}
         figures.update(output_throughput=otp, ttft_p50=t50, ttft_p99=t99, tpot_p50=p50, completed=len(d),
                        bench_def_output_throughput=float(d.output_tokens.sum()
-                                                         / ((d.start_ts + d.e2e_s).max() - t0)),
+                                                         / (rows.start_s + rows.e2e_s).max()),
                        status=status, repeat=repeat, experiment=exp)
         runs.append({"case": sc["workload"]["source"], "workload": sc["name"], "arrival": "closed",
                      "level": float(users), "burstiness": 1.0, "users": users, "requests": len(d),
                      "run": "lab", "tool": "lab", "tag": tag, "started": started, "wall_s": ended - started,
                      "figures": figures, "server": {k: v for k, v in s.items() if k.startswith("server_")},
                      "config": f"{flag}={value}"})
-        requests.append(pd.DataFrame({
-            "tag": tag, "start_s": (d.start_ts - t0).round(6), "ttft_s": d.ttft_s.round(6),
-            "e2e_s": d.e2e_s.round(6), "prompt_tokens": d.prompt_tokens.astype(int),
-            "output_tokens": d.output_tokens.astype(int), "itl_max_s": "",
-            "scheduled_s": (d.scheduled_ts - t0).round(6)}))
+        requests.append(rows.assign(tag=tag))
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
     with gzip.open(out / "requests.csv.gz", "wt") as f:
-        pd.concat(requests).to_csv(f, index=False)
+        pd.concat(requests).to_csv(f, index=False, float_format="%.6f")
     return len(runs)
 
 

@@ -79,6 +79,20 @@ CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-toke
            **{f"max-num-seqs={n}": {"max-num-seqs": n} for n in (16, 32, 64, 128, 256, 1024)}}
 
 
+def request_rows(samples: pd.DataFrame, tag: str) -> pd.DataFrame:
+    """One run's ok requests as a measurement's ``requests.csv.gz`` keeps them (what
+    ``traffic_points`` replays): in send order, times from its first send, the longest gap between
+    tokens where the samples kept them."""
+    df = samples[samples.status == "ok"].sort_values("start_ts")
+    t0 = df.start_ts.min()
+    itl_max = ([max(x or [], default=float("nan")) for x in df.itl_s] if "itl_s" in df
+               else float("nan"))
+    return pd.DataFrame({"tag": tag, "start_s": df.start_ts - t0, "ttft_s": df.ttft_s,
+                         "e2e_s": df.e2e_s, "prompt_tokens": df.prompt_tokens,
+                         "output_tokens": df.output_tokens, "itl_max_s": itl_max,
+                         "scheduled_s": df.scheduled_ts - t0})
+
+
 def bench_files(root: Path = ROOT) -> list[BenchPoint]:
     """The `vllm bench serve` result files of the older reference set (all fitted)."""
     return [load_point(f) for f in sorted(root.glob("*.json"))]
