@@ -12,7 +12,8 @@
 #        default 64, with REPEATS=5 and PRECISION, default "default"; PRECISION=...,max=5 keeps
 #        each point to its first five runs; WARMUP_RUNS=1 discards a run after each start, for a
 #        new experiment (the committed ones were taken without); one GPU; EXPERIMENT names it),
-#        claims (the guide's claims 1-6 and 8, two configurations at once, one per GPU),
+#        claims (the guide's claims 1-6 and 8, REPEATS runs an arm, default 3; two configurations at
+#        once on a host of two GPUs; EXPERIMENT names it, default claims-h200-regimes),
 #        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
@@ -50,8 +51,12 @@ case $phase in
          sets="$sets load.shape.level=$users run.start_timeout_s=300${WARMUP_RUNS:+ run.warmup_runs=$WARMUP_RUNS}"
          seed=reports/examples/h200-llama8b ;;
   # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
-  claims) args=(claims CLAIMS=1-6,8 SPREAD=1 INVENTORY=inventory/container-pair.yml EXPERIMENT=claims-h200)
-          sets="$sets run.warmup_runs=1" ;;
+  # Two configurations at once where the host has two GPUs, one after the other where it has one.
+  claims) seed=reports/examples/claims-h200
+          if (( $(nvidia-smi -L | grep -c '^GPU') >= 2 )); then hosts=(SPREAD=1 INVENTORY=inventory/container-pair.yml)
+          else hosts=(INVENTORY=inventory/container.yml); fi
+          args=(claims CLAIMS=1-6,8 REPEATS="${REPEATS:-3}" "${hosts[@]}" EXPERIMENT="${EXPERIMENT:-claims-h200-regimes}")
+          sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   tp) args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
             EXPERIMENT=tp-scaling-llama-3-8b)
       sets="$sets hardware.gpu_count=2 load.shape.level=256"

@@ -44,6 +44,14 @@ def test_template_arms_run_the_templates_flags_on_their_own_traffic(base):
     assert batch.serve["max-num-seqs"] == 512 and batch.serve["model"] == base.serve["model"]
     assert batch.load.shape.level == 512 and batch.workload.source == "synthetic"
     assert points["template:offline-batch · defaults"].serve == base.serve
+    # Its replies take longer than a short run: such a run would be all fill (unsteady).
+    assert batch.load.stop.duration_s == claims.LONG_REPLY_RUN_S["template:offline-batch"] == 60
+
+
+def test_long_generations_run_long_enough_to_outlast_their_fill(base):
+    points = {p.values["arm"]: p.scenario for p in claims.points(base, [5])}
+    assert points["long-generation · defaults"].load.stop.duration_s == 30
+    assert points["base · defaults"].load.stop.duration_s == 3
 
 
 def run(status="ok", **summary):

@@ -159,3 +159,11 @@ def test_the_servers_view_names_its_figures_and_draws_no_empty_chart(tmp_path, m
     assert list(server) == ["KV cache usage (% of the cache)", "preemptions per run (count)"]
     assert server["KV cache usage (% of the cache)"] == ["KV cache usage (mean)", "KV cache usage (max)"]
     assert not any("_" in text for _, texts in drawn["server.png"] for text in texts)
+
+
+def test_a_point_with_some_runs_left_out_is_counted_not_called_left_out():
+    from vllm_lab.reports.sweep import _left_out
+    partial = pd.Series({"max-num-seqs": 1024, "runs": 5, "ok_runs": 4, "status": "ok,unsteady"})
+    whole = pd.Series({"max-num-seqs": 64, "runs": 2, "ok_runs": 0, "status": "oom"})
+    assert _left_out(partial, ["max-num-seqs"]) == "1 of 5 runs at max-num-seqs=1024 (unsteady)"
+    assert _left_out(whole, ["max-num-seqs"]) == "max-num-seqs=64 (oom)"

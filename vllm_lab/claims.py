@@ -43,6 +43,13 @@ TEMPLATES = ("realtime-chat", "offline-batch", "high-concurrency-api")
 
 # -- the traffics the claims are measured on -------------------------------------------------------
 
+# The shortest run of a traffic whose replies are long. A run's steady window must outlast its
+# fill (half the time its load is sent, at least), and the fill is about one reply: on an H200,
+# 1024-token generations take 7-15 s and offline-batch's replies 20 s or more, so 10-s runs of
+# them were all fill and judged unsteady.
+LONG_REPLY_RUN_S = {"long-generation": 30, "template:offline-batch": 60}
+
+
 def traffic_scenario(base: Scenario, traffic: str) -> Scenario:
     """``base`` with the traffic of one claim experiment (serve flags untouched).
 
@@ -51,7 +58,8 @@ def traffic_scenario(base: Scenario, traffic: str) -> Scenario:
     model, about three quarters of the most it serves); long-generation: 128 prompt / 1024 output
     tokens, 64 users;
     template:<name>: the workload, load and SLO of scenarios/<name>.yaml. The base scenario's
-    duration holds for all, so DURATION sets the whole plan's length.
+    duration holds for all, so DURATION sets the whole plan's length, but never below
+    ``LONG_REPLY_RUN_S`` for a traffic of long replies.
     """
     record = base.to_record()
     level = {"saturating": 256, "light": 16, "near-capacity": 64, "long-generation": 64}
@@ -68,6 +76,9 @@ def traffic_scenario(base: Scenario, traffic: str) -> Scenario:
         record["workload"] = template["workload"]
         record["load"] = deep_merge(template["load"], {"stop": {"duration_s": duration}})
         record["slo"] = template.get("slo", {})
+    if traffic in LONG_REPLY_RUN_S:
+        stop = record["load"]["stop"]
+        record["load"]["stop"] = {**stop, "duration_s": max(stop["duration_s"], LONG_REPLY_RUN_S[traffic])}
     return Scenario.model_validate(record)
 
 

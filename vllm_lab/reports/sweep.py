@@ -384,6 +384,16 @@ def _measured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> st
     return f" Measured: {what} ({ok} of {runs} runs ok) on {where}; {ctx.load}."
 
 
+def _left_out(row: pd.Series, params: list[str]) -> str:
+    """A point with runs left out of its figures: the whole point where none was ok, else how many
+    of its runs (a point of 4 ok runs in 5 is measured, not left out)."""
+    name = ", ".join(f"{p}={row[p]}" for p in params)
+    if not row["ok_runs"]:
+        return f"{name} ({row['status']})"
+    why = ",".join(s for s in str(row["status"]).split(",") if s != "ok")
+    return f"{int(row['runs'] - row['ok_runs'])} of {int(row['runs'])} runs at {name} ({why})"
+
+
 def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None,
                 planned: list[str] | None = None) -> str:
     """What the sweep did not measure: values planned and not taken yet, values the load could
@@ -403,8 +413,7 @@ def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None,
                          f"here (vLLM captures CUDA graphs of up to twice it, at most 512 tokens)")
     left = table[table["ok_runs"] < table["runs"]]
     if len(left):
-        parts.append("left out: " + "; ".join(
-            f"{', '.join(f'{p}={r[p]}' for p in params)} ({r['status']})" for _, r in left.iterrows()))
+        parts.append("left out: " + "; ".join(_left_out(r, params) for _, r in left.iterrows()))
     if ctx is not None and ctx.backend in SIMULATED:
         parts.append("a GPU (BACKEND=vllm measures one)")
     return (" Not measured: " + "; ".join(parts) + ".") if parts else ""

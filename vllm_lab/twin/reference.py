@@ -20,7 +20,7 @@ the send times and lengths of the bench run before it; ``traffic-2026-12-03b/``:
 25 req/s, three pairs, on a third host, and two
 more gamma pairs on a fourth machine start; ``traffic-2026-12-03c/``: the lab's own max-num-seqs
 sweeps (`reports/examples/h200-llama8b`: the default scenario's ShareGPT-like lengths, closed loops
-of 64 users at 16-1024 sequences and 256 users at 64-256, five runs each). Each run is replayed
+of 64 and 256 users at 16-1024 sequences, five runs each). Each run is replayed
 request for request, a scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
