@@ -196,3 +196,14 @@ def test_bad_claim_selection_is_one_sentence_and_exit_2(tmp_path):
     out = lab("--backend", "predict", "--claims", "0", "--out", str(tmp_path))
     assert out.returncode == 2 and out.stderr.strip() == \
         "lab: CLAIMS: 0 is not a claim; the guide's claims are numbered 1-9"
+
+
+def test_a_claims_page_cut_short_names_the_claims_still_to_come():
+    from vllm_lab.reports.claims import unmeasured_claims
+    judged = pd.DataFrame({"claim": [7, 9]})
+    planned = {"id": "c", "meta": {"made_by": {"command": "claims", "options": {"--claims": ["1-6,8"]}}}}
+    assert unmeasured_claims(planned, judged) == [1, 2, 3, 4, 5, 6, 8]
+    everything = {"id": "c", "meta": {"made_by": {"command": "claims", "options": {}}}}
+    assert unmeasured_claims(everything, pd.DataFrame({"claim": range(1, 10)})) == []
+    # An experiment made before plans were recorded: what it selected is not known.
+    assert unmeasured_claims({"id": "old", "meta": {}}, judged) == []

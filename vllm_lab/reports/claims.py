@@ -127,6 +127,17 @@ def verdicts_frame(judged: Judged) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def unmeasured_claims(exp: dict, table: pd.DataFrame) -> list[int]:
+    """The claims the experiment's plan selected (its CLAIMS=) that have no verdict yet: a claims
+    experiment cut short shows what is still to come, not only what it has."""
+    options = exp.get("meta", {}).get("made_by", {}).get("options", {})
+    if "made_by" not in exp.get("meta", {}):
+        return []  # made before plans were recorded: what it selected is not known
+    judged = set(table["claim"]) if len(table) else set()
+    selection = (options.get("--claims") or [""])[-1]  # none given: all nine
+    return [n for n in claims.parse_selection(selection) if n not in judged]
+
+
 def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | None,
                 unpredicted: int = 0) -> page.Page:
     """The claims page: the verdicts, the effects figure, the arms."""
@@ -137,6 +148,10 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
               [f"# {exp['id']}: the guide's claims, measured", ""]),
         Block(f'<p class="ctx">{e(ctx.caption)}</p>\n', ["```", ctx.caption, "```", "", line, ""]),
     ]
+    if waiting := unmeasured_claims(exp, table):
+        text = (f"Planned and not measured yet: claim{'s' if len(waiting) > 1 else ''} "
+                f"{', '.join(map(str, waiting))} (RESUME=1 EXPERIMENT={exp['id']} takes them).")
+        blocks.append(Block(f"<p>{e(text)}</p>\n", [text, ""]))
     if unpredicted:
         text = (f"Twin predictions: no prediction recorded for {unpredicted} arm(s) (measured before "
                 f"the lab recorded the twin's prediction with each run on real vLLM).")
