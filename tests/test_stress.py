@@ -15,7 +15,9 @@ from tests.support.processes import private_inventory
 from vllm_lab import plans, stress
 from vllm_lab import reports as report
 from vllm_lab.analysis.stress import (
+    GROWTH_SLOPE,
     find_knee,
+    level_verdict,
     levels_table,
     offered_rate,
     soak_drift,
@@ -62,11 +64,15 @@ def test_knee_is_read_on_the_rate_the_runs_sent():
 def test_a_marginal_overload_is_confirmed_by_a_longer_run(tmp_path):
     """Just under the capacity a short run's queue is still filling: the first level called
     unbounded by a small margin runs again 3x as long, and at a level run twice the longer run decides."""
-    marginal = table([{"level": 4.0, "unbounded": False, "meets_slo": True, "latency_growth": 0.0},
-                      {"level": 5.0, "unbounded": True, "meets_slo": False, "latency_growth": 0.04},
-                      {"level": 6.0, "unbounded": True, "meets_slo": False, "latency_growth": 0.3}])
+    # Level 5 served 8% short of what it sent (the threshold is 5%): within twice it, marginal.
+    marginal = table([{"level": 4.0, "unbounded": False, "meets_slo": True, "served": 4.0, "sent": 4.0,
+                       "edges": 0.0},
+                      {"level": 5.0, "unbounded": True, "meets_slo": False, "served": 4.6, "sent": 5.0,
+                       "edges": 0.0},
+                      {"level": 6.0, "unbounded": True, "meets_slo": False, "served": 4.8, "sent": 6.0,
+                       "edges": 0.0}])
     assert stress.next_levels(marginal) == ([], [5.0])
-    clear = marginal.assign(latency_growth=[0.0, 0.2, 0.3])
+    clear = marginal.assign(served=[4.0, 4.0, 4.8])  # 20% short: no doubt
     assert stress.next_levels(clear) == ([4.25, 4.5, 4.75], [])  # no doubt: refine the bracket
     assert stress.next_levels(marginal.assign(confirmed=[False, True, False])) == ([4.25, 4.5, 4.75], [])
 
@@ -152,3 +158,38 @@ def test_live_twin_staircase(tmp_path):
     assert not t.loc[1.5, "unbounded"] and t.loc[8.0, "unbounded"]
     assert t.loc[8.0, "queue_growth"] > 0  # the twin's own vllm:num_requests_waiting grows
     assert (tmp_path / "reports/live-st/stress.png").exists()
+
+
+def open_loop_run(capacity: float, e2e_growth: float = 0.0) -> pd.DataFrame:
+    """40 s of arrivals at 10 req/s, 100 output tokens each, served first come first served by a
+    server finishing ``capacity`` requests a second (a request waits for its turn, then streams
+    for about a second), and each request's stream 1 s plus ``e2e_growth`` s for every second
+    into the run (a batch that fills and slows, while keeping up)."""
+    t = np.arange(0, 40, 0.1)
+    own = 1.0 + e2e_growth * t
+    done = np.maximum.accumulate(np.maximum(t + own, 1.0 / capacity * np.arange(1, len(t) + 1)))
+    e2e = done - t
+    ttft = np.maximum(e2e - own, 0.0) + 0.05  # the wait for its turn, then its first token
+    return pd.DataFrame({"start_ts": 1000 + t, "ttft_s": ttft, "tpot_s": (e2e - ttft) / 99,
+                         "e2e_s": e2e, "output_tokens": 100, "status": "ok"})
+
+
+def test_overload_is_read_from_what_is_served_alike_with_or_without_vllms_queue():
+    """A level is overloaded when the work in flight grows: served (each request counted by the
+    tokens it got in the window) short of sent. A batch filling within a short level keeps up
+    though its E2E climbs; the same samples get the same verdict on both backends, with vLLM's
+    waiting-queue series (live) or without one (the predictor)."""
+    summary = {"warmup_s": 10.0, "duration_s": 20.0, "meets_slo": True}
+    filling = open_loop_run(capacity=1000.0, e2e_growth=0.04)
+    over = open_loop_run(capacity=8.0)
+    ts = 1000 + np.arange(0, 40, 1.0)
+    growing = pd.DataFrame({"ts": ts, "name": "vllm:num_requests_waiting", "labels": "", "value": ts - 1000})
+    flat = growing.assign(value=0.0)
+    for metrics in (None, growing, flat):
+        bounded = level_verdict(10.0, summary, filling, metrics)
+        assert bounded["latency_growth"] > GROWTH_SLOPE  # the trend alone would have called it
+        assert not bounded["unbounded"] and bounded["sustainable"]
+        overloaded = level_verdict(10.0, summary, over, metrics)
+        assert overloaded["unbounded"] and not overloaded["sustainable"]
+        assert overloaded["capacity_estimate"] == pytest.approx(8.0, rel=0.05)
+    assert level_verdict(10.0, summary, over, growing)["queue_growth"] > 0  # shown, not judged

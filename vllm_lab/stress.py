@@ -24,15 +24,16 @@ from typing import Any
 import pandas as pd
 
 from vllm_lab import plans
-from vllm_lab.analysis.stress import GROWTH_SLOPE, find_knee
+from vllm_lab.analysis.stress import SERVED_TOLERANCE, find_knee
 from vllm_lab.scenarios import Scenario, ScenarioError
 
 SHAPES = ("ramp", "step", "spike", "soak")
 FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.35, 1.7)  # of the predicted capacity
 # A level just under the capacity fills its queue for longer than a short run lasts (the time to
-# steady state grows as 1 / (1 - load)^2), and the fill looks like growth. So the first level
-# called unbounded with a trend under CONFIRM_BELOW x GROWTH_SLOPE runs again CONFIRM_FACTOR times
-# as long; at a level measured more than once the longest run decides.
+# steady state grows as 1 / (1 - load)^2), and the fill reads as serving less than is sent. So the
+# first level called unbounded whose shortfall is under CONFIRM_BELOW x SERVED_TOLERANCE of what it
+# sent runs again CONFIRM_FACTOR times as long; at a level measured more than once the longest
+# run decides.
 CONFIRM_BELOW = 2.0
 CONFIRM_FACTOR = 3.0
 
@@ -121,7 +122,7 @@ def confirm_level(levels: pd.DataFrame) -> float | None:
     if bad.empty:
         return None
     first = bad.iloc[0]
-    marginal = first["latency_growth"] < CONFIRM_BELOW * GROWTH_SLOPE
+    marginal = first["served"] >= (1 - CONFIRM_BELOW * SERVED_TOLERANCE) * first["sent"] - first["edges"]
     return float(first["level"]) if marginal and not first.get("confirmed", False) else None
 
 

@@ -1,4 +1,4 @@
-"""What a stress run says: whether a level's queue grows without bound, the knee of a staircase, a
+"""What a stress run says: whether a level's work in flight grows without bound, the knee of a staircase, a
 spike's recovery and a soak's drift, from the runs in the store.
 
 Only an open loop has an offered load: a closed loop's users wait for their answers, so its queue
@@ -23,11 +23,12 @@ from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
 from vllm_lab.summary import served_share
 
-# Time in the system (E2E) rising by more than this many seconds per second of the run means the
-# requests in the server outgrow it: for arrivals at rate L and a capacity C, N(t) grows at L - C
-# and by Little's law a request arriving at t stays about N(t)/C, so E2E climbs at L/C - 1 s/s.
-# E2E rather than TTFT: with a large max-num-seqs the backlog sits in the running batch (TPOT
-# grows), not in the waiting queue (TTFT).
+# Time in the system (E2E) rising by more than this many seconds per second of the run: for
+# arrivals at rate L and a capacity C, N(t) grows at L - C and by Little's law a request arriving
+# at t stays about N(t)/C, so E2E climbs at L/C - 1 s/s. Shown beside each level, not judged: in a
+# 30-s level a large batch that is still filling climbs as fast as an overload does (a predictor
+# run of 300 s settles where the first 30 s climbed 0.19 s/s), and vLLM's waiting queue, the
+# other sign, stays empty where the backlog sits in the running batch or in the API server.
 GROWTH_SLOPE = 0.03
 # Served within this share of offered is keeping up: a short run's Poisson arrivals and the
 # requests in flight at its window's edges move the two apart by a few percent, no more.
@@ -121,34 +122,24 @@ def level_verdict(level: float, summary: Mapping[str, Any], samples: pd.DataFram
 
     A level is sustainable when the server serves what it is offered (served within
     ``SERVED_TOLERANCE`` of the rate sent inside the same window, less the noise of the requests
-    in flight at its edges), its queue stays bounded and
-    the SLO holds;
-    served below offered is overload by itself (the queue grows at the difference), whatever the
-    latency trend of a short run says.
+    in flight at its edges) and the SLO holds. Served is counted by the tokens each request got
+    inside the window (``served_and_sent``), so sent less served is how fast the work in flight
+    grows, wherever it waits: vLLM's queue, its running batch or its API server. Both backends
+    are judged by it alike, from their samples; the E2E trend and vLLM's waiting queue are shown
+    beside it (``latency_growth``, ``queue_growth``), as neither tells a short level's fill from
+    an overload (``GROWTH_SLOPE``). An overloaded level served what the server could: that is
+    the capacity it implies.
     """
-    slope = latency_growth(samples)
     last_send = float(samples["start_ts"].max()) if samples is not None and len(samples) else None
-    qslope = queue_growth(metrics, until=last_send)
-    offered = offered_rate(samples, level)
     served, sent, edges = served_and_sent(samples, summary)
-    # The queue series, where there is one, confirms: a TTFT trend alone can be noise.
-    unbounded = slope > GROWTH_SLOPE and (qslope is None or qslope > 0)
-    capacity = offered / (1 + slope)
-    # The server's own waiting queue growing by more than GROWTH_SLOPE of what it serves is
-    # overload by itself (the same L/C - 1 bound): in a short live run the E2E trend drowns in
-    # the arrivals' own bursts, the queue does not. Requests then leave the queue at the rate
-    # the full batch frees slots: the capacity is the offered rate less the queue's growth.
-    if qslope is not None and qslope > GROWTH_SLOPE * max(offered - qslope, 0.0):
-        unbounded, capacity = True, offered - qslope
     short = served is not None and sent is not None \
         and served < (1 - SERVED_TOLERANCE) * sent - edges
-    if short:
-        unbounded, capacity = True, min(capacity, served) if unbounded else served
     meets = bool(RunSummary.of(summary).meets_slo)
-    return {"level": level, "offered": offered, "served": served, "served_short": short,
-            "latency_growth": slope, "queue_growth": qslope, "unbounded": unbounded,
-            "meets_slo": meets, "sustainable": meets and not unbounded,
-            "capacity_estimate": capacity if unbounded else math.nan}
+    return {"level": level, "offered": offered_rate(samples, level), "served": served, "sent": sent,
+            "edges": edges, "served_short": short, "latency_growth": latency_growth(samples),
+            "queue_growth": queue_growth(metrics, until=last_send), "unbounded": short,
+            "meets_slo": meets, "sustainable": meets and not short,
+            "capacity_estimate": served if short else math.nan}
 
 
 def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
@@ -158,7 +149,7 @@ def find_knee(levels: pd.DataFrame) -> dict[str, Any]:
     ``offered``, the rate a run really sent, where known). The loads returned are on the offered
     axis; ``bracket`` (the last bounded and the first unbounded level) is in levels, for the
     ramp's next round. The unbounded-growth knee is the capacity the lowest overloaded level
-    implies (offered / (1 + E2E slope)), kept inside the bracket.
+    implies (what it served), kept inside the bracket.
     """
     t = levels[levels["ok"]].sort_values("level")
     out: dict[str, Any] = {"knee": None, "knee_unbounded": None, "knee_slo": None,
