@@ -1,5 +1,5 @@
-"""What a stress run says: whether a level's work in flight grows without bound, the knee of a staircase, a
-spike's recovery and a soak's drift, from the runs in the store.
+"""What a stress run says: whether a level's work in flight grows without bound, the knee of a
+staircase, a spike's recovery and a soak's drift, from the runs in the store.
 
 Only an open loop has an offered load: a closed loop's users wait for their answers, so its queue
 can never grow without bound; the staircase levels are open-loop runs (``vllm_lab.stress`` plans
