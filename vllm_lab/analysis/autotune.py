@@ -3,7 +3,7 @@ measured), the minutes each spent, each candidate's SLO capacity from its stairc
 vLLM's defaults against the best, with the verdict.
 
 A configuration's SLO capacity is the highest open-loop request rate at which every SLO holds and
-the queue stays bounded: on a staircase, the highest level below which every level holds.
+the server serves what it is sent: on a staircase, the highest level below which every level holds.
 
 The plan and the minutes are the meta of the autotune's own experiment in the store (step
 ``autotune``); a store written before kept them as user attributes of the autotune's Optuna study,

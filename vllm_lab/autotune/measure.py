@@ -226,4 +226,4 @@ def level_line(point: plans.Point, m: Measurement) -> str:
     grows = level_verdict(level, s, m.samples, m.server_metrics)["unbounded"]
     return (f"    {level} req/s: TTFT p99 {(s.ttft_p99 or 0) * 1000:.0f} ms, TPOT p99 "
             f"{(s.tpot_p99 or 0) * 1000:.1f} ms: {held} the SLO"
-            + (", queue grows without bound" if grows else ""))
+            + (", serves less than it is sent (its work in flight grows)" if grows else ""))

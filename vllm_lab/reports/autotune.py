@@ -195,7 +195,7 @@ def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path) -> page
          f"vLLM {sc.get('vllm_version')})"),
         f"traffic: {sc['workload'].get('source')} workload, open-loop Poisson arrivals; SLO: {slo}",
         (f"SLO capacity: the highest request rate offered at which every SLO holds, the server "
-         f"serves what it is offered and its queue stays bounded, on a staircase of "
+         f"serves what it is sent (its work in flight stays bounded), on a staircase of "
          f"{plan.step_s:g} s levels (as a stress report reads it)"),
         (f"measured on: {plan.backend}; predicted by the twin's predictor ({found.trials} "
          f"configurations searched in {plan.search_s:g} s, {found.pruned} would not start)"),

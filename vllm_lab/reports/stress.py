@@ -181,10 +181,10 @@ def _staircase_headline(knee: dict) -> str:
         parts.append(f"Knee at {knee['knee']:.3g} req/s offered")
     if knee["knee_unbounded"] is not None:
         parts.append(f"past {knee['knee_unbounded']:.3g} req/s the server serves less than it is "
-                     f"offered and its queue grows")
+                     f"sent: its work in flight grows")
     if knee["knee_slo"] is not None:
         parts.append(f"the SLO breaks past {knee['knee_slo']:.3g} req/s")
-    parts.append(f"max sustainable load (served as offered, queue bounded, SLO met): "
+    parts.append(f"max sustainable load (served as sent, SLO met): "
                  f"{knee['max_sustainable']:.3g} req/s" if knee["max_sustainable"] is not None
                  else "no level was sustainable under the SLO")
     return "; ".join(parts) + "."
