@@ -28,12 +28,12 @@ def convert(store: Path, out: Path, experiments: list[str]) -> int:
     """Write ``out``'s runs.jsonl and requests.csv.gz from the experiments' ok and unsteady runs."""
     db = sqlite3.connect(store / "lab.db")
     marks = ",".join("?" * len(experiments))
-    rows = db.execute(
+    found = db.execute(
         f"SELECT experiment_id, point_json, repeat, started, ended, samples_file, summary_json, status, "
         f"output_throughput, ttft_p50, ttft_p99, tpot_p50, scenario_json FROM runs "
         f"WHERE experiment_id IN ({marks}) AND samples_file != '' ORDER BY started", experiments)
     runs, requests = [], []
-    for exp, point, repeat, started, ended, samples, summary, status, otp, t50, t99, p50, scenario in rows:
+    for exp, point, repeat, started, ended, samples, summary, status, otp, t50, t99, p50, scenario in found:
         s, sc = json.loads(summary), json.loads(scenario)
         (flag, value), = json.loads(point).items()
         users = int(sc["load"]["shape"]["level"])

@@ -130,11 +130,11 @@ def verdicts_frame(judged: Judged) -> pd.DataFrame:
 def unmeasured_claims(exp: dict, table: pd.DataFrame) -> list[int]:
     """The claims the experiment's plan selected (its CLAIMS=) that have no verdict yet: a claims
     experiment cut short shows what is still to come, not only what it has."""
-    options = exp.get("meta", {}).get("made_by", {}).get("options", {})
-    if "made_by" not in exp.get("meta", {}):
+    made_by = exp.get("meta", {}).get("made_by")
+    if made_by is None:
         return []  # made before plans were recorded: what it selected is not known
     judged = set(table["claim"]) if len(table) else set()
-    selection = (options.get("--claims") or [""])[-1]  # none given: all nine
+    selection = (made_by.get("options", {}).get("--claims") or [""])[-1]  # none given: all nine
     return [n for n in claims.parse_selection(selection) if n not in judged]
 
 

@@ -255,6 +255,11 @@ def warnings(table: pd.DataFrame) -> list[str]:
     return notes
 
 
+def point_name(row: pd.Series, params: list[str]) -> str:
+    """A point as the pages name it: its values of the flags varied ("max-num-seqs=64")."""
+    return ", ".join(f"{p}={row[p]}" for p in params)
+
+
 def api_server_notes(table: pd.DataFrame, params: list[str]) -> list[str]:
     """Points whose TTFT vLLM's own account puts mostly in its API server, not its engine: there a
     flag of the engine cannot help, and ``--api-server-count`` (more API-server processes) may."""
@@ -263,7 +268,7 @@ def api_server_notes(table: pd.DataFrame, params: list[str]) -> list[str]:
         hold, ttft = api_server_hold(row), row.get("server_ttft_mean")
         if not (hold >= HOLD_MIN_S and hold >= HOLD_SHARE * float(ttft)):
             continue
-        where = ", ".join(f"{p}={row[p]}" for p in params) or "this configuration"
+        where = point_name(row, params) or "this configuration"
         notes.append(
             f"at {where} vLLM's API server held each request {hold * 1e3:,.0f} ms of its "
             f"{float(ttft) * 1e3:,.0f} ms TTFT (vLLM's /metrics: {row['server_queue_mean'] * 1e3:,.0f} ms "
@@ -329,7 +334,7 @@ def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None =
     if best is None:
         return (f"No value of {', '.join(params)} met every SLO." + _measured(table, params, ctx)
                 + _unmeasured(table, params, ctx, planned))
-    value = ", ".join(f"{p}={best[p]}" for p in params)
+    value = point_name(best, params)
     ranked = "" if figure == RANKED else f" by {ranked_label(figure)}"
     text = (f"Best under the SLO{ranked}: {value} — {ranked_lead(best, figure)}goodput "
             f"{best['goodput']:.2f} req/s, {best['output_throughput']:.0f} output tokens/s, "
@@ -339,14 +344,14 @@ def headline(table: pd.DataFrame, best, params: list[str], ctx: Context | None =
         ref = table[table["reference"]].iloc[0]
         against = ("" if figure in ALWAYS_GIVEN
                    else f"{ranked_label(figure)} {effect_text(best, figure)}, ")
-        text += (f" Against vLLM's defaults ({', '.join(f'{p}={ref[p]}' for p in params)}): "
+        text += (f" Against vLLM's defaults ({point_name(ref, params)}): "
                  f"{against}goodput {effect_text(best, 'goodput')}, output "
                  f"{effect_text(best, 'output_throughput')}.")
     elif "reference" in table:
         text += " It is vLLM's default."
     others = [i for i in within_noise(table, best, figure) if i != best.name]
     if others:
-        names = "; ".join(", ".join(f"{p}={table.loc[i, p]}" for p in params) for i in others)
+        names = "; ".join(point_name(table.loc[i], params) for i in others)
         exact = table["backend"].iloc[0] in DETERMINISTIC
         single = " (one run each: a single run's spread taken as "\
             f"{stats.SINGLE_RUN_CV:.0%})" if table["ok_runs"].max() <= 1 and not exact else ""
@@ -387,7 +392,7 @@ def _measured(table: pd.DataFrame, params: list[str], ctx: Context | None) -> st
 def _left_out(row: pd.Series, params: list[str]) -> str:
     """A point with runs left out of its figures: the whole point where none was ok, else how many
     of its runs (a point of 4 ok runs in 5 is measured, not left out)."""
-    name = ", ".join(f"{p}={row[p]}" for p in params)
+    name = point_name(row, params)
     if not row["ok_runs"]:
         return f"{name} ({row['status']})"
     why = ",".join(s for s in str(row["status"]).split(",") if s != "ok")
