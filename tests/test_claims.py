@@ -148,6 +148,8 @@ def test_memory_claim_reads_failed_starts_as_evidence(base):
                           "util-0.98": [run("oom")]})
     parts = {p.statement: p.verdict for p in v.parts}
     assert parts["above 0.95 out-of-memory becomes likely"] == claims.HOLDS
+    # The recorded error names its cause already ("oom: ..."): the evidence says it once.
+    assert next(p.evidence for p in v.parts if p.statement.startswith("above")) == "0.98: oom: boom"
     assert parts["0.7 is the most stable"] == claims.HOLDS  # 0.98 failed; 0.7 ran clean
     assert parts["0.85-0.9 is the best balance"] == claims.NO  # no throughput difference at all
 

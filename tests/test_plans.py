@@ -123,6 +123,22 @@ def test_failures_are_data_and_resume_skips_finished(base, tmp_path):
     assert len(Store(tmp_path / "lab.db").runs("exp")) == 4
 
 
+@pytest.mark.parametrize("status, started_again", [("oom", False), ("failed-start", False),
+                                                    ("timeout", True), ("crashed", True)])
+def test_a_server_that_failed_to_start_for_memory_is_not_started_for_each_repeat(
+        base, tmp_path, status, started_again):
+    points = plans.sweep_points(base, "max-num-seqs", [8, 16], repeats=3)
+    backend = FakeBackend(fail={16: status})
+    plans.execute(plans.Plan("exp", "sweep", points, {}), backend, tmp_path / "lab.db", tmp_path / "w")
+    assert backend.measured.count(16) == (3 if started_again else 1) and backend.measured.count(8) == 3
+    runs = Store(tmp_path / "lab.db").runs("exp")
+    failed = runs[runs["point"].map(lambda p: p["max-num-seqs"]) == 16]
+    assert list(failed["status"]) == [status] * 3  # every repeat recorded, as the failure it would be
+    if not started_again:
+        assert sum(failed["error"].str.startswith("not started again: the same server failed to start "
+                                                  "before (boom)")) == 2
+
+
 def test_points_spread_over_hosts(base, tmp_path):
     seen = {}
 

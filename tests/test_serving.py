@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.fleet import TWIN_MODEL, kill_instances, lab_source_snapshot, shared_site_vars
 from tests.support.processes import free_port, process_table
-from vllm_lab import serving
+from vllm_lab import backends, serving
 from vllm_lab.serving import ServeError, classify_failure
 
 LOCAL = serving.REPO_ROOT / "inventory" / "local.yml"
@@ -82,6 +82,14 @@ def test_classify_no_oom_without_oom_words(log_tail):
 @pytest.mark.parametrize("log_tail", [OOM_CUDA, OOM_CACHE, OOM_KV, STILL_LOADING, CRASH_SEGV, CRASH_ARCH])
 def test_classify_no_refusal_without_flag_words(log_tail):
     assert classify_failure(log_tail, "exited") != "refused-flag"
+
+
+def test_a_failed_starts_evidence_keeps_what_ran_out_of_memory_not_the_advice_after_it():
+    advice = " If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=" * 5
+    log_tail = OOM_CUDA.replace("is free.", "is free." + advice)
+    assert serving.oom_line(log_tail).startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 1002.00 MiB")
+    assert backends._evidence(log_tail).startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate")
+    assert len(backends._evidence(log_tail)) == 300
 
 
 def test_scrub_and_secret_flags_split():

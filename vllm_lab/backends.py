@@ -136,7 +136,7 @@ def _evidence(log_tail: str) -> str:
     """The log line that says why a start failed (an out-of-memory line, an error line), else the last."""
     oom = serving.oom_line(log_tail)  # the root cause; a traceback's last line only says "failed"
     if oom:
-        return oom[-300:]
+        return oom[:300]
     lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if "Error" in ln or "error:" in ln:

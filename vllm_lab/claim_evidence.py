@@ -75,7 +75,9 @@ class Evidence:
         bad = [r for r in runs if r["status"] not in OK_STATUSES]
         if not bad:
             return "ok"
-        return f"{bad[0]['status']}: {(bad[0].get('error') or '').splitlines()[0][:160] if bad[0].get('error') else ''}"
+        status, error = bad[0]["status"], (bad[0].get("error") or "").strip()
+        line = error.splitlines()[0] if error else ""
+        return f"{status}: {line.removeprefix(f'{status}: ')[:160]}"  # the error may name its cause already
 
     def values(self, arm: str, metric: str) -> list[float]:
         """The metric over the arm's runs that produced figures."""

@@ -431,6 +431,7 @@ class Taking:
         self.refusals, self.on_run, self.progress = refusals, on_run, progress
         self.counts: dict[str, int] = {}
         self.recorded: list[Path] = []
+        self.failed_starts: dict[tuple[str, str], Measurement] = {}  # per server, its first failure
         self.lock = threading.Lock()
         self.stop = threading.Event()
 
@@ -454,9 +455,11 @@ class Taking:
                                         self.workdir / self.plan.experiment_id / point.key)
         m = (Measurement(status=RunStatus.FAILED_START, started=time.time(), ended=time.time(),
                          host=host or "", error=f"refused before launch: {refusal.message}")
-             if refusal else self.backend.measure(point.scenario, host, folder))
+             if refusal else self._failed_again(point, host) or self.backend.measure(point.scenario, host, folder))
         if self.stop.is_set():
             return False  # interrupted mid-run: its figures are not a measurement
+        if m.status in DETERMINED_START_FAILURES:
+            self.failed_starts.setdefault(_server(point), m)
         store.record_run(_record(self.plan, point, self.backend, m), m.samples, m.server_metrics)
         with self.lock:
             self.counts[str(m.status)] = self.counts.get(str(m.status), 0) + 1  # plain words when printed
@@ -466,6 +469,18 @@ class Taking:
         if self.on_run:
             self.on_run(point, m)
         return True
+
+
+    def _failed_again(self, point: Point, host: str | None) -> Measurement | None:
+        """A repeat of a server whose flags already failed to start for memory or were refused:
+        recorded as that failure, not started again (a start costs minutes on a GPU, and the same
+        flags on the same GPU fail alike)."""
+        first = self.failed_starts.get(_server(point))
+        if first is None:
+            return None
+        why = first.error.splitlines()[0] if first.error else str(first.status)
+        return Measurement(status=first.status, started=time.time(), ended=time.time(), host=host or "",
+                           error=f"not started again: the same server failed to start before ({why})")
 
 
 def _in_threads(taking: Taking, shares: dict[str | None, list[list[Point]]]) -> None:
@@ -482,6 +497,11 @@ def _in_threads(taking: Taking, shares: dict[str | None, list[list[Point]]]) -> 
             for h in shares:
                 taking.backend.close(h)  # the runs in flight fail fast and are not recorded
             raise
+
+
+# Start failures that the same flags on the same GPU repeat: out of memory, a flag refused. A
+# start that timed out or crashed may be the machine's moment, and is tried again.
+DETERMINED_START_FAILURES = (RunStatus.OOM, RunStatus.FAILED_START)
 
 
 def _server(point: Point) -> tuple[str, str]:

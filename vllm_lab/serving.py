@@ -141,8 +141,15 @@ class PlaybookRun:
 
 
 def oom_line(log_tail: str) -> str | None:
-    """The log line that says the GPU ran out of memory, if one does."""
-    return next((ln.strip() for ln in log_tail.splitlines() if _OOM.search(ln)), None)
+    """What the log says about running out of GPU memory, from its first words on, if it does.
+
+    The line is cut where the match begins: PyTorch's message puts the size it tried to allocate
+    first and a long advice on fragmentation last, and a process prefix before it says nothing.
+    """
+    for ln in log_tail.splitlines():
+        if m := _OOM.search(ln):
+            return ln[m.start():].strip()
+    return None
 
 
 def classify_failure(log_tail: str, status: str) -> str:

@@ -64,18 +64,21 @@ def watched(deadline: Deadline | None, backend: Backend) -> Iterator[Watchdog]:
     once a DeadlineGuard stops, and the lab then stopping: no signal cuts its servers' stop
     short), and the Ctrl-C the watchdog sends raised as DeadlineReached; a Ctrl-C, SIGTERM or
     SIGHUP of the user's stays a KeyboardInterrupt."""
-    with Watchdog(deadline, getattr(backend, "margin", 0.0)) as watch:
-        if isinstance(backend, DeadlineGuard):
-            def stop() -> None:
-                watch.disarm()
-                shutdown.begin_stop()
-            backend.on_stop = stop
-        try:
+    watch = Watchdog(deadline, getattr(backend, "margin", 0.0))
+    if isinstance(backend, DeadlineGuard):
+        def stop() -> None:
+            watch.disarm()
+            shutdown.begin_stop()
+        backend.on_stop = stop
+    # The try holds the with: a signal the watchdog sent just as the block ended lands while
+    # its exit disarms it, and is the deadline too, not the user's Ctrl-C.
+    try:
+        with watch:
             yield watch
-        except KeyboardInterrupt:
-            if not watch.fired.is_set():
-                raise
-            raise DeadlineReached("") from None
+    except KeyboardInterrupt:
+        if not watch.fired.is_set():
+            raise
+        raise DeadlineReached("") from None
 
 
 def take(settings: Settings, exp_id: str, shown: Progress, work: Callable[[Backend], T],
