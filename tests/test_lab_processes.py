@@ -271,3 +271,14 @@ def test_unreachable_reason_is_read_from_either_result_format():
     assert serving._unreachable_reasons(yaml_block + one_line) == {
         "gpu-2": "Failed to connect to the host via ssh: ssh: connect to host 10.0.0.2 port 22: Connection refused",
         "gpu-3": "timed out"}
+
+
+def test_unreachable_reason_of_a_loop_is_read_from_its_items():
+    # The plays gather no facts: the first task to reach a host is the claim, a loop.
+    loop = ("fatal: [ghost]: UNREACHABLE! => \n    changed: false\n    msg: All items completed\n    results:\n"
+            "    -   ansible_loop_var: item\n        msg: 'Task failed: Failed to connect to the host via ssh:"
+            " ssh: connect to host\n            127.0.0.1 port 1: Connection refused'\n        unreachable: true\n"
+            "    unreachable: true\n\nPLAY RECAP ****\n")
+    assert serving._unreachable_reasons(loop) == {
+        "ghost": "Task failed: Failed to connect to the host via ssh: ssh: connect to host 127.0.0.1 port 1: "
+                 "Connection refused"}

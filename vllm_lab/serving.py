@@ -314,6 +314,11 @@ def _unreachable_reasons(stdout: str) -> dict[str, str]:
         except yaml.YAMLError:
             result = None
         why = result.get("msg") if isinstance(result, dict) else None
+        # A loop (the claim, each playbook's first task) says "All items completed": the
+        # connection's own reason is in its first item.
+        items = result.get("results") if isinstance(result, dict) else None
+        if isinstance(items, list):
+            why = next((r["msg"] for r in items if isinstance(r, dict) and r.get("msg")), why)
         reasons[m.group(1)] = " ".join(str(why or body).split())[:500]
     return reasons
 
