@@ -233,6 +233,22 @@ def test_stress_ramp_stops_once_for_the_deadline(tmp_path, capsys):
     assert err.count("lab: stopped for DEADLINE=") == 1 and "0 of " in err
 
 
+def test_the_watchdogs_signal_landing_as_it_disarms_is_the_deadline_not_a_ctrl_c(monkeypatch):
+    # On a loaded machine the watchdog can fire just as the guard stops the plan: its SIGINT then
+    # lands while the block's exit disarms it (here: raised from disarm, as the handler would).
+    disarm = Watchdog.disarm
+
+    def fired_meanwhile(self):
+        disarm(self)
+        if not self.fired.is_set():
+            self.fired.set()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Watchdog, "disarm", fired_meanwhile)
+    with pytest.raises(DeadlineReached), watched(Deadline(time.time() + 3600, "1h"), object()):
+        pass
+
+
 def _family_runs(path: Path, exp: str) -> int:
     store = Store(path)
     try:
