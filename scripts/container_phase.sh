@@ -23,14 +23,44 @@
 # Python with the lab's dependencies, default python3). BUDGET_S (default 520) bounds the phase:
 # then the lab is interrupted as Ctrl-C would, so it stops its servers and keeps every finished
 # run; calling the phase again resumes it.
+# DETACH=1 starts the phase in a session of its own and returns at once, so a phase may outlast the
+# call that starts it (a batch system's job steps, a shell that is closed); then
+#   bash scripts/container_phase.sh wait [SECONDS]
+# waits up to SECONDS (default 540) for it, copies the store to OUT as it stands, and exits 0 when
+# the phase has ended well, 75 while it still runs, the phase's status otherwise.
 set -uo pipefail
-phase=${1:?usage: container_phase.sh sweep|claims|tp|tp70b|autotune}
-: "${MODEL:?MODEL is required: the model folder on this host, e.g. MODEL=/models/llama-3-8b}"
-budget=${BUDGET_S:-520}
-deadline=$((budget - 20))s  # the lab stops itself by then; the interrupt below is the backstop
+phase=${1:?usage: container_phase.sh sweep|claims|tp|tp70b|autotune|wait}
 store=${STORE:-/tmp/lab}
 out=${OUT:-/tmp/out}
 mkdir -p "$store" "$out"
+
+snapshot() {  # a consistent copy of the store (WAL included), and the raw samples beside it
+  "${LAB_PYTHON:-python3}" -c 'import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))' \
+    "$store/lab.db" "$out/lab.db"
+  tar czf "$out/samples.tgz" -C "$store" --exclude .work --exclude 'lab.db*' --exclude 'phase.*' . 2>/dev/null
+}
+
+if [[ $phase == wait ]]; then
+  pid=$(cat "$store/phase.pid" 2>/dev/null) || { echo "container_phase.sh: no detached phase in $store" >&2; exit 2; }
+  for (( waited = 0; waited < ${2:-540}; waited += 5 )); do kill -0 "$pid" 2>/dev/null || break; sleep 5; done
+  [[ -e $store/lab.db ]] && snapshot
+  tail -n 5 "$out"/*.log
+  if kill -0 "$pid" 2>/dev/null; then echo "phase still running (pid $pid)"; exit 75; fi
+  rc=$(cat "$store/phase.rc" 2>/dev/null || echo 1)
+  echo "phase ended: rc $rc"
+  exit "$rc"
+fi
+
+: "${MODEL:?MODEL is required: the model folder on this host, e.g. MODEL=/models/llama-3-8b}"
+budget=${BUDGET_S:-520}
+deadline=$((budget - 20))s  # the lab stops itself by then; the interrupt below is the backstop
+if [[ ${DETACH:-} == 1 ]]; then
+  rm -f "$store/phase.rc"
+  DETACH= setsid bash "$0" "$phase" > "$out/detached.log" 2>&1 < /dev/null &
+  echo $! > "$store/phase.pid"
+  echo "phase $phase detached (pid $!, $budget s at most): bash $0 wait [SECONDS] waits for it"
+  exit 0
+fi
 export LC_ALL=C.UTF-8
 # Never let NCCL, PyTorch or NVSHMEM use NVLink multicast where it is off (container-tp.yml says why).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -110,10 +140,8 @@ job=$!
 watchdog=$!
 wait $job; rc=$?
 kill $watchdog 2>/dev/null
-# A consistent copy of the store (WAL included), and the raw samples beside it.
-"${LAB_PYTHON:-python3}" -c 'import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))' \
-  "$store/lab.db" "$out/lab.db"
-tar czf "$out/samples.tgz" -C "$store" --exclude .work --exclude 'lab.db*' . 2>/dev/null
+echo "$rc" > "$store/phase.rc"
+snapshot
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader >> "$out/$phase.log" 2>&1
 tail -25 "$out/$phase.log"
 echo "phase $phase: rc $rc"
