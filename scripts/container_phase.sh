@@ -23,7 +23,7 @@
 # Python with the lab's dependencies, default python3). BUDGET_S (default 520) bounds the phase:
 # then the lab is interrupted as Ctrl-C would, so it stops its servers and keeps every finished
 # run; calling the phase again resumes it.
-# DETACH=1 starts the phase in a session of its own and returns at once, so a phase may outlast the
+# DETACH=1 starts the phase detached (setsid) and returns at once, so a phase may outlast the
 # call that starts it (a batch system's job steps, a shell that is closed); then
 #   bash scripts/container_phase.sh wait [SECONDS]
 # waits up to SECONDS (default 540) for it, copies the store to OUT as it stands, and exits 0 when
