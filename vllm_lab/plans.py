@@ -25,12 +25,12 @@ from pydantic import ValidationError
 
 from vllm_lab import flags as flagcat
 from vllm_lab import outdir
-from vllm_lab.backends import Backend, Measurement
+from vllm_lab.backends import START_STATUS, Backend, Measurement
 from vllm_lab.inputs import shown
 from vllm_lab.lint import hardware_refusal
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
-from vllm_lab.store import RunRecord, RunStatus, Store, run_identity
+from vllm_lab.store import RETRIED_ON_RESUME, RunRecord, RunStatus, Store, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +470,6 @@ class Taking:
             self.on_run(point, m)
         return True
 
-
     def _failed_again(self, point: Point, host: str | None) -> Measurement | None:
         """A repeat of a server whose flags already failed to start for memory or were refused:
         recorded as that failure, not started again (a start costs minutes on a GPU, and the same
@@ -499,9 +498,10 @@ def _in_threads(taking: Taking, shares: dict[str | None, list[list[Point]]]) -> 
             raise
 
 
-# Start failures that the same flags on the same GPU repeat: out of memory, a flag refused. A
-# start that timed out or crashed may be the machine's moment, and is tried again.
-DETERMINED_START_FAILURES = (RunStatus.OOM, RunStatus.FAILED_START)
+# Start failures that the same flags on the same GPU repeat (out of memory, a flag refused): the
+# ones a resume does not retry either. A start that timed out or crashed may be the machine's
+# moment, and is tried again.
+DETERMINED_START_FAILURES = tuple(s for s in dict.fromkeys(START_STATUS.values()) if s not in RETRIED_ON_RESUME)
 
 
 def _server(point: Point) -> tuple[str, str]:
