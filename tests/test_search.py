@@ -169,6 +169,25 @@ def test_two_workers_share_one_study(tmp_path, study_storage):
     assert {t.user_attrs["run_key"] for t in trials} == set(runs["run_key"])
 
 
+def test_a_worker_that_loses_the_race_to_make_optunas_tables_joins_them(monkeypatch):
+    """PostgreSQL tells the second of two workers making Optuna's tables at once that they exist,
+    as a ProgrammingError (CI saw it): that worker opens the storage the other made."""
+    import optuna
+    import sqlalchemy.exc
+    calls = []
+
+    def rdb(url, engine_kwargs=None):
+        calls.append(url)
+        if len(calls) == 1:
+            raise sqlalchemy.exc.ProgrammingError(
+                "CREATE TABLE alembic_version", {}, Exception('relation "alembic_version" already exists'))
+        return "storage"
+    monkeypatch.setattr(optuna.storages, "RDBStorage", rdb)
+    monkeypatch.setattr(search.time, "sleep", lambda s: None)
+    assert search._storage("postgresql://lab@127.0.0.1:1/optuna") == "storage"
+    assert len(calls) == 2
+
+
 def test_the_one_rule_ranks_by_the_figure_it_is_given():
     """The same table, two figures: the goodput rule and the tokens-per-joule rule part, each
     naming the cheapest point within noise of its own top among those meeting the SLO."""

@@ -265,9 +265,10 @@ def _storage(url: str):
     for attempt in range(5):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as e:
+        except sqlalchemy.exc.DBAPIError as e:
             # Two workers starting at once both create Optuna's tables and stamp their version;
-            # the loser finds them made (a table that exists, or the stamp already there).
+            # the loser finds them made: a table that exists (PostgreSQL says so as a
+            # ProgrammingError, SQLite as an OperationalError), or the stamp already there.
             lost_race = "already exists" in str(e) or "alembic_version" in str(e)
             if not lost_race or attempt == 4:
                 raise _unreachable(url, e) from None
