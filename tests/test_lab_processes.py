@@ -273,6 +273,16 @@ def test_unreachable_reason_is_read_from_either_result_format():
         "gpu-3": "timed out"}
 
 
+def test_a_host_lost_during_a_template_is_unreachable_not_failed():
+    """ansible-core 2.18's template action reports a host lost under it as FAILED with the ssh
+    connection's words: that host is unreachable; a failure of another kind stays a failure."""
+    lost = ("fatal: [fleet-3]: FAILED! => \n    msg: 'Failed to connect to the host via ssh: Connection timed"
+            " out during banner exchange'\n\n")
+    other = "fatal: [fleet-1]: FAILED! => \n    msg: 'fleet-1: the serve flags name no model'\n\n"
+    assert serving._unreachable_reasons(lost + other + "PLAY RECAP ****\n") == {
+        "fleet-3": "Failed to connect to the host via ssh: Connection timed out during banner exchange"}
+
+
 def test_unreachable_reason_of_a_loop_is_read_from_its_items():
     # The plays gather no facts: the first task to reach a host is the claim, a loop.
     loop = ("fatal: [ghost]: UNREACHABLE! => \n    changed: false\n    msg: All items completed\n    results:\n"

@@ -99,6 +99,22 @@ def test_scrub_and_secret_flags_split():
     assert role_vars == {"vllm_api_key": "k"}
 
 
+def test_a_failed_plays_message_is_kept_whole_where_the_callback_wraps_it():
+    """Ansible's YAML callback wraps a long assert message over indented lines: the failure kept
+    for the lab is the whole message, the flag it names on its last line included."""
+    stdout = ("TASK [vllm : VLLM | Assert dev-mode endpoints stay on loopback] ***\n"
+              "fatal: [localhost]: FAILED! => \n"
+              "    msg: 'localhost: dev mode (VLLM_SERVER_DEV_MODE=1, asked for by runs that reset the\n"
+              "      prefix cache) opens /reset_prefix_cache ... or set vllm_dev_mode_network true\n"
+              "      for this host in the inventory (a trusted network only).'\n"
+              "\n"
+              "PLAY RECAP *********\n"
+              "localhost : ok=3 changed=0 unreachable=0 failed=1\n")
+    failure = serving._play_failure(stdout)
+    assert failure.startswith("fatal: [localhost]") and "vllm_dev_mode_network" in failure
+    assert "PLAY RECAP" not in failure and "TASK [" not in failure
+
+
 def test_parse_recap():
     out = ("PLAY RECAP *****\nfleet-1                    : ok=5    changed=0    unreachable=0    "
            "failed=0    skipped=3    rescued=0    ignored=0   \nfleet-3                    : ok=0    "

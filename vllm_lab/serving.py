@@ -207,7 +207,10 @@ def _dead_here(holder: dict) -> bool:
 
 
 _RECAP = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$")
-_UNREACHABLE = re.compile(r"^fatal: \[([^\]]+)\]: UNREACHABLE! => (.*)$")
+_UNREACHABLE = re.compile(r"^fatal: \[([^\]]+)\]: (UNREACHABLE|FAILED)! => (.*)$")
+# Ansible's ssh connection's words for a host it lost. ansible-core 2.18's template and copy
+# actions report a host lost during them as FAILED with these words, not UNREACHABLE.
+_LOST_CONNECTION = "Failed to connect to the host via"
 
 
 def parse_recap(stdout: str) -> dict[str, dict[str, int]]:
@@ -294,14 +297,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _unreachable_reasons(stdout: str) -> dict[str, str]:
     """Host -> why it could not be reached, from each ``fatal: [h]: UNREACHABLE! =>`` result (JSON on
-    its line, or the YAML block below it with ansible.cfg's callback_result_format)."""
+    its line, or the YAML block below it with ansible.cfg's callback_result_format), and each
+    FAILED one that says the connection was lost."""
     lines = stdout.splitlines()
     reasons: dict[str, str] = {}
     for i, line in enumerate(lines):
         m = _UNREACHABLE.match(line)
         if not m:
             continue
-        body = m.group(2).strip()
+        body = m.group(3).strip()
         if not body:
             block = []
             for nxt in lines[i + 1:]:
@@ -319,6 +323,8 @@ def _unreachable_reasons(stdout: str) -> dict[str, str]:
         items = result.get("results") if isinstance(result, dict) else None
         if isinstance(items, list):
             why = next((r["msg"] for r in items if isinstance(r, dict) and r.get("msg")), why)
+        if m.group(2) == "FAILED" and _LOST_CONNECTION not in str(why):
+            continue
         reasons[m.group(1)] = " ".join(str(why or body).split())[:500]
     return reasons
 
@@ -424,9 +430,14 @@ def start(serve_flags: dict[str, Any], *, inventory: Path = DEFAULT_INVENTORY, b
 
 
 def _play_failure(stdout: str) -> str:
-    lines = [ln for ln in stdout.splitlines()
-             if ln.startswith(("fatal:", "failed:", "[ERROR]:")) or "msg" in ln]
-    return "\n".join(lines[-20:]) or "\n".join(stdout.splitlines()[-40:])
+    """A failed play's messages: each fatal or failed result with the indented lines that carry it
+    (the YAML callback wraps a long message over several), and any other line with a msg."""
+    lines, inside = [], False
+    for ln in stdout.splitlines():
+        inside = ln.startswith(("fatal:", "failed:", "[ERROR]:")) or (inside and ln.startswith(" "))
+        if inside or "msg" in ln:
+            lines.append(ln)
+    return "\n".join(lines[-40:]) or "\n".join(stdout.splitlines()[-40:])
 
 
 def stop(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
@@ -443,7 +454,7 @@ def stop(inventory: Path = DEFAULT_INVENTORY, limit: str | None = None, *,
                        timeout=timeout)
     for host, why in run.unreachable.items():
         log.warning("serving: host %s unreachable during stop: %s", host, why)
-    failed = [h for h, c in run.recap.items() if c.get("failed")]
+    failed = [h for h, c in run.recap.items() if c.get("failed") and h not in run.unreachable]
     if failed:
         raise RuntimeError(f"stop failed on {', '.join(failed)}:\n{_play_failure(run.stdout)}")
     return run
@@ -467,7 +478,7 @@ def _checked(run: PlaybookRun, action: str) -> PlaybookRun:
     host's failure (or a failed run no host explains) raised as RuntimeError."""
     for host, why in run.unreachable.items():
         log.warning("serving: host %s unreachable during %s: %s", host, action, why)
-    failed = [h for h, c in run.recap.items() if c.get("failed")]
+    failed = [h for h, c in run.recap.items() if c.get("failed") and h not in run.unreachable]
     if failed or (run.returncode and not run.unreachable):
         raise RuntimeError(f"{action} failed on {', '.join(failed) or 'the inventory'}:\n"
                            f"{_play_failure(run.stdout)}")
