@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from vllm_lab.twin.predictor import Closed, Open, Prediction, PredictRequest, bench_serve, predict
 from vllm_lab.twin.profile import Profile, load_profile
@@ -167,6 +166,7 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
             res.extend(math.log(max(got[k], 1e-9) / pt.measured[k]) for k, _ in METRICS)
         return np.array(res)
 
+    from scipy.optimize import least_squares  # here: ~0.35 s to import, for a fit alone
     sol = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
                         diff_step=0.02, max_nfev=max_evals)
     fitted = _with(base_profile, sol.x, params)
