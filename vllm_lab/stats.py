@@ -15,7 +15,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import ndtri, stdtrit  # what scipy.stats' norm.ppf and t.ppf call (its import: ~0.9 s)
+from scipy.special import (  # what scipy.stats' norm.ppf and t.ppf call (its import: ~0.9 s)
+    ndtri,
+    stdtrit,
+)
 
 LEVEL = 0.95
 
