@@ -187,7 +187,7 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # so they are dealt out one by one, a worker per CPU. The tests marked timing (millisecond margins
 # on Locust's send times) run first, one at a time: beside a live-twin sweep, or even beside one
 # another on a loaded 2-core machine, their margins do not hold.
-test: venv ## Every test (about 20 min on 2 cores); installs the system packages it needs first, or says what is missing
+test: venv ## Every test (16-18 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@# Bytecode once: the suite starts ~a thousand Python processes of the lab (servers, Locust, the
 	@# CLI), which compile it afresh each time where PYTHONDONTWRITEBYTECODE is set.
