@@ -185,25 +185,26 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # make test hands each pytest-xdist worker whole test files (a file's module fixtures start once),
 # the longest first (tests/conftest.py orders them); test-fast's tests are short and fixture-light,
 # so they are dealt out one by one, a worker per CPU. The tests marked timing (millisecond margins
-# on Locust's send times) run first, one at a time: beside a live-twin sweep, or even beside one
-# another on a loaded 2-core machine, their margins do not hold. The process-free tests run beside
-# them at the lowest CPU priority (nice 19): they take only the cycles the timing tests leave idle.
-test: venv ## Every test (16-18 min on 2 cores); installs the system packages it needs first, or says what is missing
+# on Locust's send times, the live twin against the predictor) run first, one at a time: beside a
+# live-twin sweep, or even beside one another on a loaded 2-core machine, their margins do not
+# hold. The process-free tests and those marked untimed (no live window) run beside them at the
+# lowest CPU priority (nice 19), in the cycles the timing tests leave idle.
+test: venv ## Every test (about 15 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@# Bytecode once: the suite starts ~a thousand Python processes of the lab (servers, Locust, the
 	@# CLI), which compile it afresh each time where PYTHONDONTWRITEBYTECODE is set.
 	@"$$LAB_MAKE_PY" -m compileall -q vllm_lab tests scripts playbooks >/dev/null
-	@# The millisecond-timing tests one at a time, with the process-free ones niced beside them (their
-	@# output after); then the rest, whose live tests mostly wait on real-time windows: one worker
-	@# more than there are CPUs keeps the cores busy.
-	@rc=0; log=$$(mktemp); \
-	  (PYTHONDONTWRITEBYTECODE= nice -n 19 "$$LAB_MAKE_PY" -m pytest -q -m "not integration" \
-	    -n auto --dist load >"$$log" 2>&1) & unit=$$!; \
-	  LAB_TESTS_REQUIRE_ALL=1 "$$LAB_MAKE_PY" -m pytest -q -m timing -p no:xdist || rc=$$?; \
-	  wait $$unit || rc=$$?; cat "$$log"; rm -f "$$log"; \
-	  LAB_TESTS_REQUIRE_ALL=1 PYTEST_XDIST_AUTO_NUM_WORKERS=$${PYTEST_XDIST_AUTO_NUM_WORKERS:-$$(( $$(nproc) + 1 ))} \
-	    "$$LAB_MAKE_PY" -m pytest -q -m "integration and not timing" -n auto --dist loadfile \
-	    --no-loadscope-reorder --durations=15 || rc=$$?; exit $$rc
+	@# The timing tests alone, the untimed ones niced beside them (their output after); then the
+	@# rest, whose live tests mostly wait on real-time windows: one worker more than there are CPUs
+	@# keeps the cores busy.
+	@rc=0; log=$$(mktemp); export LAB_TESTS_REQUIRE_ALL=1; \
+	  (PYTHONDONTWRITEBYTECODE= nice -n 19 "$$LAB_MAKE_PY" -m pytest -q -m "not integration or untimed" \
+	    -n auto --dist loadfile --no-loadscope-reorder >"$$log" 2>&1) & untimed=$$!; \
+	  "$$LAB_MAKE_PY" -m pytest -q -m timing -p no:xdist || rc=$$?; \
+	  wait $$untimed || rc=$$?; cat "$$log"; rm -f "$$log"; \
+	  PYTEST_XDIST_AUTO_NUM_WORKERS=$${PYTEST_XDIST_AUTO_NUM_WORKERS:-$$(( $$(nproc) + 1 ))} \
+	    "$$LAB_MAKE_PY" -m pytest -q -m "integration and not timing and not untimed" -n auto \
+	    --dist loadfile --no-loadscope-reorder --durations=15 || rc=$$?; exit $$rc
 
 test-fast: venv ## The tests that start no process (seconds; no set-up needed)
 	@# Bytecode kept where PYTHONDONTWRITEBYTECODE is set: each worker otherwise compiles the tests'

@@ -17,6 +17,8 @@ from vllm_lab.backends import Measurement
 from vllm_lab.commands import bench
 from vllm_lab.store import Store, StoreError
 
+# Untimed: make, the CLI on the predictor, a provision: no live window (make test).
+pytestmark = pytest.mark.untimed
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["--backend", "predict", "--hardware", "cpu-demo", "--set", "load.shape.level=2",
          "--repeats", "1"]

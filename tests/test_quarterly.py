@@ -135,6 +135,7 @@ def test_report_files_and_recommended_scenario(report):
 
 
 @pytest.mark.integration
+@pytest.mark.untimed
 def test_the_pdf_is_printed_by_chromium(store_path, tmp_path):
     require(None if quarterly.chromium() else
             "Chromium is not installed (scripts/install-system-deps.sh installs it)")

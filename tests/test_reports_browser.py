@@ -18,7 +18,8 @@ from tests.support import require
 from vllm_lab import cli
 from vllm_lab.reports.pdf import chromium
 
-pytestmark = pytest.mark.integration
+# Untimed: reports of the predictor's runs and Chromium's rendering, no live window (make test).
+pytestmark = [pytest.mark.integration, pytest.mark.untimed]
 
 KINDS = ("sweep", "combo", "tune", "stress", "claims", "autotune", "quarterly")
 VIEWPORT = {"width": 1280, "height": 800}  # a typical laptop

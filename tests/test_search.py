@@ -152,6 +152,7 @@ def study_storage(request, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.untimed
 def test_two_workers_share_one_study(tmp_path, study_storage):
     """Two processes on one study and one store: no trial lost, none duplicated, none left running,
     with the study in the lab's SQLite file or on a PostgreSQL server (STUDY_STORAGE)."""

@@ -136,6 +136,7 @@ def test_newer_schema_is_refused_and_left_alone(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.untimed
 def test_read_only_folder_is_one_sentence_and_keeps_the_store(tmp_path):
     folder = tmp_path / "reports"
     Store(folder / "lab.db").create_experiment("e", "sweep", "default")

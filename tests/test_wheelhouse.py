@@ -16,7 +16,7 @@ import pytest
 from tests.support.processes import private_inventory
 from vllm_lab import serving
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.untimed]  # a provision, no server started
 
 
 def stand_in_wheel(folder: Path, version: str = "0.26.0") -> Path:
