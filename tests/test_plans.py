@@ -139,6 +139,23 @@ def test_a_server_that_failed_to_start_for_memory_is_not_started_for_each_repeat
                                                   "before (boom)")) == 2
 
 
+
+def test_a_resume_does_not_start_again_a_server_whose_recorded_repeat_ran_out_of_memory(base, tmp_path):
+    """An H200 resume once spent 3 minutes starting a gpu-memory-utilization=0.98 server whose
+    first two repeats, recorded by an earlier call, had run out of memory."""
+    points = plans.sweep_points(base, "max-num-seqs", [8, 16], repeats=3)
+    plan = plans.Plan("exp", "sweep", points, {})
+    first = plans.Plan("exp", "sweep", points[:4], {})  # a call that ended after 16's first repeat
+    plans.execute(first, FakeBackend(fail={16: "oom"}), tmp_path / "lab.db", tmp_path / "w")
+    resumed = FakeBackend(fail={16: "oom"})
+    plans.execute(plan, resumed, tmp_path / "lab.db", tmp_path / "w")
+    assert resumed.measured == []
+    runs = Store(tmp_path / "lab.db").runs("exp")
+    sixteen = runs[runs["point"].map(lambda p: p["max-num-seqs"]) == 16]
+    assert list(sixteen["status"]) == ["oom"] * 3 and len(runs) == 6
+    again = "not started again: the same server failed to start before (boom)"
+    assert sorted(sixteen["error"]) == ["boom", again, again]
+
 def test_points_spread_over_hosts(base, tmp_path):
     seen = {}
 

@@ -360,7 +360,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     """
     outdir.inside(workdir.parent, workdir)  # OUT/.work: refused when it is a link out of OUT
     check_inputs(plan.points)
-    todo = _todo(plan, store_path)
+    todo, failed_before = _todo(plan, store_path)
     groups = group_by_server(todo)
     shares = deal(groups, hosts)
     busy = [h for h in hosts if shares[h]]
@@ -368,6 +368,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
         progress.begin(plan.points, todo, len(groups), len(busy))
     prune_work(workdir)
     taking = Taking(plan, backend, store_path, workdir, _refusals(todo), on_run, progress)
+    taking.failed_starts.update(failed_before)
     if len(busy) <= 1:
         # One host: work in this thread, so Ctrl-C lands inside the run and its cleanup runs.
         for h in busy:
@@ -398,16 +399,33 @@ def check_inputs(points: Sequence[Point]) -> None:
         _CHECKED.add(key)
 
 
-def _todo(plan: Plan, store_path: Path) -> list[Point]:
-    """The plan's points not yet in the store (the experiment recorded first, for resume)."""
+def _todo(plan: Plan, store_path: Path) -> tuple[list[Point], dict[tuple[str, str], Measurement]]:
+    """The plan's points not yet in the store (the experiment recorded first, for resume), and per
+    server the start failure a recorded repeat of it met that the same flags would meet again: a
+    resume records its other repeats as that failure instead of starting it (minutes on a GPU)."""
     with Store(store_path) as store:
         store.create_experiment(plan.experiment_id, plan.step, plan.points[0].scenario.name, plan.meta)
         done = store.finished_keys(plan.experiment_id)
+        failed = {} if len(done) == 0 else _failed_starts(plan, store)
     todo = [p for p in plan.points if p.key not in done]
     if len(todo) < len(plan.points):
         log.info("resuming %s: %d of %d runs already recorded", plan.experiment_id,
                  len(plan.points) - len(todo), len(plan.points))
-    return todo
+    return todo, failed
+
+
+def _failed_starts(plan: Plan, store: Store) -> dict[tuple[str, str], Measurement]:
+    """Per server of the plan, its first recorded start failure of a determined kind (OOM, refused)."""
+    runs = store.runs(plan.experiment_id)
+    runs = runs[runs["status"].isin([str(s) for s in DETERMINED_START_FAILURES])]
+    by_key = {p.key: p for p in plan.points}
+    failed: dict[tuple[str, str], Measurement] = {}
+    for r in runs.itertuples():
+        if r.run_key in by_key:
+            failed.setdefault(_server(by_key[r.run_key]), Measurement(
+                status=RunStatus(r.status), started=r.started, ended=r.ended, host=r.host or "",
+                error=r.error))
+    return failed
 
 
 def _refusals(todo: Sequence[Point]) -> dict[tuple[str, str], Any]:
