@@ -408,18 +408,26 @@ def _main(argv: list[str]) -> int:
         _say(_for_make(describe_sqlite_error(_store_of(args), e), names))
         return EXIT_IO if "full" in str(e) else 2
     except KeyboardInterrupt as stop:
-        why = f"stopped by {stop.name}" if isinstance(stop, shutdown.Terminated) else "interrupted"
-        _say(f"{why}; finished runs are in the store")
-        return shutdown.exit_code(stop)
+        return _stopped(stop)
     except OSError as e:  # the machine's, not the input's: a full disk, a folder taken away
         _say(f"{e.filename or 'the lab'}: {e.strerror or e}; finished runs are in the store")
         return EXIT_IO
     except Exception as e:  # a bug of the lab: still one sentence, the traceback when asked for
+        stop = shutdown.stop_inside(e)
+        if stop is not None:  # a stop signal that a library wrapped in its own error
+            return _stopped(stop)
         if os.environ.get("LAB_TRACEBACK"):
             raise
         _say(f"internal error ({type(e).__name__}: {str(e)[:200]}); finished runs are in the "
              f"store; LAB_TRACEBACK=1 shows where it happened (please report it)")
         return EXIT_SOFTWARE
+
+
+
+def _stopped(stop: KeyboardInterrupt) -> int:
+    why = f"stopped by {stop.name}" if isinstance(stop, shutdown.Terminated) else "interrupted"
+    _say(f"{why}; finished runs are in the store")
+    return shutdown.exit_code(stop)
 
 
 if __name__ == "__main__":

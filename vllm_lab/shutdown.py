@@ -90,6 +90,21 @@ def on_signal(signum: int, frame) -> None:
     _raise(signum)
 
 
+def stop_inside(error: BaseException) -> KeyboardInterrupt | None:
+    """The stop a library turned into an error of its own, or None.
+
+    A signal is raised in whatever Python code the main thread runs, also code that a compiled
+    library called back into: pydantic's serializers catch the KeyboardInterrupt or Terminated
+    raised there and raise ``PydanticSerializationError: ... Terminated: SIGTERM`` instead, which
+    no ``except KeyboardInterrupt`` meets (a SIGTERM during a sweep ended as an internal error).
+    """
+    if _state.raised is None or isinstance(error, KeyboardInterrupt):
+        return None
+    signum = _state.raised[0]
+    stop = KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+    return stop if f"{type(stop).__name__}:" in str(error) else None
+
+
 def _echo(signum: int) -> bool:
     """Whether ``signum`` is a copy of the signal just raised (see ECHO_S), not a second stop."""
     raised = _state.raised

@@ -74,7 +74,13 @@ def watched(deadline: Deadline | None, backend: Backend) -> Iterator[Watchdog]:
     # its exit disarms it, and is the deadline too, not the user's Ctrl-C.
     try:
         with watch:
-            yield watch
+            try:
+                yield watch
+            except Exception as error:  # a stop a library wrapped is the stop again
+                stop = shutdown.stop_inside(error)
+                if stop is None:
+                    raise
+                raise stop from error
     except KeyboardInterrupt:
         if not watch.fired.is_set():
             raise
