@@ -139,7 +139,6 @@ def test_a_server_that_failed_to_start_for_memory_is_not_started_for_each_repeat
                                                   "before (boom)")) == 2
 
 
-
 def test_a_resume_does_not_start_again_a_server_whose_recorded_repeat_ran_out_of_memory(base, tmp_path):
     """An H200 resume once spent 3 minutes starting a gpu-memory-utilization=0.98 server whose
     first two repeats, recorded by an earlier call, had run out of memory."""
@@ -155,6 +154,7 @@ def test_a_resume_does_not_start_again_a_server_whose_recorded_repeat_ran_out_of
     assert list(sixteen["status"]) == ["oom"] * 3 and len(runs) == 6
     again = "not started again: the same server failed to start before (boom)"
     assert sorted(sixteen["error"]) == ["boom", again, again]
+
 
 def test_points_spread_over_hosts(base, tmp_path):
     seen = {}

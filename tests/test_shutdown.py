@@ -84,7 +84,6 @@ def test_make_passing_on_a_sigterm_the_lab_already_got_is_the_same_stop(capsys):
     assert "stopping the servers first" not in capsys.readouterr().err
 
 
-
 def test_a_stop_that_pydantic_wrapped_in_its_own_error_is_the_stop_again():
     """A SIGTERM raised while pydantic ran a serializer of the lab's came back as a
     PydanticSerializationError, and a stopped sweep ended as an internal error (exit 70)."""
@@ -105,6 +104,7 @@ def test_a_stop_that_pydantic_wrapped_in_its_own_error_is_the_stop_again():
         Dumped().model_dump()
     assert stop.value.code == 143 and type(stop.value.__cause__).__name__ == "PydanticSerializationError"
     assert shutdown.stop_inside(ValueError("unrelated")) is None
+
 
 def test_an_inherited_ignore_is_kept():
     """nohup ignores SIGHUP for the lab: it stays ignored."""

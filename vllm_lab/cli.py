@@ -423,10 +423,8 @@ def _main(argv: list[str]) -> int:
         return EXIT_SOFTWARE
 
 
-
 def _stopped(stop: KeyboardInterrupt) -> int:
-    why = f"stopped by {stop.name}" if isinstance(stop, shutdown.Terminated) else "interrupted"
-    _say(f"{why}; finished runs are in the store")
+    _say(f"{shutdown.stop_words(stop)}; finished runs are in the store")
     return shutdown.exit_code(stop)
 
 

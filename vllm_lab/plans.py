@@ -367,8 +367,7 @@ def execute(plan: Plan, backend: Backend, store_path: Path, workdir: Path,
     if progress:
         progress.begin(plan.points, todo, len(groups), len(busy))
     prune_work(workdir)
-    taking = Taking(plan, backend, store_path, workdir, _refusals(todo), on_run, progress)
-    taking.failed_starts.update(failed_before)
+    taking = Taking(plan, backend, store_path, workdir, _refusals(todo), failed_before, on_run, progress)
     if len(busy) <= 1:
         # One host: work in this thread, so Ctrl-C lands inside the run and its cleanup runs.
         for h in busy:
@@ -443,13 +442,15 @@ class Taking:
     ends and counted; ``stop`` ends every host's share after its run in flight."""
 
     def __init__(self, plan: Plan, backend: Backend, store_path: Path, workdir: Path,
-                 refusals: dict, on_run: Callable[[Point, Measurement], None] | None,
-                 progress: PlanHooks | None):
+                 refusals: dict, failed_starts: dict[tuple[str, str], Measurement],
+                 on_run: Callable[[Point, Measurement], None] | None, progress: PlanHooks | None):
         self.plan, self.backend, self.store_path, self.workdir = plan, backend, store_path, workdir
         self.refusals, self.on_run, self.progress = refusals, on_run, progress
         self.counts: dict[str, int] = {}
         self.recorded: list[Path] = []
-        self.failed_starts: dict[tuple[str, str], Measurement] = {}  # per server, its first failure
+        # Per server, its first start failure that the same flags would meet again (recorded by
+        # an earlier call, or met in this one).
+        self.failed_starts = dict(failed_starts)
         self.lock = threading.Lock()
         self.stop = threading.Event()
 

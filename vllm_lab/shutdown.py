@@ -90,6 +90,11 @@ def on_signal(signum: int, frame) -> None:
     _raise(signum)
 
 
+def stop_words(stop: KeyboardInterrupt) -> str:
+    """How a stop is said: "stopped by SIGTERM" (or SIGHUP), "interrupted" for Ctrl-C."""
+    return f"stopped by {stop.name}" if isinstance(stop, Terminated) else "interrupted"
+
+
 def stop_inside(error: BaseException) -> KeyboardInterrupt | None:
     """The stop a library turned into an error of its own, or None.
 

@@ -102,8 +102,7 @@ def take(settings: Settings, exp_id: str, shown: Progress, work: Callable[[Backe
         _say(f"stopped for DEADLINE={settings.deadline}", settings, exp_id, account())
         raise Stopped(EXIT_DEADLINE) from None
     except KeyboardInterrupt as stop:
-        why = f"stopped by {stop.name}" if isinstance(stop, shutdown.Terminated) else "interrupted"
-        _say(why, settings, exp_id, account())
+        _say(shutdown.stop_words(stop), settings, exp_id, account())
         raise Stopped(shutdown.exit_code(stop)) from None
 
 
