@@ -9,7 +9,9 @@ token send, so the error is the client's own lateness in noticing tokens. Prints
   2. capacity: streamed tokens/s as concurrency grows, and the most tokens/s one client process
      (one core) sustains before its TTFT p50 or TPOT p50 drifts more than 5% from the truth;
   3. turnaround: how long a closed-loop user waits between a reply's end and its next send, with
-     512-token prompts built by a real tokenizer (--tokenizer DIR, or one trained here).
+     512-token prompts built by a real tokenizer (--tokenizer DIR, or one trained here);
+  4. overhead: a run's own time beside its load, at 1, 2 and 4 Locust processes: from the call to
+     the first send, how long it sent against its duration, and from the last reply to the return.
 
     .venv/bin/python scripts/bench_traffic.py [--quick] [--out DIR] [--server-processes N]
                                               [--tokenizer MODEL_DIR]
@@ -246,14 +248,14 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--levels", default="1,8,32,64,128,256,512")
     p.add_argument("--tokenizer", type=Path, help="model folder with tokenizer.json (turnaround)")
-    p.add_argument("--only", choices=["accuracy", "capacity", "turnaround"], action="append",
+    p.add_argument("--only", choices=["accuracy", "capacity", "turnaround", "overhead"], action="append",
                    help="run only this section (repeatable); all by default")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     dur = 4.0 if a.quick else a.duration
     levels = [1, 8, 32, 128] if a.quick else [int(x) for x in a.levels.split(",")]
     report: dict = {"cpu_count": os.cpu_count(), "server_processes": a.server_processes}
-    only = set(a.only or ["accuracy", "capacity", "turnaround"])
+    only = set(a.only or ["accuracy", "capacity", "turnaround", "overhead"])
     wrap = _pin(a.server_cores)
     if "accuracy" in only:
         report["accuracy"] = accuracy(a, dur, wrap)
@@ -261,8 +263,40 @@ def main() -> None:
         report.update(capacity(a, dur, levels, wrap))
     if "turnaround" in only:
         report["turnaround"] = turnaround_phase(a, dur, wrap)
+    if "overhead" in only:
+        report["overhead"] = overhead(a, dur, wrap)
     (a.out / "bench_traffic.json").write_text(json.dumps(report, indent=1, default=float))
     print(f"wrote {a.out / 'bench_traffic.json'}")
+
+
+def overhead(a, dur: float, wrap, repeats: int = 3) -> list[dict]:
+    """Section 4: a closed loop of 16 users for ``dur`` s, at 1, 2 and 4 Locust processes."""
+    print(f"== overhead: 16 users, {dur:g} s runs, {repeats} each ==")
+    load = Load(mode="closed", shape={"level": 16}, stop={"duration_s": dur})
+    work = Workload(source="synthetic", input=Lengths(mean=20), output=Lengths(mean=20))
+    rows = []
+    with running("--ttft-ms", "20", "--itl-ms", "5", "--processes", str(a.server_processes),
+                 wrap=wrap) as url:
+        _pin_self(a.client_core)
+        for processes in (1, 2, 4):
+            for i in range(repeats):
+                called = time.time()
+                r = run_load(url, "ok", work, load, a.out / f"overhead-{processes}-{i}",
+                             processes=processes, scrape_metrics=False)
+                back = time.time()
+                s = r.samples
+                first, last_send = s.start_ts.min(), s.start_ts.max()
+                rows.append({"processes": processes, "to_first_send_s": first - called,
+                             "sending_s": last_send - first,
+                             "after_last_reply_s": back - (s.start_ts + s.e2e_s).max()})
+        _pin_self(None)
+    for processes in (1, 2, 4):
+        mine = [r for r in rows if r["processes"] == processes]
+        print(f"  {processes} process(es): first send after "
+              f"{np.median([r['to_first_send_s'] for r in mine]):.2f} s, sent for "
+              f"{np.median([r['sending_s'] for r in mine]):.2f} s of {dur:g}, returned "
+              f"{np.median([r['after_last_reply_s'] for r in mine]):.2f} s after the last reply")
+    return rows
 
 
 def accuracy(a, dur: float, wrap) -> dict:

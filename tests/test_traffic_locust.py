@@ -157,6 +157,20 @@ def test_processes_and_stop_conditions(tmp_path):
 
 
 @integration
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_run_sends_for_its_duration_and_no_longer(tmp_path, processes):
+    """Locust asks the shape once a second, so a run went on sending up to a second past its
+    duration (a second on one process, half of one on two). It stops on time now."""
+    duration = 3
+    with running("--ttft-ms", "10", "--itl-ms", "2", "--no-precise") as url:
+        r = run_load(url, "ok", SHORT, _closed(4, duration), tmp_path, processes=processes,
+                     scrape_metrics=False)
+    assert r.stop_reason == "duration" and r.samples.worker.nunique() == processes
+    sent = r.samples.start_ts - r.samples.start_ts.min()
+    assert duration - 0.5 < sent.max() < duration + 0.5, sent.max()
+
+
+@integration
 def test_saturation_stop(tmp_path):
     # Capacity ~13 req/s (2 slots x 150 ms); 40 req/s offered: TTFT and the queue grow unbounded.
     load = Load(mode="open", shape={"level": 40}, stop={"duration_s": 40, "saturation": True,

@@ -48,6 +48,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
 from locust.user.users import LOCUST_STATE_STOPPING
 
+from vllm_lab.traffic import locust_waits
 from vllm_lab.traffic.arrivals import (
     InFlightMeter,
     dealt,
@@ -61,6 +62,7 @@ from vllm_lab.traffic.sse import Stream, failure
 from vllm_lab.traffic.workloads import WorkloadGenerator
 
 _CFG = json.loads(Path(os.environ["VLLM_LAB_TRAFFIC_CONFIG"]).read_text())
+locust_waits.shorten()
 LOAD = Load.model_validate(_CFG["load"])
 WORKLOAD = Workload.model_validate(_CFG["workload"])
 OUT = Path(_CFG["out_dir"])
@@ -259,6 +261,10 @@ def _schedule_length(cap: int = 10_000_000) -> int | None:
     return n if n <= cap else None
 
 
+# How often Locust's shape worker calls tick() (locust.runners: about once a second).
+TICK_S = 1.0
+
+
 class LabShape(LoadTestShape):
     """Drives users from the run's `Load` and stops on the first stop condition that holds."""
 
@@ -312,6 +318,11 @@ class LabShape(LoadTestShape):
         stop = load.stop
         # A counted run ends when its last request has ended, which the pool hears at once (the
         # workers' statistics reach a master only every few seconds).
+        if 0 < stop.duration_s - t < TICK_S:
+            # Locust asks the shape once a second: without this nap a run would go on sending
+            # for up to a second past its duration (half a second on average).
+            gevent.sleep(stop.duration_s - t)
+            t = run_time(self.get_run_time())
         reason = stop_reason(stop, t, *self._e2e_stats(), finished=POOL.ended, scheduled=self.scheduled)
         if reason is None and stop.saturation and self._check_saturation():
             reason = "saturation"
