@@ -316,13 +316,14 @@ class LabShape(LoadTestShape):
         load = self.load
         t = run_time(self.get_run_time())
         stop = load.stop
-        # A counted run ends when its last request has ended, which the pool hears at once (the
-        # workers' statistics reach a master only every few seconds).
         if 0 < stop.duration_s - t < TICK_S:
-            # Locust asks the shape once a second: without this nap a run would go on sending
-            # for up to a second past its duration (half a second on average).
+            # Locust asks the shape once a second, from before the users start: without this
+            # nap a run went on sending up to a second past its duration (a whole one on one
+            # process, half of one where a master gives its workers half a second to start).
             gevent.sleep(stop.duration_s - t)
             t = run_time(self.get_run_time())
+        # A counted run ends when its last request has ended, which the pool hears at once (the
+        # workers' statistics reach a master only every few seconds).
         reason = stop_reason(stop, t, *self._e2e_stats(), finished=POOL.ended, scheduled=self.scheduled)
         if reason is None and stop.saturation and self._check_saturation():
             reason = "saturation"
