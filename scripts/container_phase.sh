@@ -15,6 +15,9 @@
 #        claims (the guide's claims 1-6 and 8, REPEATS runs an arm, default 3; two configurations at
 #        once on a host of two GPUs; EXPERIMENT names it, default claims-h200-regimes),
 #        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2),
+#        baseline (make baseline: vLLM's defaults on the default scenario, REPEATS runs, default 5, of
+#        DURATION s, default 30, after a discarded one: the run-to-run spread of one configuration;
+#        EXPERIMENT names it, default h200-baseline-repeats),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
 # MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
@@ -29,7 +32,7 @@
 # waits up to SECONDS (default 540) for it, copies the store to OUT as it stands, and exits 0 when
 # the phase has ended well, 75 while it still runs, the phase's status otherwise.
 set -uo pipefail
-phase=${1:?usage: container_phase.sh sweep|claims|tp|tp70b|autotune|wait}
+phase=${1:?usage: container_phase.sh sweep|claims|baseline|tp|tp70b|autotune|wait}
 store=${STORE:-/tmp/lab}
 out=${OUT:-/tmp/out}
 mkdir -p "$store" "$out"
@@ -107,6 +110,11 @@ PY
       # The base runs on 2 GPUs (one cannot hold it); TP 1 is then recorded as refused before launch.
       sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2"
       seed=reports/examples/tp-scaling-h200 ;;
+  # One configuration repeated in one server start: its coefficient of variation is the host's noise.
+  baseline) args=(baseline HARDWARE=h200 INVENTORY=inventory/container.yml REPEATS="${REPEATS:-5}"
+                  EXPERIMENT="${EXPERIMENT:-h200-baseline-repeats}")
+            common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
+            sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # The staircase's levels last DURATION (30 s unless set); the search runs on the predictor for
   # the H200 preset, then the defaults and the best candidates are measured here.
   autotune) args=(autotune SCENARIO=realtime-chat HARDWARE=h200 INVENTORY=inventory/container.yml
@@ -114,7 +122,7 @@ PY
                   CONFIRM="${CONFIRM:-2}")
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
       sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
-  *) echo "container_phase.sh: unknown phase $phase (sweep, claims, tp, tp70b or autotune)" >&2; exit 2 ;;
+  *) echo "container_phase.sh: unknown phase $phase (sweep, claims, baseline, tp, tp70b or autotune)" >&2; exit 2 ;;
 esac
 
 # The TP and sweep phases continue the committed example's store, so the runs it holds (TP 1 of
