@@ -109,3 +109,33 @@ def _no_processes(item: pytest.Item):
                     "integration: mark it @pytest.mark.integration or keep it in-process",
                     pytrace=False)
     return result
+
+
+_PREDICTIONS: dict[str, object] = {}
+
+
+@pytest.fixture
+def shared_predictions(monkeypatch):
+    """The predictor's answers shared between the tests that ask it the same question.
+
+    A prediction is a pure function of its inputs (flags, profile, model, requests, arrivals,
+    seed), and the tests that run a whole autotune, tune or claims on the predictor ask many of
+    the same ones: a third of test-fast's predictor time was repeats. A module that is not about
+    the predictor itself opts in (``pytestmark = pytest.mark.usefixtures("shared_predictions")``);
+    each test gets its own copy of an answer, so none can change another's."""
+    import copy
+    import hashlib
+    import pickle
+
+    from vllm_lab.twin import predictor
+
+    compute = predictor.predict
+
+    def predict(flags, profile, model, requests, arrivals, seed=0):
+        key = hashlib.sha1(pickle.dumps((sorted(flags.items()), profile.model_dump_json(), repr(model),
+                                         list(requests), arrivals, seed))).hexdigest()
+        if key not in _PREDICTIONS:
+            _PREDICTIONS[key] = compute(flags, profile, model, requests, arrivals, seed)
+        return copy.deepcopy(_PREDICTIONS[key])
+
+    monkeypatch.setattr(predictor, "predict", predict)

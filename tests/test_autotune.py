@@ -21,6 +21,8 @@ from vllm_lab.reports.autotune import build_report
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 REPO = Path(__file__).resolve().parent.parent
 SUMMARY_KEYS = {"defaults_capacity", "best_capacity", "gain", "gain_interval", "predicted_best_capacity",
                 "predicted_defaults_capacity", "gpu_minutes", "best_flags", "backend"}

@@ -10,6 +10,8 @@ import pytest
 
 from vllm_lab import claims, cli, scenarios
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def base():

@@ -28,6 +28,8 @@ from vllm_lab.deadline import (
 )
 from vllm_lab.store import Store
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 SMALL = ["--set", "load.shape.level=2", "--set", "load.stop.duration_s=5"]
 SOURCE = Source("default", None, ("load.shape.level=2", "load.stop.duration_s=5"))
 

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from vllm_lab import cli
 from vllm_lab.backends import PredictBackend
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 # Pieces a hostile or clumsy make variable is made of: shell and make syntax, paths, numbers.
 TOKENS = ["a", "x", "7", "8", "16", "-1", "0", "1e12", ".", "..", "/", "-", "_", ",", " ", "=",
           ";", "|", "&", "$", "(", ")", "`", "'", '"', "\\", "*", "#", "\n", "$(touch F)", "$(shell touch F)",

@@ -18,7 +18,7 @@ from vllm_lab.commands import bench
 from vllm_lab.store import Store, StoreError
 
 # Untimed: make, the CLI on the predictor, a provision: no live window (make test).
-pytestmark = pytest.mark.untimed
+pytestmark = [pytest.mark.untimed, pytest.mark.usefixtures("shared_predictions")]  # tests/conftest.py
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["--backend", "predict", "--hardware", "cpu-demo", "--set", "load.shape.level=2",
          "--repeats", "1"]

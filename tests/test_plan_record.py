@@ -11,6 +11,8 @@ from vllm_lab.commands import plan_record
 from vllm_lab.commands.settings import Settings
 from vllm_lab.store import Store
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 A100 = {"LAB_MAKE_PARAM": "max-num-seqs", "LAB_MAKE_BACKEND": "predict",
         "LAB_MAKE_HARDWARE": "a100-80g", "LAB_MAKE_VALUES": "16,32", "LAB_MAKE_DURATION": "10",
         "LAB_MAKE_SET": "load.shape.level=4"}

@@ -13,6 +13,8 @@ from vllm_lab.commands.settings import Settings, Source
 from vllm_lab.commands.sweep import sweep
 from vllm_lab.store import Store
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 
 class NoisyBackend:
     """max-num-seqs=8 reads with a 6% spread run to run, 64 with 0.3%; every run is recorded

@@ -17,6 +17,8 @@ import pytest
 from vllm_lab import progress
 from vllm_lab.traffic.runner import LiveFigures
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
 STAMP = re.compile(r"^\d\d:\d\d:\d\d ")
 

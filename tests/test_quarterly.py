@@ -14,6 +14,8 @@ from vllm_lab import scenarios
 from vllm_lab.reports import quarterly
 from vllm_lab.store import RunRecord, Store, run_identity
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 Q3 = datetime(2026, 8, 1, tzinfo=UTC).timestamp()
 Q4 = datetime(2026, 11, 1, tzinfo=UTC).timestamp()
 NEXT = datetime(2027, 1, 15, tzinfo=UTC).timestamp()

@@ -12,6 +12,8 @@ from vllm_lab.backends import LiveBackend, Measurement
 from vllm_lab.reports import page
 from vllm_lab.store import PREDICTION_KEY, RunRecord, Store, run_identity
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 
 def _sweep_store(path, prediction: bool, server: dict | None = None):
     """A real-vLLM sweep of max-num-seqs 32 and 64; ``server``: vLLM's account of each point's

@@ -10,6 +10,8 @@ from vllm_lab import reports as report
 from vllm_lab import scenarios
 from vllm_lab.store import RunRecord, Store, StoreError, run_identity
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 T0 = 1_790_000_000.0
 FIGURES = {"output_throughput": 1000.0, "request_throughput": 4.0, "goodput": 3.0, "slo_attainment": 0.9,
            "requests": 100.0, "ttft_p50": 0.1, "ttft_p90": 0.2, "ttft_p99": 0.4, "tpot_p50": 0.01,

@@ -25,6 +25,8 @@ from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 ROOT = Path(__file__).resolve().parent.parent
 SETS = ["load.mode=open", "load.shape.level=20", "load.stop.duration_s=5"]
 

@@ -28,6 +28,8 @@ from vllm_lab.backends import PredictBackend
 from vllm_lab.scenarios import ScenarioError, resolve
 from vllm_lab.store import Store
 
+pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
+
 REPO = Path(__file__).resolve().parent.parent
 
 

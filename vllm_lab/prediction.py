@@ -52,19 +52,32 @@ def predicted_requests(scenario: Scenario, count: int):
     if lin is None or lout is None:
         raise ValueError(f"workload source {scenario.workload.source!r} has no length "
                          f"distribution the predictor can use; give input: and output: lengths")
-    drawn = _drawn(lin, lout, scenario.run.seed, count)
-    prompts = np.array([n_in for n_in, _ in drawn], dtype=int)
-    outputs = [n_out for _, n_out in drawn]
     shared = shared_prefix_length(scenario.workload.shared_prefix_ratio, lin.mean)
-    if shared:  # the user's text is one token at least, however short the drawn length
-        prompts = np.maximum(prompts, shared + 1)
     chat = scenario.workload.api == "chat"
-    if chat:  # the server prefills the message in its chat template, not the message alone
-        prompts = prompts + chat_template_tokens(scenario)
+    template = chat_template_tokens(scenario) if chat else 0
+    key = (lin.model_dump_json(), lout.model_dump_json(), scenario.run.seed, count, shared,
+           scenario.workload.prefix_groups, chat, template)
+    with _DRAWN_LOCK:
+        built = _BUILT.get(key)
+    if built is None:
+        built = _built(_drawn(lin, lout, scenario.run.seed, count), shared,
+                       scenario.workload.prefix_groups, chat, template)
+        with _DRAWN_LOCK:
+            if len(_BUILT) >= 64:
+                _BUILT.clear()
+            _BUILT[key] = built
+    return list(built)
+
+
+def _built(drawn: list[tuple[int, int]], shared: int, groups: int, chat: bool, template: int) -> list:
     from vllm_lab.twin.predictor import PredictRequest
 
-    tokens = shared_prefix_prompts(prompts, shared, scenario.workload.prefix_groups)
-    return [PredictRequest(p, int(o), chat) for p, o in zip(tokens, outputs)]
+    prompts = np.array([n_in for n_in, _ in drawn], dtype=int)
+    if shared:  # the user's text is one token at least, however short the drawn length
+        prompts = np.maximum(prompts, shared + 1)
+    prompts = prompts + template  # the server prefills a message in its chat template
+    tokens = shared_prefix_prompts(prompts, shared, groups)
+    return [PredictRequest(p, int(n_out), chat) for p, (_n_in, n_out) in zip(tokens, drawn)]
 
 
 # Request i's lengths depend on the distributions, the seed and i alone: an autotune or a staircase
@@ -72,6 +85,9 @@ def predicted_requests(scenario: Scenario, count: int):
 # rest of its drawing. Kept per workload and seed, extended as a longer run asks for more.
 _DRAWN: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
 _DRAWN_LOCK = threading.Lock()
+# The requests built from them (a shared prefix's token ids cost as much again), kept whole: the
+# predictor reads them and never changes them, and each caller gets its own list.
+_BUILT: dict[tuple, list] = {}
 
 
 def _drawn(lin, lout, seed: int, count: int) -> list[tuple[int, int]]:
