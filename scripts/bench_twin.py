@@ -116,23 +116,31 @@ FITTED_ON = ("autotune-realtime-chat-h200-defaults",)
 
 
 def staircases(db: Path = STAIRCASES) -> None:
-    """Each stored staircase level: TTFT p99, TPOT p99 and the SLO verdict, measured vs predicted."""
+    """Each stored staircase level: TTFT p99, TPOT p99, the SLO verdict and, where the store kept
+    vLLM's process series, the API-server process's CPU (cores), measured vs predicted."""
+    from vllm_lab.audit import server_view
     from vllm_lab.backends import PredictBackend
     from vllm_lab.store import Store
 
     with Store(db) as store:
         runs = store.runs()
+        views = {run.run_key: server_view(store.server_metrics(run.experiment_id, run.run_key))
+                 for run in runs.itertuples()}
     print(f"\n## Fidelity on stored staircases: {db}")
-    print(f"{'candidate':24s} {'set':8s} {'level':>7s} {'TTFT p99 ms':>17s} {'TPOT p99 ms':>15s} {'SLO':>13s}")
+    print(f"{'candidate':24s} {'set':8s} {'level':>7s} {'TTFT p99 ms':>17s} {'TPOT p99 ms':>15s} {'SLO':>13s}"
+          f" {'API CPU':>13s}")
     agree = {"fit": [], "held-out": []}
     for run in runs.sort_values(["experiment_id", "started"]).itertuples():
         scenario = Scenario.model_validate(json.loads(run.scenario_json))
         p = PredictBackend().measure(scenario, None, Path(".")).summary
         kind = "fit" if run.experiment_id in FITTED_ON else "held-out"
         agree[kind].append(bool(run.summary["meets_slo"]) == bool(p["meets_slo"]))
+        view = views[run.run_key]
+        cpu = (f"{view.api_cpu:6.2f} /{p['server_api_cpu']:5.2f}"
+               if view is not None and view.api_cpu is not None else "")
         print(f"{run.experiment_id.removeprefix('autotune-realtime-chat-h200-'):24s} {kind:8s} {run.point['load.shape.level']:7.2f} "
               f"{run.ttft_p99 * 1e3:8.0f} /{p['ttft_p99'] * 1e3:7.0f} {run.tpot_p99 * 1e3:6.1f} /"
-              f"{p['tpot_p99'] * 1e3:6.1f} {bool(run.summary['meets_slo'])!s:>6s}/{p['meets_slo']!s:6s}")
+              f"{p['tpot_p99'] * 1e3:6.1f} {bool(run.summary['meets_slo'])!s:>6s}/{p['meets_slo']!s:6s} {cpu}")
     for kind, same in agree.items():
         if same:
             print(f"SLO verdict agrees on {sum(same)} of {len(same)} {kind} levels")

@@ -42,6 +42,17 @@ def test_the_server_view_is_the_difference_of_the_first_and_last_scrape():
     assert 0.1 < view.percentiles["ttft_p50"] < 0.25  # inside the bucket holding the median
 
 
+def test_the_api_server_process_cpu_is_its_counter_over_the_span():
+    """vLLM's one API-server process exports its CPU seconds: 4.5 more over 9 s is half a core.
+    Several API-server processes export no process series: then there is no figure, not a 0."""
+    before = _scrape(0.0, 10, 1.0, 10.0, 5.0, {float("inf"): 10}) + [(0.0, audit.PROCESS_CPU, "", 100.0)]
+    after = _scrape(9.0, 30, 5.0, 40.0, 25.0, {float("inf"): 30}) + [(9.0, audit.PROCESS_CPU, "", 104.5)]
+    view = audit.server_view(frame(before + after))
+    assert view.api_cpu == pytest.approx(0.5) and view.as_summary()["server_api_cpu"] == pytest.approx(0.5)
+    plain = audit.server_view(frame(before[:-1] + after[:-1]))
+    assert plain.api_cpu is None and "server_api_cpu" not in plain.as_summary()
+
+
 def test_histogram_quantile_interpolates_inside_the_bucket():
     upper, cum = np.array([1.0, 2.0, np.inf]), np.array([0.0, 10.0, 10.0])
     assert audit.histogram_quantile(0.5, upper, cum) == pytest.approx(1.5)
@@ -79,5 +90,6 @@ def test_the_lab_client_agrees_with_the_twin_server(tmp_path: Path):
     view = audit.server_view(r.server_metrics)
     check = audit.audit(r.samples, view)
     assert view.requests == 24 and check.tokens_diff == 0
+    assert view.api_cpu is not None  # the modelled API server's busy time, as vLLM exports its CPU
     assert not check.client_limited, check.reason
     assert abs(check.span_diff) < audit.SPAN_TOLERANCE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from vllm_lab import stress
 from vllm_lab.models import load_model_shape
+from vllm_lab.scenarios import Scenario
 from vllm_lab.summary import closed_loop_gaps
 from vllm_lab.twin.engine import Engine
 from vllm_lab.twin.fit import compare, load_point
@@ -130,9 +132,11 @@ def test_api_server_processes_queue_requests_and_share_tokens():
     assert one.admit(0.0, chat=True) == pytest.approx(0.004)
     assert one.admit(0.001, chat=True) == pytest.approx(0.008)  # queued behind the first
     assert one.release(0.010, 4) == pytest.approx(0.014)
+    assert one.busy_s == pytest.approx(0.012)  # two chat admissions and four tokens: its CPU
     four = Frontend(token_cost_s=0.001, servers=4, chat_cost_s=0.004)
     assert [four.admit(0.0, chat=True) for _ in range(4)] == pytest.approx([0.004] * 4)
     assert four.release(0.010, 4) == pytest.approx(0.011)
+    assert four.busy_s == pytest.approx(0.020)  # the same work, on four processes
 
 
 def test_api_server_pays_per_prompt_token_and_catches_up_by_merging_chunks():
@@ -172,6 +176,40 @@ def test_one_api_server_caps_chat_traffic_on_the_h200_and_four_lift_it():
     four = PredictBackend().measure(point({"api-server-count": 4}), None, Path("."))
     assert one.summary["ttft_p99"] > 0.3 and not one.summary["meets_slo"]
     assert four.summary["ttft_p99"] < 0.15 and four.summary["meets_slo"]
+
+
+def test_the_api_servers_cpu_is_vllms_process_cpu_on_the_h200_chat_staircase():
+    """vLLM's API-server process used 0.47, 0.58 and 0.69 of a core at 23, 28 and 33 req/s of
+    realtime-chat (process_cpu_seconds_total in reports/examples/autotune-h200, the defaults'
+    staircase `-c`): the modelled API server is as busy, within 10%."""
+    from vllm_lab.audit import server_view
+    from vllm_lab.backends import PredictBackend
+    from vllm_lab.store import Store
+
+    store_path = Path(__file__).resolve().parent.parent / "reports/examples/autotune-h200/lab.db"
+    with Store(store_path) as store:
+        runs = store.runs("autotune-realtime-chat-h200-c-defaults")
+        levels = {float(r.point["load.shape.level"]): (r.scenario_json, server_view(
+            store.server_metrics(r.experiment_id, r.run_key)).api_cpu) for r in runs.itertuples()}
+    for level, measured in ((23.273, 0.471), (28.26, 0.584), (33.247, 0.687)):
+        scenario_json, cpu = levels[level]
+        assert cpu == pytest.approx(measured, abs=0.001)
+        scenario = Scenario.model_validate(json.loads(scenario_json))
+        predicted = PredictBackend().measure(scenario, None, Path(".")).summary["server_api_cpu"]
+        assert predicted == pytest.approx(cpu, rel=0.10), level
+
+
+def test_the_loops_cpu_is_read_while_the_run_was_under_way():
+    """The parity script's samples of the API server's event loop cover the tool's start and the
+    drain too: the rate is read where the run went on, not over the whole call."""
+    from vllm_lab.twin.reference import loop_cpu
+
+    idle = [[t, 0.01 * t] for t in range(10)]                       # 0.01 of a core idling
+    busy = [[10 + t, 0.09 + 0.8 * t] for t in range(1, 21)]            # 0.8 of a core for 20 s
+    drain = [[31 + t, busy[-1][1] + 0.01 * t] for t in range(1, 10)]
+    assert loop_cpu({"server_api_busiest_thread_series": idle + busy + drain}) == pytest.approx(0.8, rel=0.02)
+    assert loop_cpu({"server_api_busiest_thread_series": idle}) is None  # under half a CPU second
+    assert loop_cpu({}) is None
 
 
 def test_enforce_eager_cuts_saturated_ttft_through_the_waiting_queue():

@@ -38,6 +38,11 @@ COUNTERS = {
     "generation_tokens": "vllm:generation_tokens_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
 }
+# The CPU seconds of the process that serves /metrics, all its threads: with one API-server
+# process (vLLM's default) that is the API server, whose single event loop admits every request
+# and streams every token. Near one core it is the limit, and --api-server-count the flag for it.
+# Several API-server processes share their metrics through files and export no process series.
+PROCESS_CPU = "process_cpu_seconds_total"
 
 # How far the client's decode span (e2e - TTFT, from its first to its last token) may exceed the
 # server's before the run is client-limited. Both are taken where the token leaves vLLM's API
@@ -59,6 +64,7 @@ class ServerView:
     means: dict[str, float]        # seconds, by HISTOGRAMS key
     percentiles: dict[str, float]  # "ttft_p50": seconds, bucket-interpolated (indicative)
     span_s: float                  # seconds between the two scrapes
+    api_cpu: float | None = None   # cores the API-server process used between them (PROCESS_CPU)
 
     @property
     def frontend_lag_s(self) -> float | None:
@@ -75,6 +81,8 @@ class ServerView:
                "server_prompt_tokens": self.prompt_tokens}
         if self.frontend_lag_s is not None:
             out["server_frontend_lag_mean"] = self.frontend_lag_s
+        if self.api_cpu is not None:
+            out["server_api_cpu"] = self.api_cpu
         out.update({f"server_{k}_mean": v for k, v in self.means.items()})
         out.update({f"server_{k}": v for k, v in self.percentiles.items()})
         return out
@@ -141,10 +149,13 @@ def server_view(metrics: pd.DataFrame | None) -> ServerView | None:
             v = histogram_quantile(q / 100, b1.index.to_numpy(dtype=float), diff)
             if v is not None:
                 pct[f"{key}_p{q}"] = v
+    cpu = metrics[metrics["name"] == PROCESS_CPU]
+    api_cpu = (delta(PROCESS_CPU) / (t1 - t0)
+               if {t0, t1} <= set(cpu["ts"].astype(float)) and t1 > t0 else None)
     return ServerView(requests=delta(COUNTERS["requests"]),
                       generation_tokens=delta(COUNTERS["generation_tokens"]),
                       prompt_tokens=delta(COUNTERS["prompt_tokens"]),
-                      means=means, percentiles=pct, span_s=t1 - t0)
+                      means=means, percentiles=pct, span_s=t1 - t0, api_cpu=api_cpu)
 
 
 @dataclass(frozen=True)

@@ -528,7 +528,8 @@ class PredictBackend:
                        kv_usage_max=prediction.kv_usage_peak,
                        preemptions=float(prediction.num_preemptions),
                        gpu_util_mean=prediction.gpu_utilization * 100,
-                       kv_cache_tokens=prediction.kv_cache_tokens)
+                       kv_cache_tokens=prediction.kv_cache_tokens,
+                       server_api_cpu=prediction.api_server_cpu)
         summary.update(modelled_energy(prediction))
         unsteady = unsteady_reason(summary, scenario.load)
         return Measurement(status=RunStatus.UNSTEADY if unsteady else RunStatus.OK, started=started,

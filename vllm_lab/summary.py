@@ -106,6 +106,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("server_ttft_mean", "s", "TTFT mean by vLLM's /metrics", LOWER),
     Metric("server_tpot_mean", "s", "TPOT mean by vLLM's /metrics", LOWER),
     Metric("server_frontend_lag_mean", "s", "client minus server E2E (mean)", LOWER),
+    Metric("server_api_cpu", "cores", "vLLM's API-server process CPU", NEITHER),
     Metric("audit_span_diff", "share", "client against server span", NEITHER),
     # The steady window and how sure its throughput is.
     Metric("warmup_s", "s", "start of the steady window after the first send", NEITHER),

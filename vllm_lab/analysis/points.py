@@ -52,7 +52,7 @@ SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50", "output_
 # The client beside the server: what vLLM's own /metrics said of the same runs (vllm_lab.audit),
 # and how many Locust processes sent the load. Means over every run of a point, limited ones too.
 AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
-               "audit_span_diff")
+               "audit_span_diff", "server_api_cpu")
 # vLLM's account of where a request's TTFT went (means over every run, as AUDIT): waiting in the engine's
 # queue, and from its scheduling to its first token; the rest is the API server's
 # (``api_server_hold``).

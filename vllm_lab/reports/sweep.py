@@ -269,12 +269,15 @@ def api_server_notes(table: pd.DataFrame, params: list[str]) -> list[str]:
         if not (hold >= HOLD_MIN_S and hold >= HOLD_SHARE * float(ttft)):
             continue
         where = point_name(row, params) or "this configuration"
+        cpu = row.get("server_api_cpu")
+        busy = (f"; its process used {float(cpu):.2f} of a core" if cpu is not None and not pd.isna(cpu)
+                else "")
         notes.append(
             f"at {where} vLLM's API server held each request {hold * 1e3:,.0f} ms of its "
             f"{float(ttft) * 1e3:,.0f} ms TTFT (vLLM's /metrics: {row['server_queue_mean'] * 1e3:,.0f} ms "
-            f"queued, {row['server_prefill_mean'] * 1e3:,.0f} ms from scheduling to first token): "
-            f"the API server, not the engine, sets TTFT there; --api-server-count (more API-server "
-            f"processes) is the flag for it")
+            f"queued, {row['server_prefill_mean'] * 1e3:,.0f} ms from scheduling to first token"
+            f"{busy}): the API server, not the engine, sets TTFT there; --api-server-count (more "
+            f"API-server processes) is the flag for it")
     return notes
 
 

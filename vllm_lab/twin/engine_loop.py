@@ -62,7 +62,7 @@ class EngineLoop:
     def __init__(self, engine: Any, metrics: TwinMetrics, flags: dict | None = None):
         self.engine = engine
         self.metrics = metrics
-        self.frontend = Frontend.of(engine.profile.coefficients, flags or {})
+        self.frontend = metrics.frontend = Frontend.of(engine.profile.coefficients, flags or {})
         # Steps whose tokens the modelled API server has not streamed yet: (due, result, start).
         self.streaming: deque[tuple[float, Any, float]] = deque()
         self.streamed = asyncio.Event()

@@ -31,6 +31,15 @@ class Frontend:
         self._last_ready = float("-inf")
         self.free = [0.0] * max(1, int(servers))
         self._turn = 0
+        # Seconds of work the processes have been given, all together: what vLLM's API server
+        # exports as process_cpu_seconds_total (one process; its threads' CPU included).
+        self.busy_s = 0.0
+
+    @property
+    def costs(self) -> bool:
+        """Whether the processes cost anything (else every step's tokens go out as they are made)."""
+        return bool(self.token_cost_s or self.request_cost_s or self.chat_cost_s
+                    or self.prompt_token_cost_s)
 
     @property
     def free_at(self) -> float:
@@ -59,12 +68,12 @@ class Frontend:
         if not cost:
             return start
         self.free[k] = max(self.free[k], start) + cost
+        self.busy_s += cost
         return start + cost
 
     def release(self, ready_at: float, tokens: int) -> float:
         """When a step's ``tokens``, ready on the GPU at ``ready_at``, reach the clients."""
-        if not (self.token_cost_s or self.request_cost_s or self.chat_cost_s
-                or self.prompt_token_cost_s):
+        if not self.costs:
             return ready_at
         gap, self._last_ready = ready_at - self._last_ready, ready_at
         per_token = self.token_cost_s * (1.0 - self.delivery_share)
@@ -76,7 +85,9 @@ class Frontend:
             # step's go out together, one SSE chunk a request (vLLM's RequestOutputCollector
             # merges a stream's outputs its consumer has not taken yet).
             waiting = 1.0 + max(0.0, f - ready_at) / gap if gap > 0 else 1.0
-            free.append(max(f, ready_at) + n * (per_token + per_delivery / waiting))
+            work = n * (per_token + per_delivery / waiting)
+            self.busy_s += work
+            free.append(max(f, ready_at) + work)
         self.free = free
         return max(self.free)
 

@@ -112,6 +112,11 @@ class _StateCollector:
         yield m.cache_config_family()
         yield from m.gpu_families(s)
         yield from m.lag_families()
+        if m.frontend is not None and len(m.frontend.free) == 1:
+            # As vLLM's one API-server process exports its CPU: here the modelled API server's
+            # busy time (twin/frontend.py), not this process's own.
+            yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent "
+                                      "in seconds.", value=m.frontend.busy_s)
 
 
 class TwinMetrics:
@@ -125,6 +130,7 @@ class TwinMetrics:
         self.gpu = gpu  # name, count, power_idle_w, power_max_w
         self.lag_current_s = 0.0
         self.lag_max_s = 0.0
+        self.frontend: Any = None  # the API server the engine loop models, once it runs
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StateCollector(self))
         ln = ["model_name", "engine"]

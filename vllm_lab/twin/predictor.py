@@ -86,6 +86,7 @@ class Prediction:
     kv_cache_tokens: int
     requests: pd.DataFrame | None = None
     energy_j: float = 0.0       # the GPUs' modelled energy over the run (twin/power.py)
+    api_server_cpu: float = 0.0  # cores an API-server process was busy, their mean (twin/frontend.py)
 
     def summary(self) -> dict[str, Any]:
         """The flat numbers, milliseconds for latencies, as vllm bench names them."""
@@ -96,7 +97,7 @@ class Prediction:
             "total_token_throughput": self.total_token_throughput,
             "num_preemptions": self.num_preemptions,
             "kv_usage_peak": self.kv_usage_peak, "kv_usage_mean": self.kv_usage_mean,
-            "gpu_utilization": self.gpu_utilization,
+            "gpu_utilization": self.gpu_utilization, "api_server_cpu": self.api_server_cpu,
         }
         for name, key in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2el", "e2e")):
             for stat, v in getattr(self, key).items():
@@ -275,7 +276,7 @@ class _Run:
         times, nb = run.step_times, run.batch_size
         ends = self.now + np.cumsum(times)
         fe = self.frontend
-        if fe.token_cost_s or fe.request_cost_s or fe.chat_cost_s:
+        if fe.costs:
             vis = np.array([fe.release(e, nb) for e in ends.tolist()])
         else:
             vis = ends
@@ -359,7 +360,8 @@ class _Run:
             num_preemptions=eng.num_preemptions, kv_usage_peak=self.usage_peak,
             kv_usage_mean=self.usage_area / eng.busy_s if eng.busy_s else 0.0,
             gpu_utilization=per_s(eng.busy_s), kv_cache_tokens=eng.kv_cache_tokens, requests=df,
-            energy_j=eng.energy_j(t0 + duration))  # the clock starts at the first send, t0 = 0
+            energy_j=eng.energy_j(t0 + duration),  # the clock starts at the first send, t0 = 0
+            api_server_cpu=per_s(self.frontend.busy_s / len(self.frontend.free)))
 
 
 def bench_serve(flags: dict[str, Any], profile: Profile, model, num_prompts: int,

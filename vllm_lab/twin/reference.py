@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from vllm_lab.twin.fit import BenchPoint, load_point
@@ -117,6 +118,9 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
                                         - srv["server_prefill_mean"])
         if "server_frontend_lag_mean" in srv:
             measured["lag_ms"] = 1e3 * srv["server_frontend_lag_mean"]
+        api_cpu = srv.get("server_api_cpu", loop_cpu(run.get("cpu") or {}))
+        if api_cpu is not None:
+            measured["api_cpu"] = api_cpu
         open_loop = run["arrival"] != "closed"
         prompts, chat = rq.prompt_tokens.astype(int).tolist(), run["case"] == "chat"
         if run["workload"] not in BENCH_WORKLOADS:  # a scenario's traffic, sent by the lab alone
@@ -145,6 +149,20 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
             else not later and key in FITTED)
         out.append((pt, fitted))
     return out
+
+
+def loop_cpu(cpu: dict) -> float | None:
+    """The cores the API server's busiest thread (its event loop) used while the run was under
+    way, from the parity script's samples of it: the slope between 20% and 80% of its CPU seconds
+    (the script's call also covers the tool's start and the drain, when the loop idles)."""
+    series = np.asarray(cpu.get("server_api_busiest_thread_series") or [], dtype=float)
+    if len(series) < 3 or series[-1, 1] < 0.5:
+        return None
+    total = series[-1, 1]
+    i, j = np.searchsorted(series[:, 1], [0.2 * total, 0.8 * total])
+    j = min(j, len(series) - 1)
+    span = series[j, 0] - series[i, 0]
+    return float((series[j, 1] - series[i, 1]) / span) if span > 0 else None
 
 
 def _scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
@@ -181,8 +199,10 @@ def held_out_set(folders: tuple[Path, ...] = (TRAFFIC,)) -> list[BenchPoint]:
 # The fidelity goals per traffic kind: median |error| of each metric, and the worst for the first three.
 GOALS = {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.10, 0.25),
          "p50_tpot_ms": (0.10, 0.25), "p99_ttft_ms": (0.15, None)}
-# Read beside them, with no goal: the API server's share of TTFT (vLLM's own histograms).
-DIAGNOSTICS = ("api_ms", "lag_ms")
+# Read beside them, with no goal: the API server's share of TTFT (vLLM's own histograms), its
+# streams' lag, and the cores it used (its process's CPU counter, or in the older measurements its
+# event loop's thread as sampled beside the run).
+DIAGNOSTICS = ("api_ms", "lag_ms", "api_cpu")
 
 
 def errors(points: list[BenchPoint], profile, model) -> pd.DataFrame:
