@@ -14,7 +14,9 @@ def test_the_plan_covers_realistic_traffic_and_the_fit_replays_it(tmp_path):
     base = scenarios.resolve("default", hardware="cpu-demo")
     points = calibrate.calibration_points(base, plan=calibrate.PLAN[:2])
     kinds = {p.values["point"]: p.scenario for p in points}
-    assert {"v64", "v256", "o50", "o80", "chat64"} <= set(kinds)
+    assert {"v64", "v256", "v256p64", "o50", "o80", "chat64"} <= set(kinds)
+    short = kinds["v256p64"].workload.lengths()
+    assert short[0].mean == 64 and short[1].mean == kinds["v256"].workload.lengths()[1].mean
     assert kinds["o50"].load.mode == "open" and kinds["v64"].workload.source == "sharegpt-like"
     assert kinds["chat64"].workload.api == "chat" and kinds["chat64"].workload.shared_prefix_ratio > 0
     # Open loops at shares of the predicted capacity of 512/128 requests on this GPU.

@@ -3,7 +3,8 @@
 The plan measures what each coefficient of the step-time model is sensitive to: single requests at
 several prompt lengths (prefill compute), closed loops of several sizes with fixed lengths (decode
 batches and their memory traffic) and a saturating one (the API server's streaming cost); then the
-traffic users tune for (`REALISTIC`): variable lengths at 64 and 256 users, Poisson arrivals at
+traffic users tune for (`REALISTIC`): variable lengths at 64 and 256 users (and at 256 behind
+short fixed prompts), Poisson arrivals at
 half and four fifths of the predicted capacity (where prefill chunks and decodes share steps all
 the time), and chat with a shared system prompt. All of it on one server start, since only the load
 changes. The fit then moves the profile's coefficients until the twin's predictor reproduces those
@@ -35,6 +36,10 @@ FIXED_512 = {"source": "synthetic", "input": {"dist": "fixed", "mean": 512},
 REALISTIC = [
     ("v64", {"source": "sharegpt-like"}, "closed", 64, 320),
     ("v256", {"source": "sharegpt-like"}, "closed", 256, 768),
+    # The same replies behind short fixed prompts: beside v256, the API server's one event loop at
+    # its limit with fewer prompt tokens to take in, so its costs per request and per streamed
+    # token come apart (and where each run holds its excess: admission or the output queue).
+    ("v256p64", {"source": "sharegpt-like", "input": {"dist": "fixed", "mean": 64}}, "closed", 256, 768),
     ("o50", FIXED_512, "open", 0.5, 20),
     ("o80", FIXED_512, "open", 0.8, 20),
     ("chat64", {"source": "sharegpt-like", "api": "chat", "shared_prefix_ratio": 0.3}, "closed", 64, 256),
