@@ -270,8 +270,7 @@ def api_server_notes(table: pd.DataFrame, params: list[str]) -> list[str]:
             continue
         where = point_name(row, params) or "this configuration"
         cpu = row.get("server_api_cpu")
-        busy = (f"; its process used {float(cpu):.2f} of a core" if cpu is not None and not pd.isna(cpu)
-                else "")
+        busy = f"; its process used {float(cpu):.2f} of a core" if pd.notna(cpu) else ""
         notes.append(
             f"at {where} vLLM's API server held each request {hold * 1e3:,.0f} ms of its "
             f"{float(ttft) * 1e3:,.0f} ms TTFT (vLLM's /metrics: {row['server_queue_mean'] * 1e3:,.0f} ms "

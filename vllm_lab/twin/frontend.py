@@ -36,6 +36,11 @@ class Frontend:
         self.busy_s = 0.0
 
     @property
+    def processes(self) -> int:
+        """API-server processes (``--api-server-count``)."""
+        return len(self.free)
+
+    @property
     def costs(self) -> bool:
         """Whether the processes cost anything (else every step's tokens go out as they are made)."""
         return bool(self.token_cost_s or self.request_cost_s or self.chat_cost_s

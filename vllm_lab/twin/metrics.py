@@ -112,7 +112,7 @@ class _StateCollector:
         yield m.cache_config_family()
         yield from m.gpu_families(s)
         yield from m.lag_families()
-        if m.frontend is not None and len(m.frontend.free) == 1:
+        if m.frontend is not None and m.frontend.processes == 1:
             # As vLLM's one API-server process exports its CPU: here the modelled API server's
             # busy time (twin/frontend.py), not this process's own.
             yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent "

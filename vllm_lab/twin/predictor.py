@@ -361,7 +361,7 @@ class _Run:
             kv_usage_mean=self.usage_area / eng.busy_s if eng.busy_s else 0.0,
             gpu_utilization=per_s(eng.busy_s), kv_cache_tokens=eng.kv_cache_tokens, requests=df,
             energy_j=eng.energy_j(t0 + duration),  # the clock starts at the first send, t0 = 0
-            api_server_cpu=per_s(self.frontend.busy_s / len(self.frontend.free)))
+            api_server_cpu=per_s(self.frontend.busy_s / self.frontend.processes))
 
 
 def bench_serve(flags: dict[str, Any], profile: Profile, model, num_prompts: int,
