@@ -60,8 +60,8 @@ def predicted_requests(scenario: Scenario, count: int):
     with _DRAWN_LOCK:
         built = _BUILT.get(key)
     if built is None:
-        built = _built(_drawn(lin, lout, scenario.run.seed, count), shared,
-                       scenario.workload.prefix_groups, chat, template)
+        built = _requests(_drawn(lin, lout, scenario.run.seed, count), shared,
+                          scenario.workload.prefix_groups, chat, template)
         with _DRAWN_LOCK:
             if len(_BUILT) >= 64:
                 _BUILT.clear()
@@ -69,7 +69,9 @@ def predicted_requests(scenario: Scenario, count: int):
     return list(built)
 
 
-def _built(drawn: list[tuple[int, int]], shared: int, groups: int, chat: bool, template: int) -> list:
+def _requests(drawn: list[tuple[int, int]], shared: int, groups: int, chat: bool, template: int) -> list:
+    """Predictor requests of the drawn lengths: prompts at least a token past a shared prefix, in
+    the chat template where the API is chat, opening with their prefix group's token ids."""
     from vllm_lab.twin.predictor import PredictRequest
 
     prompts = np.array([n_in for n_in, _ in drawn], dtype=int)

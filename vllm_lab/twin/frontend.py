@@ -67,7 +67,7 @@ class Frontend:
                 + self.prompt_token_cost_s * prompt_tokens)
         if not (cost or self.token_cost_s):
             return arrival
-        k, self._turn = self._turn, (self._turn + 1) % len(self.free)
+        k, self._turn = self._turn, (self._turn + 1) % self.processes
         hop = self.OUTPUT_CHUNK * self.token_cost_s
         start = min(max(self.free[k], arrival), arrival + self.admission_hops * hop)
         if not cost:
@@ -83,7 +83,7 @@ class Frontend:
         gap, self._last_ready = ready_at - self._last_ready, ready_at
         per_token = self.token_cost_s * (1.0 - self.delivery_share)
         per_delivery = self.token_cost_s * self.delivery_share
-        n = tokens / len(self.free)
+        n = tokens / self.processes
         free = []
         for f in self.free:
             # Steps still waiting for this process when this one is ready: their tokens and this

@@ -118,7 +118,7 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
                                         - srv["server_prefill_mean"])
         if "server_frontend_lag_mean" in srv:
             measured["lag_ms"] = 1e3 * srv["server_frontend_lag_mean"]
-        api_cpu = srv.get("server_api_cpu", loop_cpu(run.get("cpu") or {}))
+        api_cpu = srv["server_api_cpu"] if "server_api_cpu" in srv else loop_cpu(run.get("cpu") or {})
         if api_cpu is not None:
             measured["api_cpu"] = api_cpu
         open_loop = run["arrival"] != "closed"
