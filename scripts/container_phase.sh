@@ -18,6 +18,9 @@
 #        baseline (make baseline: vLLM's defaults on the default scenario, REPEATS runs, default 5, of
 #        DURATION s, default 30, after a discarded one: the run-to-run spread of one configuration;
 #        EXPERIMENT names it, default h200-baseline-repeats),
+#        calibrate (make calibrate's plan on vLLM's defaults in one server start, then the profile
+#        fitted to it; EXPERIMENT names it, default h200-calibrate; `wait` copies the store as soon
+#        as the runs are in, so the host may be let go while the fit still runs),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
 # MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
@@ -32,7 +35,7 @@
 # waits up to SECONDS (default 540) for it, copies the store to OUT as it stands, and exits 0 when
 # the phase has ended well, 75 while it still runs, the phase's status otherwise.
 set -uo pipefail
-phase=${1:?usage: container_phase.sh sweep|claims|baseline|tp|tp70b|autotune|wait}
+phase=${1:?usage: container_phase.sh sweep|claims|baseline|calibrate|tp|tp70b|autotune|wait}
 store=${STORE:-/tmp/lab}
 out=${OUT:-/tmp/out}
 mkdir -p "$store" "$out"
@@ -115,6 +118,9 @@ PY
                   EXPERIMENT="${EXPERIMENT:-h200-baseline-repeats}")
             common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
             sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
+  # Every run of the plan has its own size (requests or seconds of arrivals): DURATION plays no part.
+  calibrate) args=(calibrate HARDWARE=h200 INVENTORY=inventory/container.yml EXPERIMENT="${EXPERIMENT:-h200-calibrate}")
+             sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # The staircase's levels last DURATION (30 s unless set); the search runs on the predictor for
   # the H200 preset, then the defaults and the best candidates are measured here.
   autotune) args=(autotune SCENARIO=realtime-chat HARDWARE=h200 INVENTORY=inventory/container.yml
@@ -122,7 +128,7 @@ PY
                   CONFIRM="${CONFIRM:-2}")
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
       sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
-  *) echo "container_phase.sh: unknown phase $phase (sweep, claims, baseline, tp, tp70b or autotune)" >&2; exit 2 ;;
+  *) echo "container_phase.sh: unknown phase $phase (sweep, claims, baseline, calibrate, tp, tp70b or autotune)" >&2; exit 2 ;;
 esac
 
 # The TP and sweep phases continue the committed example's store, so the runs it holds (TP 1 of
