@@ -86,8 +86,9 @@ def request_rows(samples: pd.DataFrame, tag: str) -> pd.DataFrame:
     tokens where the samples kept them."""
     df = samples[samples.status == "ok"].sort_values("start_ts")
     t0 = df.start_ts.min()
-    itl_max = ([max(x or [], default=float("nan")) for x in df.itl_s] if "itl_s" in df
-               else float("nan"))
+    # A sample's gaps are a list (JSON) or an array (parquet); none where the request had one token.
+    itl_max = ([float(np.max(x)) if isinstance(x, list | np.ndarray) and len(x) else float("nan")
+                for x in df.itl_s] if "itl_s" in df else float("nan"))
     return pd.DataFrame({"tag": tag, "start_s": df.start_ts - t0, "ttft_s": df.ttft_s,
                          "e2e_s": df.e2e_s, "prompt_tokens": df.prompt_tokens,
                          "output_tokens": df.output_tokens, "itl_max_s": itl_max,
