@@ -119,11 +119,7 @@ PY
             common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
             sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # Every run of the plan has its own size (requests or seconds of arrivals): DURATION plays no part.
-  # No DEADLINE either: until a run is measured the lab's deadline guard takes one to last its
-  # duration_s, 600 s here (a cap; each run ends at its request count, 3-30 s on an H200), so it
-  # refused the first start under any budget below ~26 minutes. BUDGET_S's interrupt bounds it.
   calibrate) args=(calibrate HARDWARE=h200 INVENTORY=inventory/container.yml EXPERIMENT="${EXPERIMENT:-h200-calibrate}")
-             common=("${common[@]/#DEADLINE=*/DEADLINE=}")
              sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # The staircase's levels last DURATION (30 s unless set); the search runs on the predictor for
   # the H200 preset, then the defaults and the best candidates are measured here.

@@ -26,6 +26,7 @@ from vllm_lab.deadline import (
     Timing,
     Watchdog,
 )
+from vllm_lab.scenarios import resolve
 from vllm_lab.store import Store
 
 pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
@@ -154,6 +155,26 @@ def test_timing_uses_measured_starts_and_runs(tmp_path):
     fresh = Timing(live=True)
     assert fresh.expected("h", warmed, start=True) == scenario.run.start_timeout_s + 3 * (5 + RUN_OVERHEAD_S)
 
+
+
+def test_a_request_bounded_run_is_expected_to_last_what_its_requests_take():
+    """make calibrate's runs end at a number of requests, under a 600-s cap: the guard expects
+    each from the twin's prediction of its requests, not from the cap (a calibration given a
+    deadline of a few minutes was refused before its first start), and never from a smaller
+    run seen before it."""
+    from vllm_lab import calibrate
+    from vllm_lab.deadline import planned_run_s
+
+    points = {p.values["point"]: p.scenario for p in calibrate.calibration_points(resolve("default", "h200"))}
+    small, large = points["p128"], points["c512"]
+    assert small.load.stop.duration_s == large.load.stop.duration_s == 600
+    assert 0 < planned_run_s(small) < planned_run_s(large) < 120
+    timing = Timing(live=True)
+    assert timing.expected("h", small, start=False) == planned_run_s(small) + RUN_OVERHEAD_S
+    timing.add("h", False, 3.0)
+    assert timing.expected("h", large, start=False) == planned_run_s(large) + RUN_OVERHEAD_S
+    timing.add("h", False, 500.0)  # a slower host than the profile's: what it measured counts
+    assert timing.expected("h", small, start=False) == 500.0
 
 # -- the deadline on the twin -----------------------------------------------------------------------
 

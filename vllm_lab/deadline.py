@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Self
 
 from vllm_lab import shutdown
-from vllm_lab.backends import Backend, Measurement
-from vllm_lab.scenarios import Scenario
+from vllm_lab.backends import Backend, Measurement, PredictBackend
+from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import LEFT_OUT, RunStatus, Store
 
 # The exit status of a command stopped for its deadline (sysexits' EX_TEMPFAIL: try again later).
@@ -141,8 +141,13 @@ class Timing:
             return table.get(host) or [v for values in table.values() for v in values]
 
         runs = seen(self.runs)
-        run_s = max(runs) if runs else (
-            scenario.load.stop.duration_s + RUN_OVERHEAD_S if self.live else PREDICTED_RUN_S)
+        planned = planned_run_s(scenario) + RUN_OVERHEAD_S if self.live else PREDICTED_RUN_S
+        if scenario.load.stop.max_requests is not None:
+            # Each request-bounded point sends its own number of requests (a calibration's 10 to
+            # 1,024): the worst run seen says little of the next, so its own plan counts too.
+            run_s = max([*runs, planned])
+        else:
+            run_s = max(runs) if runs else planned
         if not start:
             return run_s
         # A start measured here includes the runs discarded after it (run.warmup_runs).
@@ -150,6 +155,22 @@ class Timing:
         start_s = max(starts) if starts else (scenario.run.start_timeout_s
                                               + scenario.run.warmup_runs * run_s)
         return max(0.0, start_s) + run_s
+
+
+def planned_run_s(scenario: Scenario) -> float:
+    """A live run's seconds of load before any was measured: its duration, or where it ends at a
+    number of requests (``load.stop.max_requests``, the duration then only a cap), twice the
+    twin's prediction of their send span and drain, at most the duration: the twin's profile may
+    be of a faster host, and a run that outlasts its estimate is interrupted, not recorded."""
+    window = scenario.load.stop.duration_s
+    if scenario.load.stop.max_requests is None:
+        return window
+    try:
+        predicted = PredictBackend().measure(scenario, None, Path(".")).summary.record()
+    except (ValueError, OSError, ScenarioError):  # no profile or model shape to predict with: the cap
+        return window
+    span = (predicted.get("send_span_s") or 0.0) + (predicted.get("drain_s") or 0.0)
+    return min(window, 2 * span) if span > 0 else window
 
 
 class DeadlineGuard:
