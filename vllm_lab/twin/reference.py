@@ -20,7 +20,10 @@ the send times and lengths of the bench run before it; ``traffic-2026-12-03b/``:
 25 req/s, three pairs, on a third host, and two
 more gamma pairs on a fourth machine start; ``traffic-2026-12-03c/``: the lab's own max-num-seqs
 sweeps (`reports/examples/h200-llama8b`: the default scenario's ShareGPT-like lengths, closed loops
-of 64 and 256 users at 16-1024 sequences, five runs each). Each run is replayed
+of 64 and 256 users at 16-1024 sequences, five runs each); ``traffic-2026-12-04/``: `make
+calibrate`'s plan on one more host (single requests, closed loops of 512/128, the lab's
+ShareGPT-like traffic at 64 and 256 users and behind 64-token prompts at 256, Poisson at half and
+four fifths of the predicted capacity, chat), every run with the API server's CPU. Each run is replayed
 request for request, a scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
@@ -47,7 +50,8 @@ ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
 # Measurements taken after the fit, held out whole.
 LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b", ROOT / "traffic-2026-12-02c",
-         ROOT / "traffic-2026-12-03", ROOT / "traffic-2026-12-03b", ROOT / "traffic-2026-12-03c")
+         ROOT / "traffic-2026-12-03", ROOT / "traffic-2026-12-03b", ROOT / "traffic-2026-12-03c",
+         ROOT / "traffic-2026-12-04")
 
 # The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
@@ -134,6 +138,10 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
                  # taken apart) are named by them: two such runs may share a case and a level.
                  + (f" {lengths[0]}/{lengths[1]}" if run["case"] == "closed"
                     and abs(lengths[0] - 512) > 8 else "")
+                 # A scenario's replies behind prompts of one length (make calibrate's v256p64
+                 # beside v256): named by its prompt length.
+                 + (f" p{lengths[0]}" if run["workload"] not in BENCH_WORKLOADS
+                    and rq.prompt_tokens.nunique() == 1 else "")
                  + ("" if run["config"] == "defaults" else f" [{run['config']}]"),
             num_prompts=len(rq), input_len=round(rq.prompt_tokens.mean()),
             output_len=round(rq.output_tokens.mean()),
