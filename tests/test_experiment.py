@@ -156,7 +156,6 @@ def test_timing_uses_measured_starts_and_runs(tmp_path):
     assert fresh.expected("h", warmed, start=True) == scenario.run.start_timeout_s + 3 * (5 + RUN_OVERHEAD_S)
 
 
-
 def test_a_request_bounded_run_is_expected_to_last_what_its_requests_take():
     """make calibrate's runs end at a number of requests, under a 600-s cap: the guard expects
     each from the twin's prediction of its requests, not from the cap (a calibration given a
@@ -175,6 +174,7 @@ def test_a_request_bounded_run_is_expected_to_last_what_its_requests_take():
     assert timing.expected("h", large, start=False) == planned_run_s(large) + RUN_OVERHEAD_S
     timing.add("h", False, 500.0)  # a slower host than the profile's: what it measured counts
     assert timing.expected("h", small, start=False) == 500.0
+
 
 # -- the deadline on the twin -----------------------------------------------------------------------
 

@@ -141,13 +141,14 @@ class Timing:
             return table.get(host) or [v for values in table.values() for v in values]
 
         runs = seen(self.runs)
-        planned = planned_run_s(scenario) + RUN_OVERHEAD_S if self.live else PREDICTED_RUN_S
-        if scenario.load.stop.max_requests is not None:
+        if not self.live:
+            run_s = max(runs) if runs else PREDICTED_RUN_S
+        elif scenario.load.stop.max_requests is not None:
             # Each request-bounded point sends its own number of requests (a calibration's 10 to
             # 1,024): the worst run seen says little of the next, so its own plan counts too.
-            run_s = max([*runs, planned])
+            run_s = max([*runs, planned_run_s(scenario) + RUN_OVERHEAD_S])
         else:
-            run_s = max(runs) if runs else planned
+            run_s = max(runs) if runs else planned_run_s(scenario) + RUN_OVERHEAD_S
         if not start:
             return run_s
         # A start measured here includes the runs discarded after it (run.warmup_runs).
