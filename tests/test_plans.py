@@ -185,10 +185,15 @@ def test_live_backend_restarts_only_when_serve_flags_change(base, tmp_path, monk
     for p in plans.sweep_points(base, "max-num-seqs", [8, 8, 16]) + \
             plans.sweep_points(base.with_serve(**{"max-num-seqs": 16}), "load.shape.level", [1, 2]):
         live._ensure_server(p.scenario, None)
-    assert starts == [8, 16] and stops == [None]
+    # serve.yml alone replaces a healthy server whose flags changed (the role stops it first).
+    assert starts == [8, 16] and stops == []
     # The same flags on another simulated GPU: the twin started for the last one cannot serve it.
     live._ensure_server(scenarios.resolve("default", "cpu-demo", ["serve.max-num-seqs=16"]), None)
-    assert starts == [8, 16, 16] and stops == [None, None]
+    assert starts == [8, 16, 16] and stops == []
+    # A server that no longer answers is stopped by the stop playbook first.
+    monkeypatch.setattr(backends, "_get", lambda url, timeout=5.0: 0)
+    live._ensure_server(plans.sweep_points(base, "max-num-seqs", [8])[0].scenario, None)
+    assert starts == [8, 16, 16, 8] and stops == [None] and not live._starting
 
 
 @pytest.mark.parametrize("cause, status", [("oom", "oom"), ("refused-flag", "failed-start"),

@@ -228,8 +228,13 @@ def test_dev_mode_only_when_asked_and_never_on_the_network_unless_the_inventory_
     inst = serving.start({"model": TWIN_MODEL}, inventory=LOCAL, backend="twin",
                          extra_vars={**one, "vllm_dev_mode": True, "vllm_api_key": key})[0]
     assert "VLLM_SERVER_DEV_MODE=1" in env_file.read_text() and inst.api_key == key
+    pid_file = env_file.parent.parent / "run" / "d.pid"
+    old = int(pid_file.read_text().split()[0])
     serving.start({"model": TWIN_MODEL, "max-num-seqs": 8}, inventory=LOCAL, backend="twin", extra_vars=one)
     assert "VLLM_SERVER_DEV_MODE" not in env_file.read_text()
+    # The serve alone replaced the running server: the old process group is gone, a new one answers.
+    new = int(pid_file.read_text().split()[0])
+    assert new != old and not _group_alive(old) and _get(f"{inst.url}/health") == 200
     serving.stop(LOCAL, extra_vars=one)
 
 

@@ -171,16 +171,24 @@ class LiveBackend:
     # -- server lifecycle ----------------------------------------------------------------------
     def _ensure_server(self, scenario: Scenario, host: str | None) -> serving.Instance:
         """The host's server for these serve flags (and, for the twin, the GPU it simulates):
-        reused when they match and it is healthy."""
+        reused when they match and it is healthy, replaced by the serve playbook alone when they
+        changed, stopped first when it no longer answers."""
         # A twin started for one GPU (its environment) simulates that GPU: another is a restart.
         simulated = scenario.hardware.model_dump(mode="json") if self.name == "twin" else None
         key = json.dumps([scenario.serve, simulated], sort_keys=True, default=str)
         current = self._running.get(host)
-        if current and current[0] == key and _get(current[1].url + "/health") == 200:
+        healthy = bool(current) and _get(current[1].url + "/health") == 200
+        if healthy and current[0] == key:
             return current[1]
-        if current:
-            self.hooks.phase("stopping the last server")
-        self._stop(host, release=False)  # a restart keeps the instance's lock: no one takes it between
+        if healthy:
+            # serve.yml replaces it (the role stops a server whose config changed, waits for its
+            # GPUs, starts it again) under the lock this process keeps: no stop playbook first.
+            self._starting.add(host)  # before it leaves _running: an interrupt still stops it
+            del self._running[host]
+        else:
+            if current:
+                self.hooks.phase("stopping the last server")
+            self._stop(host, release=False)  # a restart keeps the instance's lock: no one takes it between
         # Marked before the start returns: an interrupt during a start must still stop the server.
         self._starting.add(host)
         self.hooks.phase("starting")
