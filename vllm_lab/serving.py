@@ -524,6 +524,27 @@ def check_inventory(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_serv
         if not isinstance(data, dict):
             raise InventoryError(f"{path}: not an Ansible inventory (its top level must map group names, "
                                  f"e.g. all:, to their hosts)")
+    data = _listed(path)
+    hosts = list(data.get(group, {}).get("hosts", []))
+    for child in data.get(group, {}).get("children", []):
+        hosts += [h for h in data.get(child, {}).get("hosts", []) if h not in hosts]
+    if not hosts:
+        groups = [g for g in data if g not in ("_meta", "all", "ungrouped")]
+        raise InventoryError(f"{path}: no host in group {group} (the hosts that serve); its groups: "
+                             f"{', '.join(groups) or 'none'}")
+    return hosts
+
+
+# ansible-inventory's answer per version of a file: a command asks for it twice (~0.35 s each).
+_LISTED: dict[tuple, dict] = {}
+
+
+def _listed(path: Path) -> dict:
+    """``ansible-inventory --list`` of ``path``, read once per version of a regular file."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size) if path.is_file() else None
+    if key in _LISTED:
+        return _LISTED[key]
     exe = str(Path(_ansible_playbook()).with_name("ansible-inventory"))
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO_ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_INVENTORY_UNPARSED_FAILED="1")
@@ -535,14 +556,9 @@ def check_inventory(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_serv
                    lines[-1] if lines else "ansible-inventory failed")
         raise InventoryError(f"{path}: Ansible cannot read it as an inventory ({why[:300]})")
     data = json.loads(out.stdout)
-    hosts = list(data.get(group, {}).get("hosts", []))
-    for child in data.get(group, {}).get("children", []):
-        hosts += [h for h in data.get(child, {}).get("hosts", []) if h not in hosts]
-    if not hosts:
-        groups = [g for g in data if g not in ("_meta", "all", "ungrouped")]
-        raise InventoryError(f"{path}: no host in group {group} (the hosts that serve); its groups: "
-                             f"{', '.join(groups) or 'none'}")
-    return hosts
+    if key:
+        _LISTED[key] = data
+    return data
 
 
 def serve_hosts(inventory: Path = DEFAULT_INVENTORY, group: str = "vllm_servers") -> list[str]:
