@@ -228,7 +228,9 @@ def loadgen_workers(inventory: Path, group: str = "loadgen") -> list[WorkerHost]
     env = dict(os.environ, ANSIBLE_CONFIG=str(serving.REPO_ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_FORCE_COLOR="0", ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
                ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal", ANSIBLE_CALLBACK_RESULT_FORMAT="json",
-               ANSIBLE_DEPRECATION_WARNINGS="0")
+               ANSIBLE_DEPRECATION_WARNINGS="0",
+               # Ansible's own strategy: the lab's would start Mitogen's connection process for nothing.
+               ANSIBLE_STRATEGY="linear")
     # debug runs on the control node: nothing connects to the hosts.
     out = subprocess.run([exe, "-i", str(inventory), group, "-m", "ansible.builtin.debug",
                           "-a", json.dumps({"msg": _HOST_VARS})], capture_output=True, text=True,
