@@ -317,8 +317,9 @@ def test_the_traffic_measurement_is_predicted_by_kind():
     TPOT -27 to -29% on Poisson; reference.py's measurement reproduces it with the older step model);
     the launch floor of a step past the largest CUDA graph and the API server's chunked output
     loop bring them within these bounds. Closed loops of variable lengths are not there yet
-    (TTFT p50 -47% median: at 256 users vLLM's API server held new requests 1.3-1.8 s, the
-    twin 0.6 s), and are checked only for throughput and TPOT."""
+    (TTFT p50 -56% median: at 256 users vLLM's API server held new requests 1.3-1.8 s, the twin
+    0.4 s; its state at that limit is the server's history, reference/README.md), and are
+    checked only for throughput and TPOT."""
     from vllm_lab.twin import reference
 
     table = reference.by_kind(reference.errors(reference.held_out_set(), H200, MODEL))
@@ -331,6 +332,36 @@ def test_the_traffic_measurement_is_predicted_by_kind():
     median, worst = got[("chat", "p50_ttft_ms")]
     assert median <= 0.20 and worst <= 0.25
     assert got[("closed fixed", "p50_ttft_ms")][0] <= 0.15
+
+
+# Every held-out run of every measurement (162: seven hosts, the lab's sweeps, make calibrate's
+# plan), pooled by kind: (median, worst) |error| no larger than the shipped profile's, rounded up.
+# Where a goal of reference.GOALS holds it is the bound; where it does not yet (TTFT p50 outside
+# the closed fixed kind, the open kind's TPOT worst and TTFT p99) the bound is today's figure,
+# so a change to the twin can only keep or narrow them. The reference README says why they are open.
+POOLED_BOUNDS = {
+    "closed fixed": {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.10, 0.50),
+                     "p50_tpot_ms": (0.10, 0.25), "p99_ttft_ms": (0.15, None)},
+    "closed variable": {"output_throughput": (0.10, 0.36), "p50_ttft_ms": (0.15, 0.85),
+                        "p50_tpot_ms": (0.10, 0.35), "p99_ttft_ms": (0.15, None)},
+    "open": {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.14, 0.70),
+             "p50_tpot_ms": (0.10, 0.50), "p99_ttft_ms": (0.20, None)},
+    "chat": {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.23, 1.25),
+             "p50_tpot_ms": (0.10, 0.42), "p99_ttft_ms": (0.16, None)},
+}
+
+
+def test_every_held_out_run_is_predicted_no_worse_than_today_by_kind():
+    """All the measurements' held-out runs, pooled by traffic kind, within POOLED_BOUNDS."""
+    from vllm_lab.twin import reference
+
+    runs = reference.held_out_set((reference.TRAFFIC, *reference.LATER))
+    table = reference.by_kind(reference.errors(runs, H200, MODEL))
+    assert len(runs) == 162 and set(table.kind) == set(POOLED_BOUNDS)
+    for r in table.itertuples():
+        median, worst = POOLED_BOUNDS[r.kind][r.metric]
+        assert r.median <= median and (worst is None or r.worst <= worst), (
+            r.kind, r.metric, round(r.median, 3), round(r.worst, 3))
 
 
 def test_the_api_server_measurement_replays_a_scenarios_shared_prefixes():
