@@ -212,7 +212,7 @@ test: venv ## Every test (13-20 min on 2 cores); installs the system packages it
 test-fast: venv ## The tests that start no process (seconds; no set-up needed)
 	@# Bytecode kept where PYTHONDONTWRITEBYTECODE is set: each worker otherwise compiles the tests'
 	@# rewritten asserts, and any dependency installed without its .pyc, afresh (~3 s a worker).
-	@PYTHONDONTWRITEBYTECODE= "$$LAB_MAKE_PY" -m pytest -q -n auto --dist load -m "not integration"
+	@PYTHONDONTWRITEBYTECODE= "$$LAB_MAKE_PY" -m pytest -q -n auto --dist load -m "not integration and not fidelity"
 
 check: venv ## Static checks: ruff on the package, ansible-lint on the playbooks
 	@$(VENV)/bin/ruff check vllm_lab scripts tests

@@ -351,6 +351,7 @@ POOLED_BOUNDS = {
 }
 
 
+@pytest.mark.fidelity  # 162 replays, ~8 s: make test runs it, test-fast does not
 def test_every_held_out_run_is_predicted_no_worse_than_today_by_kind():
     """All the measurements' held-out runs, pooled by traffic kind, within POOLED_BOUNDS."""
     from vllm_lab.twin import reference
