@@ -189,7 +189,7 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # live-twin sweep, or even beside one another on a loaded 2-core machine, their margins do not
 # hold. The process-free tests and those marked untimed (no live window) run beside them at the
 # lowest CPU priority (the kernel's idle class, else nice 19), in the cycles the timing tests leave idle.
-test: venv ## Every test (13-20 min on 2 cores); installs the system packages it needs first, or says what is missing
+test: venv ## Every test (11-20 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@# Bytecode once: the suite starts ~a thousand Python processes of the lab (servers, Locust, the
 	@# CLI), which compile it afresh each time where PYTHONDONTWRITEBYTECODE is set.
