@@ -14,9 +14,9 @@ description:
 options:
   name: {description: Instance name, for messages., type: str, required: true}
   state:
-    description: started, stopped, restarted, ready (wait for the health URL) or status.
+    description: started, stopped, ready (wait for the health URL) or status.
     type: str
-    choices: [started, stopped, restarted, ready, status]
+    choices: [started, stopped, ready, status]
     default: started
   argv: {description: Command to run., type: list, elements: str}
   env_file: {description: KEY=VALUE file merged into the environment (may hold secrets)., type: path}
@@ -228,7 +228,7 @@ def main():
         argument_spec={
             "name": {"type": "str", "required": True},
             "state": {"type": "str", "default": "started",
-                      "choices": ["started", "stopped", "restarted", "ready", "status"]},
+                      "choices": ["started", "stopped", "ready", "status"]},
             "argv": {"type": "list", "elements": "str"},
             "env_file": {"type": "path"},
             "pid_file": {"type": "path", "required": True},
@@ -240,8 +240,7 @@ def main():
             "stop_timeout_s": {"type": "float", "default": 30.0},
             "log_tail_lines": {"type": "int", "default": 80},
         },
-        required_if=[("state", "started", ["argv"]), ("state", "restarted", ["argv"]),
-                     ("state", "ready", ["health_url"])],
+        required_if=[("state", "started", ["argv"]), ("state", "ready", ["health_url"])],
         supports_check_mode=True,
     )
     p = module.params
@@ -283,13 +282,6 @@ def main():
             except OSError:
                 pass
         module.exit_json(changed=changed, pids=pids, status="stopped")
-
-    if p["state"] == "restarted":
-        pids, _ = _stop(module, p, leader, starttime)
-        if module.check_mode:
-            module.exit_json(changed=True, pids=pids)
-        new = _start(module, p)
-        module.exit_json(changed=True, pids=[new], stopped_pids=pids, status="running")
 
     # state == started
     if alive:
