@@ -188,20 +188,21 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # on Locust's send times, the live twin against the predictor) run first, one at a time: beside a
 # live-twin sweep, or even beside one another on a loaded 2-core machine, their margins do not
 # hold. The process-free tests and those marked untimed (no live window) run beside them at the
-# lowest CPU priority (the kernel's idle class, else nice 19), in the cycles the timing tests leave idle.
+# lowest CPU priority (scripts/run-idle.sh: an idle cpu cgroup, which also holds the servers they
+# start in sessions of their own), in the cycles the timing tests leave idle.
 test: venv ## Every test (11-20 min on 2 cores); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@# Bytecode once: the suite starts ~a thousand Python processes of the lab (servers, Locust, the
 	@# CLI), which compile it afresh each time where PYTHONDONTWRITEBYTECODE is set.
 	@"$$LAB_MAKE_PY" -m compileall -q vllm_lab tests scripts playbooks >/dev/null
-	@# The timing tests alone, the untimed ones beside them (their output after) in the kernel's
-	@# idle class where chrt has it, else niced: a timing test's process then takes a core back the
-	@# moment it wakes (niced only, a CI run's agreement test waited 16 ms for one and read
-	@# client-limited); then the rest, whose live tests mostly wait on real-time windows: one worker
-	@# more than there are CPUs keeps the cores busy.
+	@# The timing tests alone, the untimed ones beside them (their output after) at idle priority:
+	@# a timing test's process then takes a core back the moment it wakes (niced only, a CI run's
+	@# agreement test waited 16 ms for one and read client-limited; in the idle class only, the
+	@# servers the untimed tests start in sessions of their own competed as equals, and beside one
+	@# more busy process the timing tests read client-limited); then the rest, whose live tests
+	@# mostly wait on real-time windows: one worker more than there are CPUs keeps the cores busy.
 	@rc=0; log=$$(mktemp); export LAB_TESTS_REQUIRE_ALL=1; \
-	  idle=$$(chrt --idle 0 true 2>/dev/null && echo "chrt --idle 0"); \
-	  (PYTHONDONTWRITEBYTECODE= $$idle nice -n 19 "$$LAB_MAKE_PY" -m pytest -q -m "not integration or untimed" \
+	  (PYTHONDONTWRITEBYTECODE= bash scripts/run-idle.sh "$$LAB_MAKE_PY" -m pytest -q -m "not integration or untimed" \
 	    -n auto --dist loadfile --no-loadscope-reorder >"$$log" 2>&1) & untimed=$$!; \
 	  "$$LAB_MAKE_PY" -m pytest -q -m timing -p no:xdist || rc=$$?; \
 	  wait $$untimed || rc=$$?; cat "$$log"; rm -f "$$log"; \
