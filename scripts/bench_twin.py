@@ -165,6 +165,12 @@ def by_kind(profile, model) -> None:
         table = reference.by_kind(errs)
         print(table.assign(median=table["median"].map("{:.1%}".format),
                            worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
+    folders = (reference.TRAFFIC, *reference.LATER, *reference.REPEATS)
+    spread = reference.repeat_spread(reference.held_out_errors(folders, profile, model))
+    print("\n## Points run three times or more in one folder: a run's distance from its point's "
+          "median (spread) beside the twin's (twin), medians")
+    print(spread.assign(spread=spread["spread"].map("{:.1%}".format),
+                        twin=spread["twin"].map("{:.1%}".format)).to_string(index=False))
 
 
 def _run(flags, profile, model, reqs, users=256):

@@ -365,6 +365,29 @@ def test_every_held_out_run_is_predicted_no_worse_than_today_by_kind():
             r.kind, r.metric, round(r.median, 3), round(r.worst, 3))
 
 
+def test_a_points_repeats_give_the_spread_a_single_run_is_judged_against():
+    """repeat_spread: a run's distance from its point's median, and the twin's from that median,
+    over the points run three times or more in one folder; a point in two folders is two points."""
+    import pandas as pd
+
+    from vllm_lab.twin import reference
+
+    def runs(folder, point, measured, predicted):
+        return [{"folder": folder, "point": point, "kind": "closed variable", "metric": "p50_ttft_ms",
+                 "measured": m, "predicted": predicted, "error": predicted / m - 1}
+                for m in measured]
+
+    errs = pd.DataFrame(runs("a", "p", [90, 100, 130], 100) + runs("b", "p", [200, 200, 200], 150)
+                        + runs("a", "twice", [1, 5], 3)
+                        + [{"folder": "a", "point": "p", "kind": "closed variable",
+                            "metric": "api_ms", "measured": 1, "predicted": 1, "error": 0}] * 3)
+    table = reference.repeat_spread(errs)
+    assert table.to_dict("records") == [{"kind": "closed variable", "metric": "p50_ttft_ms",
+                                         "points": 2, "runs": 6, "spread": pytest.approx(0.0),
+                                         "twin": pytest.approx(0.125)}]
+    assert reference.repeat_spread(errs, min_runs=4).empty
+
+
 def test_the_api_server_measurement_replays_a_scenarios_shared_prefixes():
     """traffic-2026-12-02b: the realtime-chat runs are replayed as that scenario's workload built
     them (prefixes shared as token ids, the chat template around each message), and only the runs

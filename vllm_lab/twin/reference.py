@@ -23,8 +23,10 @@ sweeps (`reports/examples/h200-llama8b`: the default scenario's ShareGPT-like le
 of 64 and 256 users at 16-1024 sequences, five runs each); ``traffic-2026-12-04/``: `make
 calibrate`'s plan on one more host (single requests, closed loops of 512/128, the lab's
 ShareGPT-like traffic at 64 and 256 users and behind 64-token prompts at 256, Poisson at half and
-four fifths of the predicted capacity, chat), every run with the API server's CPU. Each run is replayed
-request for request, a scenario's traffic with the prefixes its requests share.
+four fifths of the predicted capacity, chat), every run with the API server's CPU;
+``traffic-2026-12-05/``: the ShareGPT file at 256 users 18 times over five server starts, with the
+API server's garbage collections probed (``REPEATS``). Each run is replayed request for request, a
+scenario's traffic with the prefixes its requests share.
 
 Which runs the fit may see was chosen before fitting, by workload and by configuration
 (`FITTED`): the older bench files, and of the measurement's bench runs one of each traffic kind at
@@ -52,6 +54,10 @@ TRAFFIC = ROOT / "traffic-2026-12-01"
 LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b", ROOT / "traffic-2026-12-02c",
          ROOT / "traffic-2026-12-03", ROOT / "traffic-2026-12-03b", ROOT / "traffic-2026-12-03c",
          ROOT / "traffic-2026-12-04")
+# One point taken many times (``traffic-2026-12-05``: 18 runs of the ShareGPT file at 256 users over
+# five server starts): read for its runs' own spread (``repeat_spread``), not pooled into the kinds'
+# held-out figures, where one point would outweigh the rest.
+REPEATS = (ROOT / "traffic-2026-12-05",)
 
 # The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
@@ -232,6 +238,37 @@ def by_kind(errs: pd.DataFrame) -> pd.DataFrame:
                      "worst": a.max(), "goal": f"{median_goal:.0%}" + (
                          f" / {worst_goal:.0%}" if worst_goal else ""), "met": ok})
     return pd.DataFrame(rows)
+
+
+def held_out_errors(folders: tuple[Path, ...], profile, model) -> pd.DataFrame:
+    """``errors`` of each folder's held-out runs, the folder named: a point's repeats are its
+    runs of one name in one folder (one host, one server start or a few)."""
+    return pd.concat([errors(held_out_set((f,)), profile, model).assign(folder=f.name)
+                      for f in folders], ignore_index=True)
+
+
+def repeat_spread(errs: pd.DataFrame, min_runs: int = 3) -> pd.DataFrame:
+    """Per kind and metric, over the points run at least ``min_runs`` times in one folder: how far
+    a run lies from its point's median (``spread``, the median of |run / median - 1|: what even a
+    prediction of that median would miss a single run by), and how far the twin's prediction lies
+    from that median (``twin``, the median over the points). Where ``twin`` is near ``spread`` the
+    twin's error is the measurement's own scatter; where it is well above, it is the twin's."""
+    runs, points = [], []
+    goals = errs[errs["metric"].isin(GOALS)]
+    for (folder, point, metric), g in goals.groupby(["folder", "point", "metric"], sort=False):
+        if len(g) < min_runs:
+            continue
+        median = g["measured"].median()
+        runs += [{"kind": g["kind"].iloc[0], "metric": metric, "off": abs(v / median - 1)}
+                 for v in g["measured"]]
+        points.append({"kind": g["kind"].iloc[0], "metric": metric,
+                       "twin": abs(g["predicted"].median() / median - 1)})
+    if not points:
+        return pd.DataFrame(columns=["kind", "metric", "points", "runs", "spread", "twin"])
+    by = ["kind", "metric"]
+    spread = pd.DataFrame(runs).groupby(by, sort=False)["off"].agg(runs="size", spread="median")
+    twin = pd.DataFrame(points).groupby(by, sort=False)["twin"].agg(points="size", twin="median")
+    return twin.join(spread)[["points", "runs", "spread", "twin"]].reset_index()
 
 
 # Where a fit of the API server's terms starts (a share at its lower bound would not move).
