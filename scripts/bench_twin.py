@@ -166,11 +166,16 @@ def by_kind(profile, model) -> None:
         print(table.assign(median=table["median"].map("{:.1%}".format),
                            worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
     folders = (reference.TRAFFIC, *reference.LATER, *reference.REPEATS)
-    spread = reference.repeat_spread(reference.held_out_errors(folders, profile, model))
-    print("\n## Points run three times or more in one folder: a run's distance from its point's "
-          "median (spread) beside the twin's (twin), medians")
-    print(spread.assign(spread=spread["spread"].map("{:.1%}".format),
-                        twin=spread["twin"].map("{:.1%}".format)).to_string(index=False))
+    errs = reference.held_out_errors(folders, profile, model)
+    repeats = ("Points run three times or more in one folder: a run's distance from its point's "
+               "median (spread) beside the twin's (twin), medians")
+    hosts = ("Points measured in two folders or more (hosts, days): a folder's distance from the "
+             "folders' median (spread) beside the twin's from the folder's (twin), medians")
+    for title, table in ((repeats, reference.repeat_spread(errs)),
+                         (hosts, reference.host_spread(errs))):
+        print(f"\n## {title}")
+        print(table.assign(spread=table["spread"].map("{:.1%}".format),
+                           twin=table["twin"].map("{:.1%}".format)).to_string(index=False))
 
 
 def _run(flags, profile, model, reqs, users=256):

@@ -365,9 +365,10 @@ def test_every_held_out_run_is_predicted_no_worse_than_today_by_kind():
             r.kind, r.metric, round(r.median, 3), round(r.worst, 3))
 
 
-def test_a_points_repeats_give_the_spread_a_single_run_is_judged_against():
+def test_a_points_repeats_and_its_hosts_give_the_spread_a_prediction_is_judged_against():
     """repeat_spread: a run's distance from its point's median, and the twin's from that median,
-    over the points run three times or more in one folder; a point in two folders is two points."""
+    over the points run three times or more in one folder, a point in two folders being two
+    points; host_spread: a folder's median of a point against the folders' median."""
     import pandas as pd
 
     from vllm_lab.twin import reference
@@ -386,6 +387,12 @@ def test_a_points_repeats_give_the_spread_a_single_run_is_judged_against():
                                          "points": 2, "runs": 6, "spread": pytest.approx(0.0),
                                          "twin": pytest.approx(0.125)}]
     assert reference.repeat_spread(errs, min_runs=4).empty
+
+    # Across folders: a's median of p is 100, b's 200, over both 150; "twice" is in one folder.
+    hosts = reference.host_spread(errs)
+    assert hosts.to_dict("records") == [{"kind": "closed variable", "metric": "p50_ttft_ms",
+                                         "folders": 2, "spread": pytest.approx(1 / 3),
+                                         "twin": pytest.approx(0.125)}]
 
 
 def test_the_api_server_measurement_replays_a_scenarios_shared_prefixes():

@@ -271,6 +271,30 @@ def repeat_spread(errs: pd.DataFrame, min_runs: int = 3) -> pd.DataFrame:
     return twin.join(spread)[["points", "runs", "spread", "twin"]].reset_index()
 
 
+def host_spread(errs: pd.DataFrame) -> pd.DataFrame:
+    """Per kind and metric, over the points measured in two folders or more (other hosts, other
+    days): how far a folder's median of a point lies from the median over the folders
+    (``spread``, the median of |folder / folders - 1|: what one profile would miss a host by
+    even where it were exact for the typical one), and the twin's distance from each folder's
+    median (``twin``, the median over the folders). Where ``twin`` is at or below ``spread``, a
+    host's own calibration (``make calibrate``) is what can bring the twin closer."""
+    goals = errs[errs["metric"].isin(GOALS)]
+    folders = (goals.groupby(["kind", "metric", "point", "folder"], sort=False)
+               [["measured", "predicted"]].median().reset_index())
+    rows = []
+    for (kind, metric, _), g in folders.groupby(["kind", "metric", "point"], sort=False):
+        if len(g) < 2:
+            continue
+        median = g["measured"].median()
+        rows += [{"kind": kind, "metric": metric, "off": abs(m / median - 1),
+                  "twin": abs(p / m - 1)} for m, p in zip(g["measured"], g["predicted"])]
+    if not rows:
+        return pd.DataFrame(columns=["kind", "metric", "folders", "spread", "twin"])
+    return (pd.DataFrame(rows).groupby(["kind", "metric"], sort=False)
+            .agg(folders=("off", "size"), spread=("off", "median"), twin=("twin", "median"))
+            .reset_index())
+
+
 # Where a fit of the API server's terms starts (a share at its lower bound would not move).
 FRONTEND_START = {"frontend_token_s": 1.1e-4, "frontend_delivery_share": 0.3,
                   "frontend_prompt_token_s": 3e-6}
