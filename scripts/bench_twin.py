@@ -154,25 +154,26 @@ def by_kind(profile, model) -> None:
     from vllm_lab.twin import reference
 
     pd.set_option("display.width", 200)
-    sets = [("held out", reference.TRAFFIC, reference.held_out_set()),
-            ("fitted", reference.TRAFFIC, [p for p, fit in reference.traffic_points() if fit])]
-    sets += [("held out", later, reference.held_out_set((later,))) for later in reference.LATER]
-    for label, folder, points in sets:
-        errs = reference.errors(points, profile, model)
+    # Every held-out run predicted once: the tables per folder below and the spreads after them.
+    held = reference.held_out_errors((reference.TRAFFIC, *reference.LATER, *reference.REPEATS),
+                                     profile, model)
+    fitted = reference.errors([p for p, fit in reference.traffic_points() if fit], profile, model)
+    sets = [("held out", reference.TRAFFIC, held[held["folder"] == reference.TRAFFIC.name]),
+            ("fitted", reference.TRAFFIC, fitted)]
+    sets += [("held out", later, held[held["folder"] == later.name]) for later in reference.LATER]
+    for label, folder, errs in sets:
         print(f"\n## Fidelity by traffic kind, {label}: {profile.name} vs {folder.name}")
         print(errs.pivot_table(index="point", columns="metric", values="error", sort=False)
               .map(lambda v: f"{v:+.1%}").to_string())
         table = reference.by_kind(errs)
         print(table.assign(median=table["median"].map("{:.1%}".format),
                            worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
-    folders = (reference.TRAFFIC, *reference.LATER, *reference.REPEATS)
-    errs = reference.held_out_errors(folders, profile, model)
     repeats = ("Points run three times or more in one folder: a run's distance from its point's "
                "median (spread) beside the twin's (twin), medians")
     hosts = ("Points measured in two folders or more (hosts, days): a folder's distance from the "
              "folders' median (spread) beside the twin's from the folder's (twin), medians")
-    for title, table in ((repeats, reference.repeat_spread(errs)),
-                         (hosts, reference.host_spread(errs))):
+    for title, table in ((repeats, reference.repeat_spread(held)),
+                         (hosts, reference.host_spread(held))):
         print(f"\n## {title}")
         print(table.assign(spread=table["spread"].map("{:.1%}".format),
                            twin=table["twin"].map("{:.1%}".format)).to_string(index=False))
