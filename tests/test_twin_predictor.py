@@ -318,7 +318,7 @@ def test_the_traffic_measurement_is_predicted_by_kind():
     the launch floor of a step past the largest CUDA graph and the API server's chunked output
     loop bring them within these bounds. Closed loops of variable lengths are not there yet
     (TTFT p50 -56% median: at 256 users vLLM's API server held new requests 1.3-1.8 s, the twin
-    0.4 s; its state at that limit is the server's history, reference/README.md), and are
+    0.4 s; at that limit which state a run takes is chance, reference/README.md), and are
     checked only for throughput and TPOT."""
     from vllm_lab.twin import reference
 
