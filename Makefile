@@ -50,6 +50,7 @@ CLAIMS    ?=                          # claim numbers, e.g. 1,3,5-8 (default: al
 PROFILE_OUT ?=                        # where the fitted twin profile goes
 FIT_ONLY  ?=                          # FIT_ONLY=1 EXPERIMENT=...: refit from the store, measure nothing
 REFERENCE ?=                          # vllm bench serve result files of the same machine, fitted too
+FIT       ?=                          # all (default): every coefficient | host: the host's CPU scale alone
 #= make report
 PERIOD    ?=                          # a quarter, e.g. 2026Q4: the quarterly report
 PDF       ?=                          # with PERIOD: PDF=0 skips the PDF (it needs Chromium)
@@ -70,7 +71,7 @@ ARGS      ?=                          # its own arguments, e.g. ARGS="fidelity s
 LAB_VARIABLES := SCENARIO HARDWARE INVENTORY PARAM VALUES BACKEND DURATION EXPERIMENT OUT SET MODEL \
   REPEATS RESUME SPREAD LOADGEN_PROCESSES PARAMS GRID TRIALS OBJECTIVE SPACE STUDY_STORAGE SEED \
   CONFIRM CONFIRM_BACKEND SHAPE CLAIMS LEVELS PERIOD URL EVERY COUNT BASELINE PROFILE_OUT FIT_ONLY \
-  REFERENCE PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE LIVE LIVE_HOST PRECISION GPU_MINUTES
+  REFERENCE FIT PDF VLLM_VENV LAB_ROOT NAME ARGS DEADLINE LIVE LIVE_HOST PRECISION GPU_MINUTES
 $(foreach v,$(LAB_VARIABLES),$(eval export LAB_MAKE_$(v) := $$(value $(v)))$(eval unexport $(v)))
 unexport PYTHON LAB_PYTHON
 
@@ -121,7 +122,7 @@ baseline: venv ## Step 1: vLLM's defaults on the scenario's traffic, repeated (d
 sweep: venv ## Step 2: one flag over a ladder, e.g. make sweep PARAM=max-num-seqs [VALUES=8,16,32]
 	@$(LAB) sweep
 
-calibrate: venv ## Measure the calibration plan on BACKEND and fit a twin profile (PROFILE_OUT=path)
+calibrate: venv ## Measure the calibration plan on BACKEND and fit a twin profile (PROFILE_OUT=path; FIT=host: another host of the profile's GPU)
 	@$(LAB) calibrate
 
 report: venv ## Rebuild an experiment's report from the store (EXPERIMENT=...); PERIOD=2026Q4: the quarterly report

@@ -1,6 +1,9 @@
 """The twin's benchmarks: fidelity against real vLLM, direction of each knob, predictor speed.
 
-    .venv/bin/python scripts/bench_twin.py [fidelity|direction|speed ...] [--reference DIR]
+    .venv/bin/python scripts/bench_twin.py [fidelity|hosts|direction|speed ...] [--reference DIR]
+
+``hosts`` (not in the default set: about 70 s) re-reads the held-out runs with each host calibrated
+as ``make calibrate FIT=host`` would, from its other runs.
 """
 
 from __future__ import annotations
@@ -179,6 +182,29 @@ def by_kind(profile, model) -> None:
                            twin=table["twin"].map("{:.1%}".format)).to_string(index=False))
 
 
+def hosts(profile, model) -> None:
+    """Every held-out run by kind, pooled, with the shipped profile and with its host's CPU scale
+    fitted on that host's other runs (reference.host_calibrated_errors): how much of the twin's
+    error is the host's CPU, which one factor per host takes out."""
+    import pandas as pd
+
+    from vllm_lab.twin import reference
+
+    pd.set_option("display.width", 200)
+    folders = (reference.TRAFFIC, *reference.LATER)
+    one = reference.held_out_errors(folders, profile, model)
+    calibrated = reference.host_calibrated_errors(folders, profile, model)
+    for title, errs in (("one profile for every host", one),
+                        ("each host's CPU scale fitted on its other runs", calibrated)):
+        table = reference.by_kind(errs)
+        print(f"\n## Held out, pooled, {title}: {profile.name}")
+        print(table.assign(median=table["median"].map("{:.1%}".format),
+                           worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
+    scales = calibrated.groupby("host", sort=False)["scale"].agg(["min", "max"])
+    print("\n## The hosts' CPU scales (the profile's host: 1)")
+    print(scales.to_string())
+
+
 def _run(flags, profile, model, reqs, users=256):
     p = predict(flags, profile, model, reqs, Closed(users))
     return p
@@ -229,7 +255,7 @@ def main(argv=None) -> int:
     """Run the chosen benchmarks (all by default)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("which", nargs="*", default=["fidelity", "direction", "speed"],
-                    choices=["fidelity", "direction", "speed"])
+                    choices=["fidelity", "hosts", "direction", "speed"])
     ap.add_argument("--reference", type=Path, default=REFERENCE)
     ap.add_argument("--profile", default="h200-llama-3-8b")
     args = ap.parse_args(argv)
@@ -246,6 +272,8 @@ def main(argv=None) -> int:
             held_out(profile, model)
         if args.profile == "h200-llama-3-8b" and STAIRCASES.exists():
             staircases()
+    if "hosts" in args.which:
+        hosts(profile, model)
     if "direction" in args.which:
         direction(profile, model)
     if "speed" in args.which:

@@ -34,3 +34,27 @@ def test_the_plan_covers_realistic_traffic_and_the_fit_replays_it(tmp_path):
     rows = compare([by_name["o50"], by_name["v64"]], load_profile(base.hardware.twin_profile),
                    load_model_shape("llama-3-8b"))
     assert all(abs(r["error"]) < 0.05 for r in rows), rows
+
+
+def test_a_host_fit_finds_the_hosts_cpu_scale_and_moves_only_the_hosts_terms(tmp_path):
+    """Runs measured on a host whose CPU is 20% faster than the profile's: the host fit names 0.8
+    and moves the host-CPU terms only (the GPU's efficiencies stay)."""
+    from vllm_lab.twin.fit import BenchPoint, fit_host_scale, predicted_metrics, replay
+    from vllm_lab.twin.profile import HOST_CPU_TERMS, on_host
+
+    base = load_profile("h200-llama-3-8b")
+    model = load_model_shape("llama-3-8b")
+    host = on_host(base, 0.8)
+    shapes = [("c1", 512, 128, 1, 8, float("inf")), ("c16", 512, 128, 16, 48, float("inf")),
+              ("o20", 512, 128, None, 60, 20.0)]
+    points = []
+    for name, lin, lout, users, n, rate in shapes:
+        pt = BenchPoint(name, n, lin, lout, users, rate, 1.0, measured={})
+        pt.measured = predicted_metrics(replay(pt, host, model))
+        points.append(pt)
+    scale, moved = fit_host_scale(points, base, model)
+    assert scale == 0.8
+    for name in HOST_CPU_TERMS:
+        assert abs(getattr(moved.coefficients, name) - getattr(host.coefficients, name)) < 1e-12
+    assert moved.coefficients.gemm_efficiency == base.coefficients.gemm_efficiency
+    assert "0.8" in moved.provenance.method

@@ -18,7 +18,7 @@ from pathlib import Path
 from vllm_lab.plans import Point, apply_value
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
-from vllm_lab.twin.fit import BenchPoint, compare, fit_profile, load_point
+from vllm_lab.twin.fit import BenchPoint, compare, fit_host_scale, fit_profile, load_point
 from vllm_lab.twin.profile import Profile
 
 # name, prompt tokens, output tokens, concurrent users, requests; the shapes of the reference set.
@@ -135,9 +135,15 @@ def _replayed(store: Store, experiment_id: str, run) -> BenchPoint:
         kind="chat" if chat else ("open" if open_loop else "closed variable"))
 
 
+# What a calibration fits: every coefficient the plan pins ("all"), or the host's CPU scale alone
+# ("host": the profile's GPU on another host, fit.fit_host_scale).
+FITS = ("all", "host")
+
+
 def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,
-        reference: list[Path] = ()) -> tuple[Profile, list[dict]]:
-    """Fit ``base``'s coefficients to a calibration experiment, write the profile, return the errors.
+        reference: list[Path] = (), scope: str = "all") -> tuple[Profile, list[dict]]:
+    """Fit ``base``'s coefficients (``scope`` "all") or its host's CPU scale (``scope`` "host") to a
+    calibration experiment, write the profile, return the errors.
 
     ``reference``: `vllm bench serve` result files from the same machine, fitted together with the
     lab's runs: two instruments on one server keep the twin honest to both.
@@ -148,7 +154,7 @@ def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,
     if len(points) < 3:
         raise ValueError(f"experiment {experiment_id} has {len(points)} ok calibration runs; "
                          f"the fit needs at least 3")
-    profile = fit_profile(points, base, model)
+    profile = fit_host_scale(points, base, model)[1] if scope == "host" else fit_profile(points, base, model)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_yaml())
     return profile, compare(points, profile, model)

@@ -85,7 +85,7 @@ MAKE_TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
     "baseline": _RUN_VARS,
     "sweep": _RUN_VARS + (("PARAM", "--param"), ("VALUES", "--values")),
     "calibrate": _RUN_VARS + (("PROFILE_OUT", "--profile-out"), ("FIT_ONLY", "--fit-only"),
-                              ("REFERENCE", "--reference")),
+                              ("REFERENCE", "--reference"), ("FIT", "--fit")),
     "report": (("OUT", "--out"), ("EXPERIMENT", "--experiment")),
     "quarterly": (("PERIOD", "--period"), ("OUT", "--out"), ("PDF", "--no-pdf")),
     "combo": _RUN_VARS + (("PARAMS", "--params"), ("GRID", "--grid")),

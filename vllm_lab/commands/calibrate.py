@@ -22,29 +22,34 @@ from vllm_lab.store import Store, StoreError, experiment_dir
 
 @dataclass(frozen=True)
 class CalibrateArgs:
-    """Whether to measure, where the profile goes, and reference measurements fitted too."""
+    """Whether to measure, where the profile goes, reference measurements fitted too, and what
+    the fit moves (calibrate.FITS)."""
 
     fit_only: bool = False
     profile_out: Path | None = None
     reference: Sequence[Path] = field(default_factory=tuple)
+    fit: str = "all"
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        """``--profile-out``, ``--fit-only`` and ``--reference``."""
+        """``--profile-out``, ``--fit-only``, ``--reference`` and ``--fit``."""
         p.add_argument("--profile-out", type=Path, default=None, help="where to write the profile YAML")
         p.add_argument("--fit-only", action="store_true", help="fit from EXPERIMENT's runs, measure nothing")
         p.add_argument("--reference", type=Path, nargs="*", default=[],
                        help="vllm bench serve result files from the same machine, fitted too")
+        p.add_argument("--fit", choices=calibration.FITS, default="all",
+                       help="all: every coefficient the plan pins; host: the host's CPU scale alone "
+                            "(the profile's GPU on another host)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> CalibrateArgs:
         """The calibration's arguments from its options."""
-        return cls(args.fit_only, args.profile_out, tuple(args.reference))
+        return cls(args.fit_only, args.profile_out, tuple(args.reference), args.fit)
 
 
 @stoppable
 def calibrate(settings: Settings, source: Source, fit_only: bool = False,
-              profile_out: Path | None = None, reference: Sequence[Path] = ()) -> int:
+              profile_out: Path | None = None, reference: Sequence[Path] = (), fit: str = "all") -> int:
     """Run the calibration plan on the backend, then fit a twin profile to it."""
     from vllm_lab.models import load_model_shape
     from vllm_lab.twin.profile import load_profile
@@ -61,7 +66,7 @@ def calibrate(settings: Settings, source: Source, fit_only: bool = False,
     model = load_model_shape(str(scenario.serve["model"]))
     out = profile_out or experiment_dir(settings.out, exp_id) / f"{scenario.hardware.gpu}-{model.name}.yaml"
     profile, rows = calibration.fit(settings.store_path, exp_id, base.model_copy(
-        update={"name": out.stem, "model": model.name}), model, out, list(reference))
+        update={"name": out.stem, "model": model.name}), model, out, list(reference), fit)
     for row in rows:
         print(f"  {row['point']:6s} {row['metric']:18s} measured {row['measured']:9.2f} "
               f"twin {row['predicted']:9.2f} {row['error']:+7.1%}")
@@ -89,4 +94,4 @@ def main(args: argparse.Namespace) -> int:
     """The command line's calibration."""
     a = CalibrateArgs.from_cli_args(args)
     return calibrate(Settings.from_cli_args(args), Source.from_cli_args(args), a.fit_only,
-                     a.profile_out, a.reference)
+                     a.profile_out, a.reference, a.fit)

@@ -184,6 +184,58 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
     return fitted.model_copy(update={"provenance": prov})
 
 
+# The host CPU scales tried (profile.on_host): 0.6 (a host much faster than the profile's) to 1.5.
+HOST_SCALES = tuple(round(0.6 + 0.05 * i, 2) for i in range(19))
+# What a host's scale is judged on: the latencies its CPU sets (throughput barely moves with it).
+HOST_METRICS = ("p50_ttft_ms", "p50_tpot_ms")
+
+
+def host_log_errors(points: list[BenchPoint], profile: Profile, model,
+                    scales: tuple[float, ...] = HOST_SCALES) -> np.ndarray:
+    """log(predicted / measured) of HOST_METRICS for each scale (rows) and point (columns), the
+    profile moved to each scale's host (``profile.on_host``)."""
+    from vllm_lab.twin.profile import on_host
+
+    out = np.empty((len(scales), len(points), len(HOST_METRICS)))
+    for i, s in enumerate(scales):
+        prof = on_host(profile, s)
+        for j, pt in enumerate(points):
+            got = predicted_metrics(replay(pt, prof, model))
+            out[i, j] = [math.log(max(got[k], 1e-9) / pt.measured[k]) for k in HOST_METRICS]
+    return out
+
+
+def best_host_scale(log_errors: np.ndarray, scales: tuple[float, ...] = HOST_SCALES) -> float:
+    """The scale whose median |log error| over the points is least: a median, so the runs at an
+    API server's limit, whose state is chance (reference/README.md), do not pull it."""
+    return scales[int(np.argmin(np.median(np.abs(log_errors.reshape(len(scales), -1)), axis=1)))]
+
+
+def fit_host_scale(points: list[BenchPoint], profile: Profile, model=None) -> tuple[float, Profile]:
+    """A new host of the profile's GPU: the one factor on its CPU terms (``profile.on_host``) that
+    best reproduces ``points`` measured there, to the nearest 1%, and the profile moved to it.
+
+    Everything else the profile holds is the GPU's and stays: a host is calibrated from a few runs.
+    """
+    from vllm_lab.models import load_model_shape
+    from vllm_lab.twin.profile import on_host
+
+    model = model or load_model_shape(profile.model)
+    coarse = best_host_scale(host_log_errors(points, profile, model), HOST_SCALES)
+    fine = tuple(round(coarse + 0.01 * k, 2) for k in range(-4, 5) if coarse + 0.01 * k > 0)
+    scale = best_host_scale(host_log_errors(points, profile, model, fine), fine)
+    moved = on_host(profile, scale)
+    prov = moved.provenance.model_copy(update={
+        "fitted_on": [p.name for p in points],
+        "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "method": f"the host's CPU scale alone: {scale:g} x the host-CPU terms of {profile.name} "
+                  f"(median |log error| of TTFT p50 and TPOT p50 over the runs)",
+        "notes": (f"{profile.name} on another host: its host-CPU terms (the engine core's step, "
+                  f"sequence and launch costs, the API server's) x {scale:g}. "
+                  + moved.provenance.notes).strip()})
+    return scale, moved.model_copy(update={"provenance": prov})
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: fit BASE_PROFILE to bench files and write the result."""
     ap = argparse.ArgumentParser(prog="python -m vllm_lab.twin.fit", description=__doc__.split("\n")[0])

@@ -128,6 +128,27 @@ def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
     return profile.model_copy(update={"hardware": hw})
 
 
+# The coefficients that are the host's CPU time, not the GPU's: the engine core's scheduling, input
+# preparation, sampling and kernel launches, and all of the API server's work. The same H200 on
+# another host runs them faster or slower together: on the reference set's hosts, one factor of
+# 0.75-1.1 on these alone puts light-load TPOT and TTFT within a few percent on each host, where
+# they spread 30% between hosts (reference/README.md, "The host's CPU").
+HOST_CPU_TERMS = ("step_overhead_s", "seq_overhead_s", "token_overhead_s", "eager_layer_overhead_s",
+                  "compiled_layer_launch_s", "mixed_step_launch_s", "frontend_latency_s",
+                  "frontend_token_s", "frontend_request_s", "frontend_chat_s",
+                  "frontend_prompt_token_s")
+
+
+def on_host(profile: Profile, cpu_scale: float) -> Profile:
+    """The profile on another host of its GPU: its host-CPU terms (``HOST_CPU_TERMS``) times
+    ``cpu_scale`` (below 1, a faster host), the GPU's terms as they were."""
+    if cpu_scale <= 0:
+        raise ValueError(f"cpu_scale must be positive, not {cpu_scale}")
+    co = profile.coefficients
+    scaled = co.model_copy(update={k: getattr(co, k) * cpu_scale for k in HOST_CPU_TERMS})
+    return profile.model_copy(update={"coefficients": scaled})
+
+
 def available_profiles() -> list[str]:
     """Names of the profiles shipped with the twin."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vllm_lab.twin.fit import BenchPoint, load_point
+from vllm_lab.twin.fit import HOST_SCALES, BenchPoint, load_point
 
 ROOT = Path(__file__).resolve().parent / "reference" / "h200-vllm0.26"
 TRAFFIC = ROOT / "traffic-2026-12-01"
@@ -245,6 +245,47 @@ def held_out_errors(folders: tuple[Path, ...], profile, model) -> pd.DataFrame:
     runs of one name in one folder (one host, one server start or a few)."""
     return pd.concat([errors(held_out_set((f,)), profile, model).assign(folder=f.name)
                       for f in folders], ignore_index=True)
+
+
+# Folders that hold two hosts' runs (their READMEs say which): runs whose case names this word were
+# taken on the folder's second host.
+SECOND_HOST = {"traffic-2026-12-03": "gamma", "traffic-2026-12-03b": "gamma"}
+# The scales the leave-one-out below tries: fit.HOST_SCALES in steps of 0.1 (a benchmark's cost).
+LOO_SCALES = tuple(s for s in HOST_SCALES if round(s * 10) == s * 10)
+
+
+def host_of(folder: Path, point: str) -> str:
+    """The host a folder's run was measured on: the folder's, or its second host's."""
+    word = SECOND_HOST.get(folder.name)
+    return folder.name + (" (second host)" if word and word in point else "")
+
+
+def host_calibrated_errors(folders: tuple[Path, ...], profile, model,
+                           scales: tuple[float, ...] = LOO_SCALES) -> pd.DataFrame:
+    """``held_out_errors`` on hosts calibrated as ``make calibrate FIT=host`` would: each run
+    predicted with its host's CPU scale (fit.best_host_scale) fitted on that host's other runs,
+    never on itself (leave one out). The ``host`` and ``scale`` columns say which."""
+    from vllm_lab.twin.fit import HOST_METRICS, best_host_scale, predicted_metrics, replay
+    from vllm_lab.twin.profile import on_host
+
+    metrics = (*GOALS, *DIAGNOSTICS)
+    rows = []
+    for f in folders:
+        pts = held_out_set((f,))
+        # Every run predicted once at every scale: got[scale][run] is its predicted metrics.
+        got = [[predicted_metrics(replay(p, on_host(profile, s), model)) for p in pts] for s in scales]
+        logs = np.array([[[np.log(g[j][k] / p.measured[k]) for k in HOST_METRICS]
+                          for j, p in enumerate(pts)] for g in got])
+        hosts = [host_of(f, p.name) for p in pts]
+        for j, p in enumerate(pts):
+            others = [i for i, h in enumerate(hosts) if h == hosts[j] and i != j]
+            scale = best_host_scale(logs[:, others], scales)
+            pred = got[scales.index(scale)][j]
+            rows += [{"point": p.name, "kind": p.kind, "metric": k, "measured": p.measured[k],
+                      "predicted": pred[k], "error": pred[k] / p.measured[k] - 1,
+                      "folder": f.name, "host": hosts[j], "scale": scale}
+                     for k in metrics if p.measured.get(k)]
+    return pd.DataFrame(rows)
 
 
 def repeat_spread(errs: pd.DataFrame, min_runs: int = 3) -> pd.DataFrame:
