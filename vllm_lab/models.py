@@ -97,7 +97,8 @@ _ALIASES = {
 
 
 def load_model_shape(model: str) -> ModelShape:
-    """Return the shape of ``model``: a folder with config.json, or a known name or alias."""
+    """Return the shape of ``model``: a folder with config.json, or a known name or alias (also as
+    the last part of a path that is not here)."""
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         config = load_json(read_text(path / "config.json", what="model config"), str(path))
@@ -107,7 +108,10 @@ def load_model_shape(model: str) -> ModelShape:
             raise ValueError(f"model {model!r}: its config.json has no usable model shape "
                              f"({type(e).__name__}: {str(e)[:80]})") from None
     key = model.lower()
-    key = _ALIASES.get(key, _ALIASES.get(path.name.lower(), key))
+    # A model folder that is not on this machine (a run stored on the GPU host it ran on, read
+    # here) is the shape its folder is named for, where that names one.
+    key = (_ALIASES.get(key) or _ALIASES.get(path.name.lower())
+           or (key if key in KNOWN_SHAPES else path.name.lower()))
     if key in KNOWN_SHAPES:
         return KNOWN_SHAPES[key]
     known = ", ".join(sorted(KNOWN_SHAPES))

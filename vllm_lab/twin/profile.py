@@ -44,6 +44,10 @@ class Coefficients(_Strict):
     mixed_step_launch_s: float = Field(default=0.0, ge=0, description=(
         "extra time of a step that carries a prompt chunk beside its decodes and fits a CUDA "
         "graph: it runs as a piecewise graph, attention launched layer by layer"))
+    fp8_kv_read_share: float = Field(default=0.5, gt=0, le=1, description=(
+        "the time attention takes to read an fp8 KV cache, as a share of a 16-bit one's: 0.5 if "
+        "halving the bytes halved the time; vLLM's fp8 kernels also quantize the query and "
+        "scale what they read"))
     frontend_latency_s: float = Field(ge=0, description="API server path of a request: HTTP, tokenize, detokenize")
     frontend_token_s: float = Field(default=0.0, ge=0, description=(
         "API server CPU per streamed token (detokenize, SSE); one process serves all streams"))

@@ -44,7 +44,9 @@ class StepTimeModel:
         self.weights_s = (linear_params + h * v) * weight_bytes / tp / bw
         self.attn_s_per_pair = (4 * layers * model.num_heads * model.head_dim / tp
                                 / (peak * 1e12 * co.attention_efficiency))
-        self.kv_s_per_token = 2 * layers * model.num_kv_heads * model.head_dim * kv_bytes / tp / bw
+        # An fp8 cache (one byte) is read in fp8_kv_read_share of a 16-bit cache's time, not half.
+        kv_read_bytes = 2 * co.fp8_kv_read_share if kv_bytes == 1 else kv_bytes
+        self.kv_s_per_token = 2 * layers * model.num_kv_heads * model.head_dim * kv_read_bytes / tp / bw
         self.block_s_per_token = co.block_overhead_s * layers / block_size
         self.launch_s = co.eager_layer_overhead_s * layers
         self.compiled_launch_s = co.compiled_layer_launch_s * layers
