@@ -225,14 +225,17 @@ def fit_host_scale(points: list[BenchPoint], profile: Profile, model=None) -> tu
     fine = tuple(round(coarse + 0.01 * k, 2) for k in range(-4, 5) if coarse + 0.01 * k > 0)
     scale = best_host_scale(host_log_errors(points, profile, model, fine), fine)
     moved = on_host(profile, scale)
+    errs = np.abs(np.array([[predicted_metrics(replay(pt, moved, model))[k] / pt.measured[k] - 1
+                             for k, _ in METRICS] for pt in points]))
     prov = moved.provenance.model_copy(update={
         "fitted_on": [p.name for p in points],
         "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "method": f"the host's CPU scale alone: {scale:g} x the host-CPU terms of {profile.name} "
-                  f"(median |log error| of TTFT p50 and TPOT p50 over the runs)",
-        "notes": (f"{profile.name} on another host: its host-CPU terms (the engine core's step, "
-                  f"sequence and launch costs, the API server's) x {scale:g}. "
-                  + moved.provenance.notes).strip()})
+        "method": f"the host's CPU scale alone: {scale:g} x the host-CPU terms of the profile it "
+                  f"started from (median |log error| of TTFT p50 and TPOT p50 over the runs)",
+        "notes": (f"Moved to this host: its host-CPU terms (the engine core's step, sequence and "
+                  f"launch costs, the API server's) x {scale:g}. " + moved.provenance.notes).strip(),
+        "errors": {k: round(float(np.median(errs[:, i])), 4) for i, (k, _) in enumerate(METRICS)},
+    })
     return scale, moved.model_copy(update={"provenance": prov})
 
 
