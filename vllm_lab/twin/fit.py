@@ -172,16 +172,22 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
     sol = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
                         diff_step=0.02, max_nfev=max_evals)
     fitted = _with(base_profile, sol.x, params)
-    errs = np.abs(np.array([[predicted_metrics(replay(pt, fitted, model))[k] / pt.measured[k] - 1
-                             for k, _ in METRICS] for pt in points]))
     prov = fitted.provenance.model_copy(update={
         "fitted_on": [p.name for p in points],
         "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "method": "scipy least_squares (soft_l1) over the predictor in bench mode; residuals: "
                   "log ratio of output throughput, TTFT p50, TPOT p50",
-        "errors": {k: round(float(np.median(errs[:, i])), 4) for i, (k, _) in enumerate(METRICS)},
+        "errors": median_errors(points, fitted, model),
     })
     return fitted.model_copy(update={"provenance": prov})
+
+
+def median_errors(points: list[BenchPoint], profile: Profile, model) -> dict[str, float]:
+    """The median |relative error| of each fitted metric over ``points`` (a profile's
+    ``provenance.errors``)."""
+    errs = np.abs(np.array([[predicted_metrics(replay(pt, profile, model))[k] / pt.measured[k] - 1
+                             for k, _ in METRICS] for pt in points]))
+    return {k: round(float(np.median(errs[:, i])), 4) for i, (k, _) in enumerate(METRICS)}
 
 
 # The host CPU scales tried (profile.on_host): 0.6 (a host much faster than the profile's) to 1.5.
@@ -225,8 +231,6 @@ def fit_host_scale(points: list[BenchPoint], profile: Profile, model=None) -> tu
     fine = tuple(round(coarse + 0.01 * k, 2) for k in range(-4, 5) if coarse + 0.01 * k > 0)
     scale = best_host_scale(host_log_errors(points, profile, model, fine), fine)
     moved = on_host(profile, scale)
-    errs = np.abs(np.array([[predicted_metrics(replay(pt, moved, model))[k] / pt.measured[k] - 1
-                             for k, _ in METRICS] for pt in points]))
     prov = moved.provenance.model_copy(update={
         "fitted_on": [p.name for p in points],
         "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -234,7 +238,7 @@ def fit_host_scale(points: list[BenchPoint], profile: Profile, model=None) -> tu
                   f"started from (median |log error| of TTFT p50 and TPOT p50 over the runs)",
         "notes": (f"Moved to this host: its host-CPU terms (the engine core's step, sequence and "
                   f"launch costs, the API server's) x {scale:g}. " + moved.provenance.notes).strip(),
-        "errors": {k: round(float(np.median(errs[:, i])), 4) for i, (k, _) in enumerate(METRICS)},
+        "errors": median_errors(points, moved, model),
     })
     return scale, moved.model_copy(update={"provenance": prov})
 
