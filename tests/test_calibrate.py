@@ -58,3 +58,12 @@ def test_a_host_fit_finds_the_hosts_cpu_scale_and_moves_only_the_hosts_terms(tmp
         assert abs(getattr(moved.coefficients, name) - getattr(host.coefficients, name)) < 1e-12
     assert moved.coefficients.gemm_efficiency == base.coefficients.gemm_efficiency
     assert "0.8" in moved.provenance.method
+
+
+def test_a_host_calibration_measures_the_plans_runs_away_from_any_limit():
+    base = scenarios.resolve("default", hardware="cpu-demo")
+    every = calibrate.calibration_points(base)
+    host = [p.values["point"] for p in calibrate.host_points(every)]
+    assert host == [p.values["point"] for p in every if p.values["point"] in calibrate.HOST_PLAN]
+    assert set(host) == set(calibrate.HOST_PLAN) and len(host) == 7
+    assert not {"c512", "v256", "v256p64", "o80"} & set(host)

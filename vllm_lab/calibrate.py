@@ -46,6 +46,17 @@ REALISTIC = [
 ]
 
 
+# The runs of the plan that ``FIT=host`` measures: loads where the host's CPU sets the latencies
+# (single requests, small closed loops, variable lengths at 64 users, Poisson at half the capacity,
+# chat), none at an API server's limit, where a run's state is chance. Seven of the fourteen.
+HOST_PLAN = ("p2048", "c1", "c8", "c32", "v64", "o50", "chat64")
+
+
+def host_points(points: list[Point]) -> list[Point]:
+    """The calibration runs a host's CPU scale is fitted to (``HOST_PLAN``)."""
+    return [p for p in points if p.values["point"] in HOST_PLAN]
+
+
 def calibration_points(base: Scenario, plan=PLAN, realistic=REALISTIC) -> list[Point]:
     """The calibration runs on ``base``'s serve flags: fixed lengths and closed loops, then the
     realistic traffic (variable lengths, Poisson arrivals, chat), every run counted."""

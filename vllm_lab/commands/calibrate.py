@@ -56,8 +56,11 @@ def calibrate(settings: Settings, source: Source, fit_only: bool = False,
 
     scenario = source.resolve_checked()
     if not fit_only:
-        Experiment.build(settings, "calibrate", scenario, calibration.calibration_points(scenario),
-                         {"params": ["point"]}, "calibrate").run()
+        points = calibration.calibration_points(scenario)
+        if fit == "host":  # another host of the profile's GPU: the runs its CPU decides
+            points = calibration.host_points(points)
+        Experiment.build(settings, "calibrate", scenario, points, {"params": ["point"]},
+                         "calibrate").run()
     exp_id = experiment_id(dataclasses.replace(settings, resume=True), "calibrate", scenario, "calibrate")
     if fit_only:
         scenario = Scenario.model_validate_json(_first_run_scenario(settings.store_path, exp_id))
