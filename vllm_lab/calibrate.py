@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_lab.plans import Point, apply_value
+from vllm_lab.prediction import replayed_prompts
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
 from vllm_lab.twin.fit import BenchPoint, compare, fit_host_scale, fit_profile, load_point
@@ -131,7 +132,7 @@ def _replayed(store: Store, experiment_id: str, run) -> BenchPoint:
     start = float(df["start_ts"].min())
     end = float((df["start_ts"] + df["e2e_s"]).max())
     open_loop = scenario.load.open_loop
-    chat = scenario.workload.api == "chat"
+    prompts, chat = replayed_prompts(scenario, df["prompt_tokens"].astype(int).tolist())
     return BenchPoint(
         name=run["point"]["point"], num_prompts=len(df), input_len=round(df["prompt_tokens"].mean()),
         output_len=round(df["output_tokens"].mean()),
@@ -140,7 +141,7 @@ def _replayed(store: Store, experiment_id: str, run) -> BenchPoint:
         measured={"output_throughput": float(df["output_tokens"].sum()) / max(end - start, 1e-9),
                   "p50_ttft_ms": float(df["ttft_s"].median()) * 1000,
                   "p50_tpot_ms": float(df["tpot_s"].median()) * 1000},
-        flags=dict(scenario.serve), prompt_lens=df["prompt_tokens"].astype(int).tolist(),
+        flags=dict(scenario.serve), prompt_lens=prompts,
         output_lens=df["output_tokens"].astype(int).tolist(),
         arrival_times=(df["start_ts"] - start).tolist() if open_loop else None, chat=chat,
         kind="chat" if chat else ("open" if open_loop else "closed variable"))

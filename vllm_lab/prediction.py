@@ -133,6 +133,18 @@ def _template_tokens(tokenizer: str, chat_template: str | None, system: bool) ->
                .encode_chat([*messages, {"role": "user", "content": ""}]))
 
 
+def replayed_prompts(scenario: Scenario, lengths: list[int]) -> tuple[list, bool]:
+    """A run's recorded prompt lengths as the predictor replays them: with the prefixes the
+    scenario's requests share (as token ids, what the prefix cache meets) and the chat template
+    around each message; and whether the run was chat."""
+    w = scenario.workload
+    lin = w.lengths()[0]
+    chat = w.api == "chat"
+    template = chat_template_tokens(scenario) if chat else 0
+    shared = int(w.shared_prefix_ratio * lin.mean) if lin is not None else 0
+    return shared_prefix_prompts([n + template for n in lengths], shared, w.prefix_groups), chat
+
+
 def chat_template_tokens(scenario: Scenario) -> int:
     """The tokens the served model's chat template puts around one user message (the start, the
     role headers, the end-of-turn and the assistant's header), and around the system message

@@ -181,17 +181,11 @@ def loop_cpu(cpu: dict) -> float | None:
 
 
 def _scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
-    """A scenario's requests as its workload built them: the prefixes they share as token ids
-    (what the prefix cache meets) and the chat template around each message; and whether chat."""
+    """A scenario's requests as its workload built them (prediction.replayed_prompts)."""
     from vllm_lab import scenarios
-    from vllm_lab.prediction import chat_template_tokens, shared_prefix_prompts
+    from vllm_lab.prediction import replayed_prompts
 
-    sc = scenarios.resolve(name)
-    w, (lin, _lout) = sc.workload, sc.workload.lengths()
-    chat = w.api == "chat"
-    template = chat_template_tokens(sc) if chat else 0
-    shared = int(w.shared_prefix_ratio * lin.mean) if lin is not None else 0
-    return shared_prefix_prompts([n + template for n in lengths], shared, w.prefix_groups), chat
+    return replayed_prompts(scenarios.resolve(name), lengths)
 
 
 def fit_set() -> list[BenchPoint]:
