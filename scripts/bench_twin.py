@@ -168,9 +168,7 @@ def by_kind(profile, model) -> None:
         print(f"\n## Fidelity by traffic kind, {label}: {profile.name} vs {folder.name}")
         print(errs.pivot_table(index="point", columns="metric", values="error", sort=False)
               .map(lambda v: f"{v:+.1%}").to_string())
-        table = reference.by_kind(errs)
-        print(table.assign(median=table["median"].map("{:.1%}".format),
-                           worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
+        print_by_kind(errs)
     repeats = ("Points run three times or more in one folder: a run's distance from its point's "
                "median (spread) beside the twin's (twin), medians")
     hosts = ("Points measured in two folders or more (hosts, days): a folder's distance from the "
@@ -180,6 +178,15 @@ def by_kind(profile, model) -> None:
         print(f"\n## {title}")
         print(table.assign(spread=table["spread"].map("{:.1%}".format),
                            twin=table["twin"].map("{:.1%}".format)).to_string(index=False))
+
+
+def print_by_kind(errs) -> None:
+    """reference.by_kind's table of ``errs``, its medians and worsts in percent."""
+    from vllm_lab.twin import reference
+
+    table = reference.by_kind(errs)
+    print(table.assign(median=table["median"].map("{:.1%}".format),
+                       worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
 
 
 def hosts(profile, model) -> None:
@@ -196,10 +203,8 @@ def hosts(profile, model) -> None:
     calibrated = reference.host_calibrated_errors(folders, profile, model)
     for title, errs in (("one profile for every host", one),
                         ("each host's CPU scale fitted on its other runs", calibrated)):
-        table = reference.by_kind(errs)
         print(f"\n## Held out, pooled, {title}: {profile.name}")
-        print(table.assign(median=table["median"].map("{:.1%}".format),
-                           worst=table["worst"].map("{:.1%}".format)).to_string(index=False))
+        print_by_kind(errs)
     scales = calibrated.groupby("host", sort=False)["scale"].agg(["min", "max"])
     print("\n## The hosts' CPU scales (the profile's host: 1)")
     print(scales.to_string())

@@ -130,15 +130,19 @@ def predicted_metrics(pred: Prediction) -> dict[str, float]:
 def compare(points: list[BenchPoint], profile: Profile, model,
             metrics: tuple[str, ...] = tuple(k for k, _ in METRICS)) -> list[dict[str, Any]]:
     """Per point and metric (those it measured): measured, predicted, relative error."""
+    return [row for pt in points
+            for row in compared(pt, predicted_metrics(replay(pt, profile, model)), metrics)]
+
+
+def compared(pt: BenchPoint, got: dict[str, float], metrics: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One point's rows of ``compare`` from its predicted metrics ``got``."""
     rows = []
-    for pt in points:
-        got = predicted_metrics(replay(pt, profile, model))
-        for key in metrics:
-            if key not in pt.measured:
-                continue
-            m, p = pt.measured[key], got[key]
-            rows.append({"point": pt.name, "kind": pt.kind, "metric": key, "measured": m,
-                         "predicted": p, "error": (p - m) / m if m else math.nan})
+    for key in metrics:
+        if key not in pt.measured:
+            continue
+        m, p = pt.measured[key], got[key]
+        rows.append({"point": pt.name, "kind": pt.kind, "metric": key, "measured": m,
+                     "predicted": p, "error": (p - m) / m if m else math.nan})
     return rows
 
 
@@ -202,13 +206,15 @@ def host_log_errors(points: list[BenchPoint], profile: Profile, model,
     profile moved to each scale's host (``profile.on_host``)."""
     from vllm_lab.twin.profile import on_host
 
-    out = np.empty((len(scales), len(points), len(HOST_METRICS)))
-    for i, s in enumerate(scales):
-        prof = on_host(profile, s)
-        for j, pt in enumerate(points):
-            got = predicted_metrics(replay(pt, prof, model))
-            out[i, j] = [math.log(max(got[k], 1e-9) / pt.measured[k]) for k in HOST_METRICS]
-    return out
+    return np.stack([host_logs(points, [predicted_metrics(replay(pt, on_host(profile, s), model))
+                                        for pt in points]) for s in scales])
+
+
+def host_logs(points: list[BenchPoint], predicted: list[dict[str, float]]) -> np.ndarray:
+    """log(predicted / measured) of HOST_METRICS for each point (rows), from its predicted
+    metrics."""
+    return np.array([[math.log(max(got[k], 1e-9) / pt.measured[k]) for k in HOST_METRICS]
+                     for pt, got in zip(points, predicted)])
 
 
 def best_host_scale(log_errors: np.ndarray, scales: tuple[float, ...] = HOST_SCALES) -> float:

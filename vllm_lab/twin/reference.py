@@ -260,7 +260,7 @@ def host_calibrated_errors(folders: tuple[Path, ...], profile, model,
     """``held_out_errors`` on hosts calibrated as ``make calibrate FIT=host`` would: each run
     predicted with its host's CPU scale (fit.best_host_scale) fitted on that host's other runs,
     never on itself (leave one out). The ``host`` and ``scale`` columns say which."""
-    from vllm_lab.twin.fit import HOST_METRICS, best_host_scale, predicted_metrics, replay
+    from vllm_lab.twin.fit import best_host_scale, compared, host_logs, predicted_metrics, replay
     from vllm_lab.twin.profile import on_host
 
     metrics = (*GOALS, *DIAGNOSTICS)
@@ -269,17 +269,13 @@ def host_calibrated_errors(folders: tuple[Path, ...], profile, model,
         pts = held_out_set((f,))
         # Every run predicted once at every scale: got[scale][run] is its predicted metrics.
         got = [[predicted_metrics(replay(p, on_host(profile, s), model)) for p in pts] for s in scales]
-        logs = np.array([[[np.log(g[j][k] / p.measured[k]) for k in HOST_METRICS]
-                          for j, p in enumerate(pts)] for g in got])
+        logs = np.stack([host_logs(pts, g) for g in got])
         hosts = [host_of(f, p.name) for p in pts]
         for j, p in enumerate(pts):
             others = [i for i, h in enumerate(hosts) if h == hosts[j] and i != j]
             scale = best_host_scale(logs[:, others], scales)
-            pred = got[scales.index(scale)][j]
-            rows += [{"point": p.name, "kind": p.kind, "metric": k, "measured": p.measured[k],
-                      "predicted": pred[k], "error": pred[k] / p.measured[k] - 1,
-                      "folder": f.name, "host": hosts[j], "scale": scale}
-                     for k in metrics if p.measured.get(k)]
+            rows += [{**row, "folder": f.name, "host": hosts[j], "scale": scale}
+                     for row in compared(p, got[scales.index(scale)][j], metrics)]
     return pd.DataFrame(rows)
 
 
