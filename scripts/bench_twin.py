@@ -1,9 +1,11 @@
 """The twin's benchmarks: fidelity against real vLLM, direction of each knob, predictor speed.
 
-    .venv/bin/python scripts/bench_twin.py [fidelity|hosts|direction|speed ...] [--reference DIR]
+    .venv/bin/python scripts/bench_twin.py [fidelity|hosts|shape|direction|speed ...] [--reference DIR]
 
 ``hosts`` (not in the default set: about 70 s) re-reads the held-out runs with each host calibrated
-as ``make calibrate FIT=host`` would, from its other runs.
+as ``make calibrate FIT=host`` would, from its other runs. ``shape`` (not in the default set) shows
+what the medians by kind do not: the part of a TTFT after vLLM's own first-token stamp, and the
+spread of the twin's TTFT against vLLM's and the client's on open loops.
 """
 
 from __future__ import annotations
@@ -210,6 +212,51 @@ def hosts(profile, model) -> None:
     print(scales.to_string())
 
 
+# The TTFT bounds (seconds, each a bound of vLLM's histogram) the shape section reads shares at.
+SHAPE_EDGES = (0.04, 0.06, 0.08, 0.1)
+
+
+def shape(profile, model) -> None:
+    """Where a TTFT is spent beyond vLLM's own stamp of the first token, and how the twin's TTFT
+    is spread against vLLM's: what the twin's medians by kind do not show."""
+    import pandas as pd
+
+    from vllm_lab.twin import reference
+    from vllm_lab.twin.fit import replay
+
+    pd.set_option("display.width", 200)
+    after = reference.after_first_token_stamp((reference.TRAFFIC, *reference.LATER))
+    print("\n## After vLLM stamps the first token: the client's mean TTFT less vLLM's (ms), "
+          "medians over runs")
+    table = (after.groupby(["kind", "case", "level"], sort=True)
+             .agg(runs=("after_ms", "size"), tok_s=("tok_s", "median"),
+                  after_ms=("after_ms", "median")))
+    print(table.round(1).to_string())
+    folder = reference.TRAFFIC
+    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+    requests = pd.read_csv(folder / "requests.csv.gz")
+    edges = " / ".join(f"{e * 1e3:g}" for e in SHAPE_EDGES)
+    print(f"\n## Open loops of {folder.name}: share of requests with TTFT at most {edges} ms")
+    rows, bursts = [], []
+    for (point, _fitted), run in zip(reference.traffic_points(folder), runs):
+        if point.arrival_times is None:
+            continue
+        measured = requests[requests.tag == run["tag"]].sort_values("start_s")
+        predicted = replay(point, profile, model).requests
+        server = reference.server_shares(folder, run["tag"], SHAPE_EDGES)
+        rows.append({"point": point.name,
+                     "vLLM's stamp": " ".join(f"{x:.2f}" for x in server or ()),
+                     "client": " ".join(f"{(measured.ttft_s <= e).mean():.2f}" for e in SHAPE_EDGES),
+                     "twin": " ".join(f"{(predicted.ttft_s <= e).mean():.2f}" for e in SHAPE_EDGES)})
+        if point.name.endswith("poisson 40"):
+            bursts.append((point.name, reference.ttft_by_recent_sends(
+                measured.start_s, measured.ttft_s, predicted.ttft_s)))
+    print(pd.DataFrame(rows).to_string(index=False))
+    for name, table in bursts:
+        print(f"\n## {name} ({folder.name}): median TTFT (ms) by requests sent in the 50 ms before")
+        print(table.round(1).T.to_string())
+
+
 def _run(flags, profile, model, reqs, users=256):
     p = predict(flags, profile, model, reqs, Closed(users))
     return p
@@ -260,7 +307,7 @@ def main(argv=None) -> int:
     """Run the chosen benchmarks (all by default)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("which", nargs="*", default=["fidelity", "direction", "speed"],
-                    choices=["fidelity", "hosts", "direction", "speed"])
+                    choices=["fidelity", "hosts", "shape", "direction", "speed"])
     ap.add_argument("--reference", type=Path, default=REFERENCE)
     ap.add_argument("--profile", default="h200-llama-3-8b")
     args = ap.parse_args(argv)
@@ -279,6 +326,8 @@ def main(argv=None) -> int:
             staircases()
     if "hosts" in args.which:
         hosts(profile, model)
+    if "shape" in args.which:
+        shape(profile, model)
     if "direction" in args.which:
         direction(profile, model)
     if "speed" in args.which:

@@ -425,6 +425,37 @@ def test_a_points_repeats_and_its_hosts_give_the_spread_a_prediction_is_judged_a
                                          "twin": pytest.approx(0.125)}]
 
 
+def test_a_bursts_cost_is_read_by_the_requests_sent_just_before():
+    """ttft_by_recent_sends: each request's TTFT, measured and predicted, grouped by how many
+    requests were sent in the window before it (itself not counted), the last group open-ended."""
+    from vllm_lab.twin import reference
+
+    send = [0.0, 0.01, 0.02, 0.5, 1.0, 1.001, 1.002, 1.003, 1.004, 1.005]
+    measured = [0.1, 0.1, 0.1, 0.2, 0.3, 0.3, 0.3, 0.3, 0.3, 0.9]
+    predicted = [m * 2 for m in measured]
+    table = reference.ttft_by_recent_sends(send, measured, predicted, window_s=0.05, most=4)
+    assert table["requests"].to_dict() == {0: 3, 1: 2, 2: 2, 3: 1, 4: 2}
+    assert table.loc[4, "measured"] == pytest.approx(600.0)     # 0.3 and 0.9 s: median 0.6 s
+    assert table.loc[0, "twin"] == pytest.approx(400.0)         # 0.2, 0.4 and 0.6 s
+
+
+def test_what_comes_after_vllms_first_token_stamp_grows_with_the_first_tokens_a_step_hands_out():
+    """The reference runs: the client's TTFT less vLLM's own (its histogram is observed before the
+    API server streams the token) is a few ms for one user and grows with the first tokens a
+    closed loop of identical requests gets in one step, about 0.6 ms each; vLLM's own histogram
+    puts more of a Poisson run's requests under 100 ms than the client sees."""
+    from vllm_lab.twin import reference
+
+    after = reference.after_first_token_stamp((reference.TRAFFIC, *reference.LATER))
+    closed = after[after.case == "closed"].groupby("level")["after_ms"].median()
+    assert closed[1] < 5 and 100 < closed[256] < 250 and closed[1024] > 500
+    run = next(json.loads(line) for line in (reference.TRAFFIC / "runs.jsonl").read_text().splitlines()
+               if json.loads(line)["case"] == "poisson" and json.loads(line)["level"] == 40)
+    stamp = reference.server_shares(reference.TRAFFIC, run["tag"], (0.1, 0.25))
+    assert stamp[1] == pytest.approx(1.0) and 0.6 < stamp[0] < 0.9
+    assert reference.server_shares(reference.ROOT / "traffic-2026-12-04", "any", (0.1,)) is None
+
+
 def test_the_api_server_measurement_replays_a_scenarios_shared_prefixes():
     """traffic-2026-12-02b: the realtime-chat runs are replayed as that scenario's workload built
     them (prefixes shared as token ids, the chat template around each message), and only the runs

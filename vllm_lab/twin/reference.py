@@ -354,3 +354,61 @@ if __name__ == "__main__":  # python -m vllm_lab.twin.reference PROFILE_OUT.yaml
     fitted = fit_frontend()
     Path(sys.argv[1]).write_text(fitted.to_yaml())
     print({name: getattr(fitted.coefficients, name) for name, *_ in FRONTEND_PARAMS})
+
+
+# --- the TTFT's shape (make bench NAME=twin ARGS=shape) ---------------------------------------
+
+def server_shares(folder: Path, tag: str, edges: tuple[float, ...],
+                  metric: str = "time_to_first_token_seconds") -> list[float] | None:
+    """The share of a run's requests vLLM's own histogram ``metric`` put at or under each of
+    ``edges`` (seconds; each a bucket bound), from the folder's ``server-raw.jsonl.gz``; None
+    where the folder or the run has none."""
+    import gzip
+
+    path = folder / "server-raw.jsonl.gz"
+    if not path.exists():
+        return None
+    with gzip.open(path, "rt") as f:
+        raw = next((json.loads(line)["raw"] for line in f if json.loads(line)["tag"] == tag), None)
+    buckets = (raw or {}).get(f"vllm:{metric}_bucket")
+    if not buckets:
+        return None
+    counts = {float(json.loads(k)["le"]): v for k, v in buckets.items()}
+    total = max(counts.values())
+    return [counts[e] / total if total else float("nan") for e in edges]
+
+
+def after_first_token_stamp(folders: tuple[Path, ...]) -> pd.DataFrame:
+    """Per run with vLLM's TTFT histogram: the client's mean TTFT less vLLM's (``after_ms``): what
+    the API server's streaming and the client add after vLLM stamps a request's first token, beside
+    the run's output tokens a second and the first tokens it handed out together (the closed loops
+    of identical requests hand them out in waves)."""
+    rows = []
+    for folder in folders:
+        requests = pd.read_csv(folder / "requests.csv.gz")
+        for line in (folder / "runs.jsonl").read_text().splitlines():
+            run = json.loads(line)
+            server = run.get("server") or {}
+            if "server_ttft_mean" not in server:
+                continue
+            rq = requests[requests.tag == run["tag"]]
+            span = (rq.start_s + rq.e2e_s).max() - rq.start_s.min()
+            rows.append({"folder": folder.name, "kind": KINDS.get(run["case"], "chat"),
+                         "case": run["case"], "level": run["level"], "config": run["config"],
+                         "tok_s": rq.output_tokens.sum() / span,
+                         "after_ms": 1e3 * (rq.ttft_s.mean() - server["server_ttft_mean"])})
+    return pd.DataFrame(rows)
+
+
+def ttft_by_recent_sends(send_s, measured, predicted, window_s: float = 0.05,
+                         most: int = 4) -> pd.DataFrame:
+    """Median TTFT, measured and predicted, by how many requests were sent in the ``window_s``
+    before each (``most`` standing for that many or more): how much a burst of arrivals costs."""
+    send = np.asarray(send_s, dtype=float)
+    lo = np.searchsorted(send, send - window_s, side="right")
+    recent = np.minimum(np.arange(send.size) - lo, most)
+    frame = pd.DataFrame({"sent before": recent, "measured": np.asarray(measured) * 1e3,
+                          "twin": np.asarray(predicted) * 1e3})
+    return frame.groupby("sent before").agg(requests=("measured", "size"),
+                                            measured=("measured", "median"),
+                                            twin=("twin", "median"))
