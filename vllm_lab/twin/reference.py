@@ -369,8 +369,8 @@ def server_shares(folder: Path, tag: str, edges: tuple[float, ...],
     if not path.exists():
         return None
     with gzip.open(path, "rt") as f:
-        raw = next((json.loads(line)["raw"] for line in f if json.loads(line)["tag"] == tag), None)
-    buckets = (raw or {}).get(f"vllm:{metric}_bucket")
+        run = next((r for r in map(json.loads, f) if r["tag"] == tag), {})
+    buckets = run.get("raw", {}).get(f"vllm:{metric}_bucket")
     if not buckets:
         return None
     counts = {float(json.loads(k)["le"]): v for k, v in buckets.items()}
