@@ -52,9 +52,10 @@ class _State:
 
 # make passes a SIGTERM on to its children, who also got it as members of its process group (a job
 # scheduler or scripts/lab-make signals the group): the same signal again this soon is that copy.
-# On a loaded machine make may take over a second to pass it on; a real second SIGTERM this soon
-# only goes unsaid (it is never raised either way).
-ECHO_S = 5.0
+# On a loaded machine make may take over a second to pass it on, and at the lowest CPU priority
+# beside busy processes over five (a CI run of 2026-12-05 printed the stopping line for make's copy);
+# a real second SIGTERM this soon only goes unsaid (it is never raised either way).
+ECHO_S = 30.0
 
 
 _state = _State()
