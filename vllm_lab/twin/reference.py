@@ -40,6 +40,7 @@ the second measurement whole (another host, other draws, rates the fit never saw
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -358,19 +359,24 @@ if __name__ == "__main__":  # python -m vllm_lab.twin.reference PROFILE_OUT.yaml
 
 # --- the TTFT's shape (make bench NAME=twin ARGS=shape) ---------------------------------------
 
+@functools.cache
+def _server_raw(path: Path) -> dict[str, dict]:
+    """A folder's ``server-raw.jsonl.gz``, run tag to its metrics, read once for all its runs."""
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        return {r["tag"]: r["raw"] for r in map(json.loads, f)}
+
+
 def server_shares(folder: Path, tag: str, edges: tuple[float, ...],
                   metric: str = "time_to_first_token_seconds") -> list[float] | None:
     """The share of a run's requests vLLM's own histogram ``metric`` put at or under each of
     ``edges`` (seconds; each a bucket bound), from the folder's ``server-raw.jsonl.gz``; None
     where the folder or the run has none."""
-    import gzip
-
     path = folder / "server-raw.jsonl.gz"
     if not path.exists():
         return None
-    with gzip.open(path, "rt") as f:
-        run = next((r for r in map(json.loads, f) if r["tag"] == tag), {})
-    buckets = run.get("raw", {}).get(f"vllm:{metric}_bucket")
+    buckets = _server_raw(path).get(tag, {}).get(f"vllm:{metric}_bucket")
     if not buckets:
         return None
     counts = {float(json.loads(k)["le"]): v for k, v in buckets.items()}
@@ -380,9 +386,8 @@ def server_shares(folder: Path, tag: str, edges: tuple[float, ...],
 
 def after_first_token_stamp(folders: tuple[Path, ...]) -> pd.DataFrame:
     """Per run with vLLM's TTFT histogram: the client's mean TTFT less vLLM's (``after_ms``): what
-    the API server's streaming and the client add after vLLM stamps a request's first token, beside
-    the run's output tokens a second and the first tokens it handed out together (the closed loops
-    of identical requests hand them out in waves)."""
+    the API server's streaming and the client add after vLLM stamps a request's first token,
+    beside the run's output tokens a second (``tok_s``)."""
     rows = []
     for folder in folders:
         requests = pd.read_csv(folder / "requests.csv.gz")
