@@ -21,7 +21,10 @@
 #        server near its core's limit), stream and admit (the API server's costs apart: long replies
 #        at 64-512 users, long prompts at 1-64, the bench alone), api4 (restarts with
 #        api-server-count=4: long replies at 256 and 512 users, realtime-chat at 48 req/s), budget
-#        (restarts with max-num-batched-tokens=2048: Poisson and the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256), steps
+#        (restarts with max-num-batched-tokens=2048: Poisson and the ShareGPT file), threshold (restarts with long-prefill-token-threshold=256),
+#        loop (a restart with scripts/gc_probe in the API server and the bench: their event loops'
+#        lag every 20 ms beside Poisson at the higher rate on one schedule, then the ShareGPT file
+#        at 256 users; the probe's lines in STORE/probe), steps
 #        (stops the server; bench_step_times.py), idle (30 s of the idle GPU's power), stop, pack.
 # MODEL (required) is the model folder (config and tokenizer; weights are dummy). VLLM_VENV and
 # LAB_ROOT go to the inventory; STORE (default /tmp/reference) keeps everything; OUT (default
@@ -113,6 +116,17 @@ for phase in "$@"; do
       parity start "twin-$phase" --set "serve.$flag"
       parity measure "twin-$phase" --runs bench --set "serve.$flag" --open-s 20 --sharegpt-per-user 4 \
         --cases poisson:$r1,poisson:$r2,sharegpt:64 ;;
+    # Which event loop holds a stream: vLLM's API server's or the client's. The probe is picked up
+    # by every Python process started with its folder on PYTHONPATH (the playbooks pass the
+    # environment on) and times the loop of `vllm serve` and of `vllm bench serve` alike.
+    loop) parity stop parity
+          export PYTHONPATH=$PWD/scripts/gc_probe${PYTHONPATH:+:$PYTHONPATH} LAB_GC_PROBE=$store/probe
+          parity start parity
+          parity measure twin-loop --url "$(url_of parity)" --open-s "${OPEN_S:-60}" \
+            --runs bench+lab:schedule=bench --cases poisson:$r2
+          parity measure twin-loop --url "$(url_of parity)" --runs lab+bench --sharegpt-per-user 3 \
+            --cases sharegpt:256
+          unset LAB_GC_PROBE ;;
     steps) parity stop parity
            "$py" scripts/bench_step_times.py --model "$MODEL" --out "$store/steps.jsonl" --time-limit-s 200 ;;
     idle) sleep 30 ;;
