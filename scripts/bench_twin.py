@@ -171,6 +171,11 @@ def by_kind(profile, model) -> None:
         print(errs.pivot_table(index="point", columns="metric", values="error", sort=False)
               .map(lambda v: f"{v:+.1%}").to_string())
         print_by_kind(errs)
+    print("\n## The parts of TTFT, held out, every folder: median signed error by kind (vLLM's"
+          " histograms: api_ms = TTFT less queue and prefill, prefill_ms = first scheduled to"
+          " first token)")
+    parts = reference.parts_by_kind(held)
+    print(parts.assign(median=parts["median"].map("{:+.1%}".format)).to_string(index=False))
     repeats = ("Points run three times or more in one folder: a run's distance from its point's "
                "median (spread) beside the twin's (twin), medians")
     hosts = ("Points measured in two folders or more (hosts, days): a folder's distance from the "
@@ -216,6 +221,11 @@ def hosts(profile, model) -> None:
 SHAPE_EDGES = (0.04, 0.06, 0.08, 0.1)
 
 
+# The runs whose engine steps `shape` sets beside vLLM's: variable lengths below and at the API
+# server's limit, and Poisson arrivals.
+STEP_POINTS = ("lab sharegpt 64", "lab sharegpt 256", "bench poisson 25", "lab poisson 40")
+
+
 def shape(profile, model) -> None:
     """Where a TTFT is spent beyond vLLM's own stamp of the first token, and how the twin's TTFT
     is spread against vLLM's: what the twin's medians by kind do not show."""
@@ -255,6 +265,13 @@ def shape(profile, model) -> None:
     for name, table in bursts:
         print(f"\n## {name} ({folder.name}): median TTFT (ms) by requests sent in the 50 ms before")
         print(table.round(1).T.to_string())
+    print(f"\n## The engine's steps by the tokens each carried ({folder.name}): share of steps, "
+          "vLLM's iteration-tokens histogram / the twin's (steps: their count)")
+    sizes = reference.step_sizes(folder, profile, model, STEP_POINTS)
+    sizes["cell"] = [f"{v:.0f} / {t:.0f}" if k == "steps" else f"{v:.3f} / {t:.3f}"
+                     for k, v, t in zip(sizes["tokens"], sizes["vLLM"], sizes["twin"])]
+    print(sizes.pivot(index="tokens", columns="point", values="cell")
+          .reindex(index=sizes["tokens"].unique(), columns=list(STEP_POINTS)).to_string())
 
 
 def _run(flags, profile, model, reqs, users=256):

@@ -425,6 +425,56 @@ def test_a_points_repeats_and_its_hosts_give_the_spread_a_prediction_is_judged_a
                                          "twin": pytest.approx(0.125)}]
 
 
+def test_the_parts_of_ttft_are_read_by_kind_with_their_sign():
+    """parts_by_kind: per kind, the median signed error of each diagnostic (the engine's prefill
+    interval, the API server's part, ...) over the runs that measured it; the goals' metrics are
+    not among them. The replay predicts the engine's part as its requests' mean prefill interval."""
+    import pandas as pd
+
+    from vllm_lab.twin import fit, reference
+
+    def rows(kind, metric, errors):
+        return [{"point": "p", "kind": kind, "metric": metric, "measured": 1.0,
+                 "predicted": 1.0 + e, "error": e} for e in errors]
+
+    errs = pd.DataFrame(rows("open", "prefill_ms", [-0.2, -0.1, 0.3]) + rows("open", "api_ms", [0.5])
+                        + rows("closed fixed", "prefill_ms", [0.1, 0.2])
+                        + rows("open", "p50_ttft_ms", [0.4, 0.4]))
+    table = reference.parts_by_kind(errs)
+    assert {(r["kind"], r["metric"]): (r["runs"], pytest.approx(r["median"]))
+            for r in table.to_dict("records")} == {
+        ("open", "prefill_ms"): (3, -0.1), ("open", "api_ms"): (1, 0.5),
+        ("closed fixed", "prefill_ms"): (2, 0.15)}
+
+    point = next(p for p, _ in reference.traffic_points() if "poisson" in p.name)
+    pred = fit.replay(point, H200, MODEL)
+    assert fit.predicted_metrics(pred)["prefill_ms"] == pytest.approx(
+        pred.requests["prefill_s"].mean() * 1e3)
+    assert point.measured["prefill_ms"] > 0
+
+
+def test_the_twins_engine_steps_carry_the_tokens_vllms_did():
+    """step_token_shares cumulates a prediction's (tokens, steps) rows by the bucket bounds of vLLM's
+    iteration-tokens histogram. At 64 users of variable lengths (the H200, traffic-2026-12-01) the
+    twin plans as many steps as vLLM and the same share in every bucket within a point; at 256,
+    where vLLM's API server holds requests back, vLLM runs more and smaller steps than the twin."""
+    import numpy as np
+
+    from vllm_lab.twin import reference
+
+    rows = np.array([[1, 2], [60, 5], [600, 3]])
+    assert reference.step_token_shares(rows, (1, 64, 512, 1024)) == [0.2, 0.7, 0.7, 1.0]
+
+    table = reference.step_sizes(reference.TRAFFIC, H200, MODEL, ("lab sharegpt 64", "lab sharegpt 256"))
+    at64 = table[table["point"] == "lab sharegpt 64"].set_index("tokens")
+    assert at64.loc["steps", "twin"] == pytest.approx(at64.loc["steps", "vLLM"], rel=0.02)
+    shares = at64.drop("steps")
+    assert (shares["twin"] - shares["vLLM"]).abs().max() < 0.01
+    assert shares["vLLM"].sum() == pytest.approx(1.0) and shares["twin"].sum() == pytest.approx(1.0)
+    at256 = table[table["point"] == "lab sharegpt 256"].set_index("tokens")
+    assert at256.loc["steps", "vLLM"] > 1.2 * at256.loc["steps", "twin"]
+
+
 def test_a_bursts_cost_is_read_by_the_requests_sent_just_before():
     """ttft_by_recent_sends: each request's TTFT, measured and predicted, grouped by how many
     requests were sent in the window before it (itself not counted), the last group open-ended."""

@@ -117,13 +117,15 @@ def predicted_metrics(pred: Prediction) -> dict[str, float]:
     """The fitted metrics as vllm bench names them (TTFT p99 is read, not fitted), and
     ``api_ms``: the mean of each request's TTFT outside the engine's queue and prefill, the time
     vLLM's API server holds it (what vLLM's TTFT histogram has beyond its queue and prefill
-    histograms), ``lag_ms`` (its stream's lag behind the engine) and ``api_cpu``: the cores its
-    process was busy, vLLM's process_cpu_seconds_total over the run."""
+    histograms), ``prefill_ms`` (the mean of the engine's part: first scheduled to first token, as
+    vLLM's prefill histogram), ``lag_ms`` (its stream's lag behind the engine) and ``api_cpu``: the
+    cores its process was busy, vLLM's process_cpu_seconds_total over the run."""
     d = pred.requests
     api = float((d["ttft_s"] - d["queue_s"] - d["prefill_s"]).mean()) * 1e3
     return {"output_throughput": pred.output_throughput, "p50_ttft_ms": pred.ttft["p50"] * 1e3,
             "p50_tpot_ms": pred.tpot["p50"] * 1e3, "p99_ttft_ms": pred.ttft["p99"] * 1e3,
-            "api_ms": api, "lag_ms": float(d["stream_lag_s"].mean()) * 1e3,
+            "api_ms": api, "prefill_ms": float(d["prefill_s"].mean()) * 1e3,
+            "lag_ms": float(d["stream_lag_s"].mean()) * 1e3,
             "api_cpu": pred.api_server_cpu}
 
 

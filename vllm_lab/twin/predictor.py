@@ -87,6 +87,9 @@ class Prediction:
     requests: pd.DataFrame | None = None
     energy_j: float = 0.0       # the GPUs' modelled energy over the run (twin/power.py)
     api_server_cpu: float = 0.0  # cores an API-server process was busy, their mean (twin/frontend.py)
+    # The engine's steps by the tokens each carried: rows of (tokens, steps), what vLLM counts in
+    # its iteration-tokens histogram.
+    step_tokens: np.ndarray | None = None
 
     def summary(self) -> dict[str, Any]:
         """The flat numbers, milliseconds for latencies, as vllm bench names them."""
@@ -169,6 +172,7 @@ class _Run:
         self.itl_w: list[np.ndarray] = []
         self.step_t: list[float] = []
         self.step_w: list[int] = []
+        self.step_sizes: list[tuple[int, int]] = []   # (tokens a step carried, steps so)
         self.usage_peak = self.usage_area = 0.0
         self.rng = np.random.default_rng(seed)
         self.nxt = 0                    # closed loop: the next request a user takes
@@ -285,6 +289,7 @@ class _Run:
         np.subtract(vis[1:], vis[:-1], out=gaps[1:])
         self.itl_t.append(gaps)
         self.itl_w.append(np.full(times.size, nb, dtype=np.int64))
+        self.step_sizes.append((nb, times.size))
         seen = self.last_seen = float(vis[-1])
         dur = float(times.sum())
         self.now += dur
@@ -302,6 +307,7 @@ class _Run:
             return
         ndec = step.num_decode_tokens
         firsts = step.first_token_ids
+        self.step_sizes.append((ndec + step.num_prefill_tokens, 1))
         self.now += dur
         seen = self.frontend.release(self.now, ndec + len(firsts))
         if ndec:     # a decoder's previous token became visible with the previous step's
@@ -361,7 +367,8 @@ class _Run:
             kv_usage_mean=self.usage_area / eng.busy_s if eng.busy_s else 0.0,
             gpu_utilization=per_s(eng.busy_s), kv_cache_tokens=eng.kv_cache_tokens, requests=df,
             energy_j=eng.energy_j(t0 + duration),  # the clock starts at the first send, t0 = 0
-            api_server_cpu=per_s(self.frontend.busy_s / self.frontend.processes))
+            api_server_cpu=per_s(self.frontend.busy_s / self.frontend.processes),
+            step_tokens=np.array(self.step_sizes, dtype=np.int64).reshape(-1, 2))
 
 
 def bench_serve(flags: dict[str, Any], profile: Profile, model, num_prompts: int,

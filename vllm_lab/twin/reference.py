@@ -128,6 +128,8 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
         if {"server_ttft_mean", "server_queue_mean", "server_prefill_mean"} <= set(srv):
             measured["api_ms"] = 1e3 * (srv["server_ttft_mean"] - srv["server_queue_mean"]
                                         - srv["server_prefill_mean"])
+        if "server_prefill_mean" in srv:
+            measured["prefill_ms"] = 1e3 * srv["server_prefill_mean"]
         if "server_frontend_lag_mean" in srv:
             measured["lag_ms"] = 1e3 * srv["server_frontend_lag_mean"]
         api_cpu = srv["server_api_cpu"] if "server_api_cpu" in srv else loop_cpu(run.get("cpu") or {})
@@ -209,10 +211,11 @@ def held_out_set(folders: tuple[Path, ...] = (TRAFFIC,)) -> list[BenchPoint]:
 # The fidelity goals per traffic kind: median |error| of each metric, and the worst for the first three.
 GOALS = {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.10, 0.25),
          "p50_tpot_ms": (0.10, 0.25), "p99_ttft_ms": (0.15, None)}
-# Read beside them, with no goal: the API server's share of TTFT (vLLM's own histograms), its
+# Read beside them, with no goal: the API server's share of TTFT (vLLM's own histograms), the
+# engine's (its prefill histogram: from a request's first scheduling to its first token), its
 # streams' lag, and the cores it used (its process's CPU counter, or in the older measurements its
 # event loop's thread as sampled beside the run).
-DIAGNOSTICS = ("api_ms", "lag_ms", "api_cpu")
+DIAGNOSTICS = ("api_ms", "prefill_ms", "lag_ms", "api_cpu")
 
 
 def errors(points: list[BenchPoint], profile, model) -> pd.DataFrame:
@@ -233,6 +236,15 @@ def by_kind(errs: pd.DataFrame) -> pd.DataFrame:
                      "worst": a.max(), "goal": f"{median_goal:.0%}" + (
                          f" / {worst_goal:.0%}" if worst_goal else ""), "met": ok})
     return pd.DataFrame(rows)
+
+
+def parts_by_kind(errs: pd.DataFrame) -> pd.DataFrame:
+    """Per kind, the median signed error of each diagnostic (``DIAGNOSTICS``) over the runs that
+    measured it: which side of a request's way (the engine's prefill, the API server) the twin
+    reads short or long, where the medians of |error| by kind only say how far."""
+    d = errs[errs["metric"].isin(DIAGNOSTICS)]
+    return (d.groupby(["kind", "metric"], sort=False)["error"].agg(["count", "median"])
+            .rename(columns={"count": "runs"}).reset_index())
 
 
 def held_out_errors(folders: tuple[Path, ...], profile, model) -> pd.DataFrame:
@@ -382,6 +394,54 @@ def server_shares(folder: Path, tag: str, edges: tuple[float, ...],
     counts = {float(json.loads(k)["le"]): v for k, v in buckets.items()}
     total = max(counts.values())
     return [counts[e] / total if total else float("nan") for e in edges]
+
+
+# vLLM's iteration-tokens buckets up to 8,192 tokens, the default max-num-batched-tokens.
+STEP_EDGES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def step_token_shares(step_tokens: np.ndarray, edges: tuple[float, ...] = STEP_EDGES) -> list[float]:
+    """The share of a prediction's steps that carried at most each of ``edges`` tokens, from its
+    ``step_tokens`` rows of (tokens, steps): vLLM's iteration-tokens histogram, cumulated."""
+    tokens, steps = step_tokens[:, 0], step_tokens[:, 1]
+    total = steps.sum()
+    return [float(steps[tokens <= e].sum() / total) if total else float("nan") for e in edges]
+
+
+def step_sizes(folder: Path, profile, model, names: tuple[str, ...]) -> pd.DataFrame:
+    """For the runs of ``folder`` named in ``names``: the share of the engine's steps by the tokens
+    each carried (vLLM's iteration-tokens histogram against the twin's steps), per bucket of
+    ``STEP_EDGES`` (``tokens`` is the bucket's upper bound, ``>8192`` the rest), and each
+    side's count of steps in the row ``steps``."""
+    from vllm_lab.twin.fit import replay
+
+    rows = []
+    for pt, _fitted in traffic_points(folder):
+        if pt.name not in names:
+            continue
+        measured = server_shares(folder, _tags(folder)[pt.name], STEP_EDGES, "iteration_tokens_total")
+        if measured is None:
+            continue
+        pred = replay(pt, profile, model)
+        twin = step_token_shares(pred.step_tokens)
+        counts = _server_raw(folder / "server-raw.jsonl.gz")[_tags(folder)[pt.name]][
+            "vllm:iteration_tokens_total_count"]
+        rows.append({"point": pt.name, "tokens": "steps", "vLLM": float(sum(counts.values())),
+                     "twin": float(pred.step_tokens[:, 1].sum())})
+        for i, edge in enumerate(STEP_EDGES):
+            rows.append({"point": pt.name, "tokens": str(edge),
+                         "vLLM": measured[i] - (measured[i - 1] if i else 0.0),
+                         "twin": twin[i] - (twin[i - 1] if i else 0.0)})
+        rows.append({"point": pt.name, "tokens": f">{STEP_EDGES[-1]}", "vLLM": 1.0 - measured[-1],
+                     "twin": 1.0 - twin[-1]})
+    return pd.DataFrame(rows)
+
+
+@functools.cache
+def _tags(folder: Path) -> dict[str, str]:
+    """A folder's run tags by their point's name (traffic_points' order is runs.jsonl's)."""
+    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+    return {pt.name: run["tag"] for (pt, _f), run in zip(traffic_points(folder), runs)}
 
 
 def after_first_token_stamp(folders: tuple[Path, ...]) -> pd.DataFrame:
