@@ -415,33 +415,24 @@ def step_sizes(folder: Path, profile, model, names: tuple[str, ...]) -> pd.DataF
     side's count of steps in the row ``steps``."""
     from vllm_lab.twin.fit import replay
 
+    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+    buckets = [*map(str, STEP_EDGES), f">{STEP_EDGES[-1]}"]
     rows = []
-    for pt, _fitted in traffic_points(folder):
+    for (pt, _fitted), run in zip(traffic_points(folder), runs):
         if pt.name not in names:
             continue
-        measured = server_shares(folder, _tags(folder)[pt.name], STEP_EDGES, "iteration_tokens_total")
+        measured = server_shares(folder, run["tag"], STEP_EDGES, "iteration_tokens_total")
         if measured is None:
             continue
         pred = replay(pt, profile, model)
-        twin = step_token_shares(pred.step_tokens)
-        counts = _server_raw(folder / "server-raw.jsonl.gz")[_tags(folder)[pt.name]][
-            "vllm:iteration_tokens_total_count"]
+        counts = _server_raw(folder / "server-raw.jsonl.gz")[run["tag"]]["vllm:iteration_tokens_total_count"]
         rows.append({"point": pt.name, "tokens": "steps", "vLLM": float(sum(counts.values())),
                      "twin": float(pred.step_tokens[:, 1].sum())})
-        for i, edge in enumerate(STEP_EDGES):
-            rows.append({"point": pt.name, "tokens": str(edge),
-                         "vLLM": measured[i] - (measured[i - 1] if i else 0.0),
-                         "twin": twin[i] - (twin[i - 1] if i else 0.0)})
-        rows.append({"point": pt.name, "tokens": f">{STEP_EDGES[-1]}", "vLLM": 1.0 - measured[-1],
-                     "twin": 1.0 - twin[-1]})
+        # Each bucket's share: the cumulated shares' steps, from 0 below the first to 1 past the last.
+        rows += [{"point": pt.name, "tokens": bucket, "vLLM": float(v), "twin": float(t)}
+                 for bucket, v, t in zip(buckets, np.diff([0.0, *measured, 1.0]),
+                                         np.diff([0.0, *step_token_shares(pred.step_tokens), 1.0]))]
     return pd.DataFrame(rows)
-
-
-@functools.cache
-def _tags(folder: Path) -> dict[str, str]:
-    """A folder's run tags by their point's name (traffic_points' order is runs.jsonl's)."""
-    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
-    return {pt.name: run["tag"] for (pt, _f), run in zip(traffic_points(folder), runs)}
 
 
 def after_first_token_stamp(folders: tuple[Path, ...]) -> pd.DataFrame:
