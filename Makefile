@@ -32,7 +32,7 @@ VALUES    ?=                          # comma-separated values for PARAM; defaul
 PARAMS    ?=                          # 2-3 flags with default ladders, e.g. max-num-seqs,max-num-batched-tokens
 GRID      ?=                          # values per flag, e.g. GRID="max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192"
 #= make tune
-TRIALS    ?=                          # trials this worker runs (default 20; per host with SPREAD=1)
+TRIALS    ?=                          # trials this worker runs (tune 20, autotune 40; per host with SPREAD=1)
 OBJECTIVE ?=                          # goodput (default) | throughput or energy (tokens/J; subject to the SLO) | pareto (NSGA-II)
 SPACE     ?=                          # search space, a name in scenarios/spaces/ or a YAML file (default: per hardware)
 STUDY_STORAGE ?=                      # Optuna storage URL (default: the lab database), e.g. postgresql://host/db

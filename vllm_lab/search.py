@@ -10,6 +10,7 @@ SQLAlchemy URL such as PostgreSQL, so several processes or control nodes can wor
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -200,6 +201,36 @@ def suggest(trial, space: SearchSpace) -> dict[str, Any]:
             values[param] = trial.suggest_float(param, r.low, r.high, log=r.log and not r.step,
                                                 step=r.step)
     return values
+
+
+def snap(param: str, r: ParamRange, value: Any) -> Any:
+    """``value`` as a point of the range: itself among choices (else the first choice), or clamped
+    to low..high, on the step's grid and an integer where the range is of integers."""
+    if r.choices is not None:
+        return value if value in r.choices else r.choices[0]
+    low, high = float(r.low), float(r.high)
+    v = min(max(float(value if value is not None else low), low), high)
+    if r.step:
+        v = min(low + round((v - low) / r.step) * r.step, high)
+    return round(v) if _is_int(param, r) else round(v, 6)
+
+
+def one_at_a_time(space: SearchSpace, home: dict[str, Any]) -> list[dict[str, Any]]:
+    """``home`` (snapped into the space), then ``home`` with one parameter moved: to each other
+    choice, or to each end of its range. Step 2 of the method (one flag at a time) as the first
+    points of a combined search: each flag's effect alone is known before the sampler combines
+    them, whatever its seed."""
+    centre = {p: snap(p, r, home.get(p)) for p, r in space.space.items()}
+    points, seen = [centre], {json.dumps(centre, sort_keys=True, default=str)}
+    for p, r in space.space.items():
+        values = r.choices if r.choices is not None else [snap(p, r, r.low), snap(p, r, r.high)]
+        for v in values:
+            point = {**centre, p: v}
+            key = json.dumps(point, sort_keys=True, default=str)
+            if key not in seen:
+                seen.add(key)
+                points.append(point)
+    return points
 
 
 # -- objectives ---------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Modes (the request's `model` name picks one, else `--mode`, or `--cycle` deals t
 ok (first token after --ttft-ms, then one token every --itl-ms), broken (closes the connection
 mid-stream), http500, stall (stops sending after a few tokens), empty (a stream with no content),
 malformed (an event that is not JSON after a few tokens, then the stream goes on), endless (tokens
-on the script's timing, never an end).
+on the script's timing, never an end). With --close-idle-s a request that comes on a connection
+idle that long finds it closing: the keep-alive race, every time.
 The final usage chunk carries `script`, and --truth-log gets a line per request keyed by its
 X-Request-Id: the server's perf_counter at receipt and at each content send, the ground truth a
 client's measurement is compared with (same host, same monotonic clock).
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -182,9 +184,27 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+@web.middleware
+async def _keep_alive_race(request: web.Request, handler):
+    """A request on a connection idle for --close-idle-s meets it closing, unread, as one sent in
+    the instant a server's keep-alive timeout closes the connection; the client gets no byte."""
+    ends = request.app["idle_since"]
+    last = ends.get(request.transport)
+    if last is not None and time.perf_counter() - last >= request.app["close_idle_s"]:
+        request.transport.abort()
+        raise web.HTTPServiceUnavailable()  # never written: the connection is gone
+    try:
+        return await handler(request)
+    finally:
+        if request.transport is not None:
+            ends[request.transport] = time.perf_counter()
+
+
 def make_app(args: argparse.Namespace) -> web.Application:
     """Build the aiohttp application for a script."""
-    app = web.Application()
+    app = web.Application(middlewares=[_keep_alive_race] if args.close_idle_s else [])
+    app["idle_since"] = weakref.WeakKeyDictionary()
+    app["close_idle_s"] = args.close_idle_s
     app["script"] = Script(args)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -208,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=1, help="server processes on one socket")
     p.add_argument("--truth-log", default="", help="JSONL file of each request's real send times")
     p.add_argument("--max-running", type=int, default=0, help="capacity; 0: unlimited")
+    p.add_argument("--close-idle-s", type=float, default=0.0,
+                   help="a connection idle this long closes on the next request; 0: never")
     p.add_argument("--precise", action=argparse.BooleanOptionalAction, default=True,
                    help="spin the last ms before each send (exact timing, more CPU)")
     return p.parse_args(argv)

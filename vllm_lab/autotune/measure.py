@@ -44,7 +44,7 @@ class Settings:
     out: Path
     storage: str
     gpu_minutes: float
-    trials: int = 20
+    trials: int = 40
     seed: int | None = None
     top: int | None = None
     step_s: float | None = None

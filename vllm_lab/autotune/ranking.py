@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_lab import search, stress
+from vllm_lab import plans, search, stress
 from vllm_lab.analysis.autotune import Candidate
 from vllm_lab.analysis.stress import level_verdict, offered_rate
 from vllm_lab.autotune.space import open_loop, with_flags
@@ -109,6 +109,12 @@ def run_search(base: Scenario, space: search.SearchSpace, study_name: str, stora
     from optuna.trial import TrialState
 
     study = search.open_study(study_name, storage, "goodput", seed, startup_trials=min(8, max(trials // 2, 1)))
+    # vLLM's defaults and each flag moved alone come first (as many as ``trials`` allows): 20
+    # sampled points can all miss the one flag that makes the gain (on the H200, seeded at random,
+    # one search found +30% predicted and the next +1%).
+    home = {p: plans.reference_value(p, base) for p in space.space}
+    for point in search.one_at_a_time(space, home)[:trials]:
+        study.enqueue_trial(point, skip_if_exists=True)
     done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
     for _ in range(max(trials - done, 0)):
         trial = study.ask()

@@ -551,6 +551,8 @@ class LLMUser(FastHttpUser):
     network_timeout = LOAD.request_timeout_s
     connection_timeout = LOAD.request_timeout_s
     default_headers = {"Authorization": f"Bearer {_API_KEY}"} if _API_KEY else None
+    # When this user's last request ended: how long its kept-alive connection has idled.
+    _last_end: float | None = None
 
     @task
     def one(self) -> None:
@@ -613,6 +615,7 @@ class LLMUser(FastHttpUser):
             "http_status": 0, "error": "", "error_detail": "", "itl_s": [], "chunks": 0,
         }
         payload = json.dumps(body)
+        self._drop_idle_connection()
         st.meter.begin()
         stream = Stream(time.perf_counter(), max_tokens=spec.turns[turn].max_tokens)
         error = detail = ""
@@ -626,7 +629,7 @@ class LLMUser(FastHttpUser):
             error, row["http_status"] = failure(e, stream.ttft, row["http_status"])
             detail = f"{type(e).__name__}: {e}"[:300]
         finally:
-            end = time.perf_counter()
+            end = self._last_end = time.perf_counter()
             st.meter.end()
         row["chunks"] = stream.chunks
         error, detail = stream.verdict(error, detail)
@@ -637,6 +640,21 @@ class LLMUser(FastHttpUser):
             context={"ttft_s": stream.ttft},
         )
         return row, "".join(stream.reply)
+
+    def _drop_idle_connection(self) -> None:
+        """Close this user's kept-alive connection once it has idled past ``idle_connection_s``,
+        so the request goes out on a fresh one.
+
+        The server closes a connection that idles for its keep-alive timeout (vLLM's: 5 s). A
+        request sent on it in that instant reaches a closing socket and dies unread: no byte
+        back, HTTPConnectionClosed, a failed request the server never saw (one in about 1,000 on
+        the H200's open-loop levels, each breaking its level). geventhttpclient checks a pooled
+        socket only for a close already received, and rightly retries no POST; so the client
+        keeps its own idle limit below the server's, as HTTP clients with an idle timeout do.
+        """
+        if self._last_end is not None and (
+                time.perf_counter() - self._last_end > LOAD.idle_connection_s):
+            self.client.client.close()  # the next request opens a new client and connection
 
     def _record(self, st, row, stream: Stream, end, scheduled, sched_lag, error, detail):
         """The request's sample row, written; its TTFT handed to the shape's feed."""

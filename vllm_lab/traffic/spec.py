@@ -156,6 +156,9 @@ class Stop(_Strict):
 
 # Share of a run's requests that may fail (timeouts aside) before the run counts as failed-requests.
 FAILED_REQUESTS_THRESHOLD = 0.05
+# vLLM's API server (uvicorn) closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a
+# client that reuses one only while it has idled less never sends into a closing connection.
+IDLE_CONNECTION_S = 4.0
 
 
 class Replay(_Strict):
@@ -185,6 +188,12 @@ class Load(_Strict):
     stop: Stop = Field(default_factory=Stop)
     request_timeout_s: float = Field(120, gt=0, le=MAX_SECONDS,
                                      description="no byte for this long: a timeout")
+    idle_connection_s: float = Field(
+        IDLE_CONNECTION_S, gt=0, le=MAX_SECONDS,
+        description="a user idle longer than this opens a fresh connection: keep it below the "
+                    "server's keep-alive timeout (vLLM's is 5 s), or a request sent as the server "
+                    "closes the connection dies unread",
+    )
     max_schedule_lag_s: float = Field(
         0.010, gt=0, description="client lag p99 above this marks the run client_overloaded"
     )
@@ -213,6 +222,8 @@ class Load(_Strict):
         # Left out at their defaults, so a scenario written before them keeps its run identity.
         if self.failed_requests_threshold == FAILED_REQUESTS_THRESHOLD:
             data.pop("failed_requests_threshold", None)
+        if self.idle_connection_s == IDLE_CONNECTION_S:
+            data.pop("idle_connection_s", None)
         if self.replay is None:
             data.pop("replay", None)
         return data

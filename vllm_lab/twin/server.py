@@ -184,6 +184,8 @@ async def _listen(server: TwinServer, flags: dict[str, Any]) -> web.AppRunner:
     and vLLM's lines that it is up."""
     runner = web.AppRunner(
         server.app(), handle_signals=False,
+        # uvicorn under vLLM closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+        keepalive_timeout=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
         access_log_class=UvicornAccessLogger,
         access_log=None if flags.get("disable-uvicorn-access-log") else AccessSink())
     await runner.setup()
