@@ -247,7 +247,7 @@ def shape(profile, model) -> None:
     requests = pd.read_csv(folder / "requests.csv.gz")
     edges = " / ".join(f"{e * 1e3:g}" for e in SHAPE_EDGES)
     print(f"\n## Open loops of {folder.name}: share of requests with TTFT at most {edges} ms")
-    rows, bursts = [], []
+    rows, bursts, groups = [], [], []
     for (point, _fitted), run in zip(reference.traffic_points(folder), runs):
         if point.arrival_times is None:
             continue
@@ -261,7 +261,15 @@ def shape(profile, model) -> None:
         if point.name.endswith("poisson 40"):
             bursts.append((point.name, reference.ttft_by_recent_sends(
                 measured.start_s, measured.ttft_s, predicted.ttft_s)))
+        groups += [{"point": point.name, "side": "vLLM",
+                    **reference.first_token_groups(measured.start_s, measured.ttft_s)},
+                   {"point": point.name, "side": "twin",
+                    **reference.first_token_groups(predicted.send_s, predicted.ttft_s)}]
     print(pd.DataFrame(rows).to_string(index=False))
+    print(f"\n## Open loops of {folder.name}: requests whose first tokens came together (one "
+          "step's prompts): requests a group, share grouped, median spread of their sends and "
+          "TTFT of each group's first sent / the others (ms)")
+    print(pd.DataFrame(groups).round(2).to_string(index=False))
     for name, table in bursts:
         print(f"\n## {name} ({folder.name}): median TTFT (ms) by requests sent in the 50 ms before")
         print(table.round(1).T.to_string())

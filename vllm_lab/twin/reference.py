@@ -59,6 +59,11 @@ LATER = (ROOT / "traffic-2026-12-02", ROOT / "traffic-2026-12-02b", ROOT / "traf
 # five server starts): read for its runs' own spread (``repeat_spread``), not pooled into the kinds'
 # held-out figures, where one point would outweigh the rest.
 REPEATS = (ROOT / "traffic-2026-12-05",)
+# vLLM's API server with scripts/gc_probe in it (its event loop's wait timed every 20 ms, its
+# collections and CPU a line a second, ``api-server-probe.csv.gz``), on Poisson at 40 req/s and the
+# ShareGPT file at 256 users: read for where a request waits (``api_server_probe``), not pooled into
+# the kinds' held-out figures, the probe being a part of the server it measured.
+PROBED = ROOT / "traffic-2026-12-05b"
 
 # The measurement's runs whose configuration the fit sees: (tool, case, level).
 FITTED = {("bench", "closed", 16), ("bench", "closed", 256), ("bench", "sharegpt", 64),
@@ -454,6 +459,52 @@ def after_first_token_stamp(folders: tuple[Path, ...]) -> pd.DataFrame:
                          "tok_s": rq.output_tokens.sum() / span,
                          "after_ms": 1e3 * (rq.ttft_s.mean() - server["server_ttft_mean"])})
     return pd.DataFrame(rows)
+
+
+def api_server_probe(folder: Path = PROBED, middle: float = 0.6) -> pd.DataFrame:
+    """Per run of a probed folder, over the middle ``middle`` of the seconds it kept the server busy
+    (from the first to the last second of at least half its busiest seconds' CPU: a tool's own
+    start and the drain left out): the API server's cores, the median over seconds of a callback's
+    mean wait on its event loop and of its longest, and its share of time in collections."""
+    probe = pd.read_csv(folder / "api-server-probe.csv.gz", comment="#")
+    rows = []
+    for line in (folder / "runs.jsonl").read_text().splitlines():
+        run = json.loads(line)
+        during = probe[probe.ts.between(run["started"], run["started"] + run["wall_s"])]
+        cpu = during.cpu_s.diff() / during.ts.diff()
+        busy = np.flatnonzero(cpu >= 0.5 * cpu.quantile(0.9))
+        during = during.iloc[busy[0]:busy[-1] + 1]
+        skip = int(len(during) * (1 - middle) / 2)
+        w = during.iloc[skip:len(during) - skip]
+        span = w.ts.iloc[-1] - w.ts.iloc[0]
+        gc_s = (w.s0 + w.s1 + w.s2).iloc[-1] - (w.s0 + w.s1 + w.s2).iloc[0]
+        rows.append({"run": f"{run['tool']} {run['case']} {run['level']:g}",
+                     "cores": (w.cpu_s.iloc[-1] - w.cpu_s.iloc[0]) / span,
+                     "loop_mean_ms": w.loop_mean_ms.median(), "loop_max_ms": w.loop_max_ms.median(),
+                     "gc_share": gc_s / span})
+    return pd.DataFrame(rows)
+
+
+def first_token_groups(send_s, ttft_s, tolerance_s: float = 0.0015) -> dict[str, float]:
+    """Requests whose first tokens reached the client together (within ``tolerance_s`` of the one
+    before): the prompts one engine step finished. Per group of two or more: how many requests a
+    group holds on average (``per_group``, every request counted), the share of requests in such
+    groups (``grouped``), the median spread of their sends (``spread_ms``), and the median TTFT of
+    each group's first sent against the others' (``first_ms``, ``later_ms``): how long the engine
+    gathers arrivals into one step, and what the first to arrive pays for it."""
+    send, ttft = np.asarray(send_s, dtype=float), np.asarray(ttft_s, dtype=float)
+    order = np.argsort(send + ttft)
+    group = np.empty(send.size, dtype=int)
+    group[order] = np.concatenate([[0], np.cumsum(np.diff((send + ttft)[order]) > tolerance_s)])
+    frame = pd.DataFrame({"group": group, "send": send, "ttft": ttft})
+    size = frame.groupby("group")["send"].transform("size")
+    first = frame.groupby("group")["send"].transform("min") == frame["send"]
+    many = frame[size > 1]
+    spread = many.groupby("group")["send"].agg(lambda s: s.max() - s.min())
+    return {"per_group": send.size / frame["group"].nunique(), "grouped": float((size > 1).mean()),
+            "spread_ms": 1e3 * float(spread.median()),
+            "first_ms": 1e3 * float(many.loc[first[size > 1], "ttft"].median()),
+            "later_ms": 1e3 * float(many.loc[~first[size > 1], "ttft"].median())}
 
 
 def ttft_by_recent_sends(send_s, measured, predicted, window_s: float = 0.05,
