@@ -648,9 +648,10 @@ class LLMUser(FastHttpUser):
         The server closes a connection that idles for its keep-alive timeout (vLLM's: 5 s). A
         request sent on it in that instant reaches a closing socket and dies unread: no byte
         back, HTTPConnectionClosed, a failed request the server never saw (one in about 1,000 on
-        the H200's open-loop levels, each breaking its level). geventhttpclient checks a pooled
-        socket only for a close already received, and rightly retries no POST; so the client
-        keeps its own idle limit below the server's, as HTTP clients with an idle timeout do.
+        the H200's open-loop levels: enough to break an SLO capacity's level). geventhttpclient
+        checks a pooled socket only for a close already received, and rightly retries no POST;
+        so the client keeps its own idle limit below the server's, as HTTP clients with an idle
+        timeout do.
         """
         if self._last_end is not None and (
                 time.perf_counter() - self._last_end > LOAD.idle_connection_s):
