@@ -612,9 +612,10 @@ def test_a_profile_on_another_host_moves_its_cpu_terms_only():
 def test_autotunes_predicted_capacities_on_the_h200_are_within_five_percent():
     """`make autotune`'s H200 runs (`-d` held out, `-e` predicted before it ran): the predictor's
     SLO capacity of vLLM's defaults and of the picks within 5% of measured, read from the stored
-    staircases' own scenarios (`-e`'s defaults broke on the client's keep-alive race, not here). The picks keep their KV cache in fp8, which vLLM reads in 0.8 of a 16-bit cache's
-    time (`fp8_kv_read_share`, fitted to `-c`'s pick alone); as half the bytes, the picks read
-    +7% and +16%. The stored runs name the host's model folder, read here as its shape."""
+    staircases' own scenarios (`-e`'s defaults broke on the client's keep-alive race, not here).
+    The picks keep their KV cache in fp8, which vLLM reads in 0.8 of a 16-bit cache's time
+    (`fp8_kv_read_share`, fitted to `-c`'s pick alone); as half the bytes, `-d`'s picks read +7%
+    and +16%. The stored runs name the host's model folder, read here as its shape."""
     from vllm_lab.autotune.ranking import predicted_slo_capacity
     from vllm_lab.store import Store
 
