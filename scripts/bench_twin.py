@@ -268,7 +268,7 @@ def shape(profile, model) -> None:
     print(pd.DataFrame(rows).to_string(index=False))
     print(f"\n## Open loops of {folder.name}: requests whose first tokens came together (one "
           "step's prompts): requests a group, share grouped, median spread of their sends and "
-          "TTFT of each group's first sent / the others (ms)")
+          "its 90th percentile, and TTFT of each group's first sent / the others (ms)")
     print(pd.DataFrame(groups).round(2).to_string(index=False))
     for name, table in bursts:
         print(f"\n## {name} ({folder.name}): median TTFT (ms) by requests sent in the 50 ms before")

@@ -518,7 +518,7 @@ def test_one_steps_prompts_are_the_requests_whose_first_tokens_came_together():
     assert got["spread_ms"] == pytest.approx(10.0)
     assert got["first_ms"] == pytest.approx(50.0) and got["later_ms"] == pytest.approx(43.25)
     # On the H200, Poisson at 40 req/s (traffic-2026-12-01): vLLM gathers arrivals over a longer
-    # span than the twin (12.7 against 9.2 ms), its first sent paying for the wait.
+    # span than the twin (12.7 against 9.2 ms, the 90th percentiles 41.8 against 19.8 ms).
     pt, run = next((p, r) for (p, _), r in zip(
         reference.traffic_points(reference.TRAFFIC),
         [json.loads(x) for x in (reference.TRAFFIC / "runs.jsonl").read_text().splitlines()])
@@ -534,6 +534,9 @@ def test_one_steps_prompts_are_the_requests_whose_first_tokens_came_together():
     twin = reference.first_token_groups(predicted.send_s, predicted.ttft_s)
     assert measured["spread_ms"] > 1.2 * twin["spread_ms"]
     assert measured["per_group"] > twin["per_group"]
+    # Its tail: a tenth of vLLM's groups span three steps or more (some requests held for steps,
+    # before vLLM's first-token stamp or after it).
+    assert measured["spread_p90_ms"] > 1.5 * twin["spread_p90_ms"]
 
 
 def test_what_comes_after_vllms_first_token_stamp_grows_with_the_first_tokens_a_step_hands_out():

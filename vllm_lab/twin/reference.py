@@ -489,7 +489,8 @@ def first_token_groups(send_s, ttft_s, tolerance_s: float = 0.0015) -> dict[str,
     """Requests whose first tokens reached the client together (within ``tolerance_s`` of the one
     before): the prompts one engine step finished. Per group of two or more: how many requests a
     group holds on average (``per_group``, every request counted), the share of requests in such
-    groups (``grouped``), the median spread of their sends (``spread_ms``), and the median TTFT of
+    groups (``grouped``), the median and 90th percentile of their sends' spread (``spread_ms``,
+    ``spread_p90_ms``), and the median TTFT of
     each group's first sent against the others' (``first_ms``, ``later_ms``): how long the engine
     gathers arrivals into one step, and what the first to arrive pays for it."""
     send, ttft = np.asarray(send_s, dtype=float), np.asarray(ttft_s, dtype=float)
@@ -503,6 +504,7 @@ def first_token_groups(send_s, ttft_s, tolerance_s: float = 0.0015) -> dict[str,
     spread = many.groupby("group")["send"].agg(lambda s: s.max() - s.min())
     return {"per_group": send.size / frame["group"].nunique(), "grouped": float((size > 1).mean()),
             "spread_ms": 1e3 * float(spread.median()),
+            "spread_p90_ms": 1e3 * float(spread.quantile(0.9)),
             "first_ms": 1e3 * float(many.loc[first[size > 1], "ttft"].median()),
             "later_ms": 1e3 * float(many.loc[~first[size > 1], "ttft"].median())}
 
