@@ -118,9 +118,11 @@ for phase in "$@"; do
         --cases poisson:$r1,poisson:$r2,sharegpt:64 ;;
     # Which event loop holds a stream: vLLM's API server's or the client's. The probe is picked up
     # by every Python process started with its folder on PYTHONPATH (the playbooks pass the
-    # environment on) and times the loop of `vllm serve` and of `vllm bench serve` alike.
+    # environment on) whose command line matches LAB_GC_PROBE_MATCH: `vllm serve`, and this
+    # script's parity process, which runs `vllm bench serve` in itself (its loop is the bench's).
     loop) parity stop parity
-          export PYTHONPATH=$PWD/scripts/gc_probe${PYTHONPATH:+:$PYTHONPATH} LAB_GC_PROBE=$store/probe
+          export PYTHONPATH=$PWD/scripts/gc_probe${PYTHONPATH:+:$PYTHONPATH} LAB_GC_PROBE=$store/probe \
+                 LAB_GC_PROBE_MATCH='(^|\s)serve(\s|$)|bench_client_parity\.py'
           parity start parity
           parity measure twin-loop --url "$(url_of parity)" --open-s "${OPEN_S:-60}" \
             --runs bench+lab:schedule=bench --cases poisson:$r2

@@ -26,10 +26,24 @@ asyncio.run(main())
 """
 
 
-def _probed(tmp_path, **env) -> pd.DataFrame:
+# Two loops one after the other, as `vllm bench serve` called twice in one process runs them: the
+# first idle for 1.5 s, the second blocked for 80 ms twice a second.
+TWO_LOOPS = """
+import asyncio, time  # loop-lag-probe-test
+asyncio.run(asyncio.sleep(1.5))
+async def main():
+    end = time.monotonic() + 2.6
+    while time.monotonic() < end:
+        await asyncio.sleep(0.42)
+        time.sleep(0.08)
+asyncio.run(main())
+"""
+
+
+def _probed(tmp_path, program: str = BLOCKING, **env) -> pd.DataFrame:
     out = tmp_path / "probe"
     run = subprocess.run(
-        [sys.executable, "-c", BLOCKING], check=False, capture_output=True, text=True,
+        [sys.executable, "-c", program], check=False, capture_output=True, text=True,
         timeout=60,
         env={**os.environ, "PYTHONPATH": str(PROBE), "LAB_GC_PROBE": str(out),
              "LAB_GC_PROBE_MATCH": "loop-lag-probe-test", "LAB_GC_PROBE_THREADS_S": "0", **env})
@@ -50,3 +64,11 @@ def test_the_probe_times_how_long_the_event_loop_keeps_a_ready_callback_waiting(
     # Off: the columns stay, empty.
     off = _probed(tmp_path / "off", LAB_GC_PROBE_LOOP_MS="0")
     assert off["loop_n"].isna().all() and len(off) >= 2
+
+
+@pytest.mark.integration
+@pytest.mark.untimed
+def test_the_probe_times_each_loop_a_process_runs_in_turn(tmp_path):
+    lines = _probed(tmp_path, TWO_LOOPS, LAB_GC_PROBE_LOOP_MS="5")
+    timed = lines.dropna(subset=["loop_max_ms"])
+    assert timed["loop_max_ms"].max() >= 60  # the second loop's 80-ms blocks, seen

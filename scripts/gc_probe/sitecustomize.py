@@ -33,16 +33,18 @@ gVisor (``traffic-2026-12-05``); sampling the threads from outside (the parity s
 A child the process forks (vLLM's engine core) gets Python's defaults back and is not probed.
 
 The event loop's lag: every ``LAB_GC_PROBE_LOOP_MS`` milliseconds (default 20; 0: never) the
-probe's second thread hands the process's asyncio loop (the first one its main thread runs: the
-API server's, or ``vllm bench serve``'s) a callback and times how long the callback waits before
-the loop runs it: what every task made ready then waited, a request's admission or a stream's
-next write. Each line adds the callbacks timed in that second, their mean and their longest wait
-(``loop_n``, ``loop_mean_ms``, ``loop_max_ms``; empty before the loop runs). The loop is found by
-wrapping ``asyncio``'s ``_set_running_loop``, which asyncio's loops and uvloop's call when they
-start (uvloop keeps the function it found at its import: this file runs before). The default
-probe matches ``vllm bench serve``'s command line too; the lab's own client runs on gevent, not
-asyncio, and is not timed so. Its cost, on an idle loop of this lab's 2-core test machine: 0.017
-of a core at 20 ms (10 s: 0.36-0.38 s of CPU against 0.20 s unprobed), 0.024 at 10 ms.
+probe's second thread hands the process's asyncio loop (the newest one its main thread runs: the
+API server's, or that of each run of ``vllm bench serve`` called in one process) a callback and
+times how long the callback waits before the loop runs it: what every task made ready then waited,
+a request's admission or a stream's next write. Each line adds the callbacks timed in that second,
+their mean and their longest wait (``loop_n``, ``loop_mean_ms``, ``loop_max_ms``; empty before the
+loop runs). The loop is found by wrapping ``asyncio``'s ``_set_running_loop``, which asyncio's
+loops and uvloop's call when they start (uvloop keeps the function it found at its import: this
+file runs before). The default probe matches ``vllm bench serve``'s command line too
+(``scripts/reference_runs.sh loop`` also matches the parity script, which calls the bench in
+itself); the lab's own client runs on gevent, not asyncio, and is not timed so. Its cost, on an
+idle loop of this lab's 2-core test machine: 0.017 of a core at 20 ms (10 s: 0.36-0.38 s of CPU
+against 0.20 s unprobed), 0.024 at 10 ms.
 """
 
 from __future__ import annotations
@@ -148,9 +150,10 @@ class _Probe:
         return [str(len(lags)), f"{1e3 * sum(lags) / len(lags):.3f}", f"{1e3 * max(lags):.3f}"]
 
     def found(self, loop) -> None:
-        """``asyncio._set_running_loop``'s wrapper reports each loop a thread starts running."""
-        if (self.loop is None and loop is not None
-                and threading.current_thread() is threading.main_thread()):
+        """``asyncio._set_running_loop``'s wrapper reports each loop a thread starts running: the
+        main thread's newest is timed (a process that calls ``asyncio.run`` once a run starts a
+        loop a run)."""
+        if loop is not None and threading.current_thread() is threading.main_thread():
             self.loop = loop
 
     def _landed(self, sent: float) -> None:
@@ -165,8 +168,9 @@ class _Probe:
                 continue
             try:
                 loop.call_soon_threadsafe(self._landed, time.perf_counter())
-            except RuntimeError:  # the loop closed: the process is ending
-                return
+            except RuntimeError:  # the loop closed: wait for the next one the main thread runs
+                if self.loop is loop:
+                    self.loop = None
 
     def run(self) -> None:
         while True:
