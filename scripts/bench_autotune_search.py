@@ -24,11 +24,11 @@ SEEDS = (0, 1, 2, 3, 4, 5)
 STEP_S = 30.0
 
 
-def best_gain(base, space, trials: int, seed: int, anchored: bool, defaults: float) -> float:
+def best_gain(base, space, trials: int, seed: int, anchored: bool, start: float,
+              defaults: float) -> float:
     """The best predicted SLO capacity one search finds, over the defaults' (a ratio less 1)."""
     with tempfile.TemporaryDirectory() as d, mock.patch.object(
             search, "one_at_a_time", search.one_at_a_time if anchored else lambda *_: []):
-        start = 0.8 * saturation(base).value
         study = run_search(base, space, f"s{seed}", f"sqlite:///{d}/s.db", trials, seed, start,
                            STEP_S, say=lambda _: None)
         return top_configs(study, 1)[0].predicted / defaults - 1
@@ -39,13 +39,14 @@ def main(argv: list[str]) -> int:
     scenario = plans.apply_value(resolve("realtime-chat", "h200"), "load.stop.duration_s", STEP_S)
     space = autotune.load_space(None, scenario)
     base = autotune.open_loop(autotune.defaults_scenario(scenario, space), STEP_S)
-    defaults = predicted_slo_capacity(base, 0.8 * saturation(base).value, STEP_S).value
+    start = 0.8 * saturation(base).value  # where autotune starts each bisection
+    defaults = predicted_slo_capacity(base, start, STEP_S).value
     print(f"realtime-chat, h200: the defaults' predicted SLO capacity {defaults:.2f} req/s; "
           f"seeds {', '.join(map(str, SEEDS))}")
     for trials in counts:
         for anchored, way in ((False, "TPE alone"), (True, "autotune (one flag at a time, then TPE)")):
             t0 = time.process_time()
-            gains = [best_gain(base, space, trials, s, anchored, defaults) for s in SEEDS]
+            gains = [best_gain(base, space, trials, s, anchored, start, defaults) for s in SEEDS]
             print(f"{trials} trials, {way}: " + " ".join(f"{g:+.0%}" for g in gains)
                   + f" | lowest {min(gains):+.0%}, median {statistics.median(gains):+.0%} "
                     f"({(time.process_time() - t0) / len(SEEDS):.0f} CPU s a search)", flush=True)

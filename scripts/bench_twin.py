@@ -243,7 +243,7 @@ def shape(profile, model) -> None:
                   after_ms=("after_ms", "median")))
     print(table.round(1).to_string())
     folder = reference.TRAFFIC
-    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+    runs = reference.runs_of(folder)
     requests = pd.read_csv(folder / "requests.csv.gz")
     edges = " / ".join(f"{e * 1e3:g}" for e in SHAPE_EDGES)
     print(f"\n## Open loops of {folder.name}: share of requests with TTFT at most {edges} ms")

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 
 from tests.support.processes import private_inventory
-from vllm_lab import autotune, cli, plans, search
-from vllm_lab.autotune.ranking import run_search
+from vllm_lab import autotune, cli, search
+from vllm_lab.autotune.ranking import first_points, run_search
 from vllm_lab.backends import PredictBackend
 from vllm_lab.commands import autotune as autotune_command
 from vllm_lab.reports.autotune import build_report
@@ -391,8 +391,8 @@ def test_the_search_starts_from_the_defaults_and_each_flag_moved_alone(tmp_path)
     vLLM's defaults (snapped into the space) and then each flag moved alone, whatever the seed."""
     scenario = chat()
     space = autotune.load_space(None, scenario)
-    home = {p: plans.reference_value(p, autotune.defaults_scenario(scenario, space)) for p in space.space}
-    points = search.one_at_a_time(space, home)
+    base = autotune.open_loop(autotune.defaults_scenario(scenario, space), 15)
+    points = first_points(base, space)
     centre = points[0]
     # 0.92, vLLM's memory share, is off the space's 0.05 grid: the nearest point on it.
     assert centre["gpu-memory-utilization"] == 0.9 and centre["max-num-seqs"] == 1024
@@ -402,7 +402,6 @@ def test_the_search_starts_from_the_defaults_and_each_flag_moved_alone(tmp_path)
     assert {p["api-server-count"] for p in points} == {1, 2, 4}
     assert {p["max-num-batched-tokens"] for p in points} == {8192, 1024, 32768}
     assert len(points) == len({json.dumps(p, sort_keys=True) for p in points})
-    base = autotune.open_loop(autotune.defaults_scenario(scenario, space), 15)
     for seed in (1, 2):
         study = run_search(base, space, f"s{seed}", f"sqlite:///{tmp_path}/s{seed}.db", 3, seed,
                            20.0, 15, say=lambda _: None)

@@ -519,10 +519,9 @@ def test_one_steps_prompts_are_the_requests_whose_first_tokens_came_together():
     assert got["first_ms"] == pytest.approx(50.0) and got["later_ms"] == pytest.approx(43.25)
     # On the H200, Poisson at 40 req/s (traffic-2026-12-01): vLLM gathers arrivals over a longer
     # span than the twin (12.7 against 9.2 ms, the 90th percentiles 41.8 against 19.8 ms).
-    pt, run = next((p, r) for (p, _), r in zip(
-        reference.traffic_points(reference.TRAFFIC),
-        [json.loads(x) for x in (reference.TRAFFIC / "runs.jsonl").read_text().splitlines()])
-        if p.name == "bench poisson 40")
+    pt, run = next((p, r) for (p, _), r in zip(reference.traffic_points(reference.TRAFFIC),
+                                                reference.runs_of(reference.TRAFFIC))
+                   if p.name == "bench poisson 40")
     import pandas as pd
 
     from vllm_lab.twin import fit
@@ -549,8 +548,8 @@ def test_what_comes_after_vllms_first_token_stamp_grows_with_the_first_tokens_a_
     after = reference.after_first_token_stamp((reference.TRAFFIC, *reference.LATER))
     closed = after[after.case == "closed"].groupby("level")["after_ms"].median()
     assert closed[1] < 5 and 100 < closed[256] < 250 and closed[1024] > 500
-    run = next(json.loads(line) for line in (reference.TRAFFIC / "runs.jsonl").read_text().splitlines()
-               if json.loads(line)["case"] == "poisson" and json.loads(line)["level"] == 40)
+    run = next(r for r in reference.runs_of(reference.TRAFFIC)
+               if r["case"] == "poisson" and r["level"] == 40)
     stamp = reference.server_shares(reference.TRAFFIC, run["tag"], (0.1, 0.25))
     assert stamp[1] == pytest.approx(1.0) and 0.6 < stamp[0] < 0.9
     assert reference.server_shares(reference.ROOT / "traffic-2026-12-04", "any", (0.1,)) is None

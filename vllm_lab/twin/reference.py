@@ -116,14 +116,18 @@ def bench_files(root: Path = ROOT) -> list[BenchPoint]:
     return [load_point(f) for f in sorted(root.glob("*.json"))]
 
 
+def runs_of(folder: Path) -> list[dict]:
+    """A measurement folder's runs as ``runs.jsonl`` lists them (one per line, in run order)."""
+    return [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+
+
 def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
     """Every run of a traffic measurement as (point, fitted), replayed request for request."""
     later = folder in LATER
     requests = pd.read_csv(folder / "requests.csv.gz")
     by_tag = {tag: g for tag, g in requests.groupby("tag", sort=False)}
     out = []
-    for line in (folder / "runs.jsonl").read_text().splitlines():
-        run = json.loads(line)
+    for run in runs_of(folder):
         rq = by_tag[run["tag"]].sort_values("start_s")
         fig = run["figures"]
         span = "output_throughput" if run["tool"] == "bench" else "bench_def_output_throughput"
@@ -420,7 +424,7 @@ def step_sizes(folder: Path, profile, model, names: tuple[str, ...]) -> pd.DataF
     side's count of steps in the row ``steps``."""
     from vllm_lab.twin.fit import replay
 
-    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+    runs = runs_of(folder)
     buckets = [*map(str, STEP_EDGES), f">{STEP_EDGES[-1]}"]
     rows = []
     for (pt, _fitted), run in zip(traffic_points(folder), runs):
@@ -447,8 +451,7 @@ def after_first_token_stamp(folders: tuple[Path, ...]) -> pd.DataFrame:
     rows = []
     for folder in folders:
         requests = pd.read_csv(folder / "requests.csv.gz")
-        for line in (folder / "runs.jsonl").read_text().splitlines():
-            run = json.loads(line)
+        for run in runs_of(folder):
             server = run.get("server") or {}
             if "server_ttft_mean" not in server:
                 continue
@@ -468,8 +471,7 @@ def api_server_probe(folder: Path = PROBED, middle: float = 0.6) -> pd.DataFrame
     mean wait on its event loop and of its longest, and its share of time in collections."""
     probe = pd.read_csv(folder / "api-server-probe.csv.gz", comment="#")
     rows = []
-    for line in (folder / "runs.jsonl").read_text().splitlines():
-        run = json.loads(line)
+    for run in runs_of(folder):
         during = probe[probe.ts.between(run["started"], run["started"] + run["wall_s"])]
         cpu = during.cpu_s.diff() / during.ts.diff()
         busy = np.flatnonzero(cpu >= 0.5 * cpu.quantile(0.9))
@@ -490,23 +492,25 @@ def first_token_groups(send_s, ttft_s, tolerance_s: float = 0.0015) -> dict[str,
     before): the prompts one engine step finished. Per group of two or more: how many requests a
     group holds on average (``per_group``, every request counted), the share of requests in such
     groups (``grouped``), the median and 90th percentile of their sends' spread (``spread_ms``,
-    ``spread_p90_ms``), and the median TTFT of
-    each group's first sent against the others' (``first_ms``, ``later_ms``): how long the engine
-    gathers arrivals into one step, and what the first to arrive pays for it."""
+    ``spread_p90_ms``), and the median TTFT of each group's first sent against the others'
+    (``first_ms``, ``later_ms``): how long the engine gathers arrivals into one step, and what
+    the first to arrive pays for it."""
     send, ttft = np.asarray(send_s, dtype=float), np.asarray(ttft_s, dtype=float)
-    order = np.argsort(send + ttft)
+    first_token = send + ttft
+    order = np.argsort(first_token)
     group = np.empty(send.size, dtype=int)
-    group[order] = np.concatenate([[0], np.cumsum(np.diff((send + ttft)[order]) > tolerance_s)])
+    group[order] = np.concatenate([[0], np.cumsum(np.diff(first_token[order]) > tolerance_s)])
     frame = pd.DataFrame({"group": group, "send": send, "ttft": ttft})
-    size = frame.groupby("group")["send"].transform("size")
-    first = frame.groupby("group")["send"].transform("min") == frame["send"]
-    many = frame[size > 1]
+    by_group = frame.groupby("group")["send"]
+    grouped = by_group.transform("size") > 1
+    many = frame[grouped]
+    first = (by_group.transform("min") == frame["send"])[grouped]
     spread = many.groupby("group")["send"].agg(lambda s: s.max() - s.min())
-    return {"per_group": send.size / frame["group"].nunique(), "grouped": float((size > 1).mean()),
+    return {"per_group": send.size / frame["group"].nunique(), "grouped": float(grouped.mean()),
             "spread_ms": 1e3 * float(spread.median()),
             "spread_p90_ms": 1e3 * float(spread.quantile(0.9)),
-            "first_ms": 1e3 * float(many.loc[first[size > 1], "ttft"].median()),
-            "later_ms": 1e3 * float(many.loc[~first[size > 1], "ttft"].median())}
+            "first_ms": 1e3 * float(many.loc[first, "ttft"].median()),
+            "later_ms": 1e3 * float(many.loc[~first, "ttft"].median())}
 
 
 def ttft_by_recent_sends(send_s, measured, predicted, window_s: float = 0.05,
