@@ -24,7 +24,7 @@
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
 # MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
-# are read. VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE
+# are read. HARDWARE is the lab's preset of the host's GPU (default h200; h100-80g for an H100). VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE
 # (default /tmp/lab), OUT (default /tmp/out), DURATION (s per run, default 10), LAB_PYTHON (the
 # Python with the lab's dependencies, default python3). BUDGET_S (default 520) bounds the phase:
 # then the lab is interrupted as Ctrl-C would, so it stops its servers and keeps every finished
@@ -81,7 +81,7 @@ case $phase in
   # The lab's defaults (15-s runs) at a fixed user count; five runs per point in one server start
   # give each point its interval and the host's run-to-run noise.
   sweep) users=${USERS:-64}
-         args=(sweep PARAM=max-num-seqs HARDWARE=h200 INVENTORY=inventory/container.yml PRECISION="${PRECISION:-default}"
+         args=(sweep PARAM=max-num-seqs HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml PRECISION="${PRECISION:-default}"
                REPEATS=5 EXPERIMENT="${EXPERIMENT:-h200-sweep-max-num-seqs-$users-users}")
          common=("${common[@]/#DURATION=*/DURATION=${DURATION:-15}}")
          sets="$sets load.shape.level=$users run.start_timeout_s=300${WARMUP_RUNS:+ run.warmup_runs=$WARMUP_RUNS}"
@@ -114,16 +114,16 @@ PY
       sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2"
       seed=reports/examples/tp-scaling-h200 ;;
   # One configuration repeated in one server start: its coefficient of variation is the host's noise.
-  baseline) args=(baseline HARDWARE=h200 INVENTORY=inventory/container.yml REPEATS="${REPEATS:-5}"
+  baseline) args=(baseline HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml REPEATS="${REPEATS:-5}"
                   EXPERIMENT="${EXPERIMENT:-h200-baseline-repeats}")
             common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
             sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # Every run of the plan has its own size (requests or seconds of arrivals): DURATION plays no part.
-  calibrate) args=(calibrate HARDWARE=h200 INVENTORY=inventory/container.yml EXPERIMENT="${EXPERIMENT:-h200-calibrate}")
+  calibrate) args=(calibrate HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml EXPERIMENT="${EXPERIMENT:-h200-calibrate}")
              sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # The staircase's levels last DURATION (30 s unless set); the search runs on the predictor for
   # the H200 preset, then the defaults and the best candidates are measured here.
-  autotune) args=(autotune SCENARIO=realtime-chat HARDWARE=h200 INVENTORY=inventory/container.yml
+  autotune) args=(autotune SCENARIO=realtime-chat HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml
                   EXPERIMENT="${EXPERIMENT:-autotune-realtime-chat-h200}" GPU_MINUTES="${GPU_MINUTES:-20}"
                   CONFIRM="${CONFIRM:-2}")
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")

@@ -70,3 +70,50 @@ def test_a_host_calibration_measures_the_plans_runs_away_from_any_limit():
     assert host == [p.values["point"] for p in every if p.values["point"] in calibrate.HOST_PLAN]
     assert set(host) == set(calibrate.HOST_PLAN) and len(host) == 7
     assert not {"c512", "v256", "v256p64", "o80"} & set(host)
+
+
+def test_a_calibration_on_another_gpu_starts_from_that_gpus_roofline():
+    """The A100 preset names the H200's profile: a calibration there fits from the H200's
+    coefficients on the A100's peaks, and writes a profile of the A100 (it wrote the H200's
+    hardware block under the A100's fit once, so the lab's twin, which moves a profile onto the
+    preset, scaled the fitted efficiencies twice). A calibration on the profile's own GPU keeps
+    its block, eight GPUs a host."""
+    from vllm_lab.commands.calibrate import starting_profile
+
+    a100 = starting_profile(scenarios.resolve("default", hardware="a100-80g"), "cal")
+    assert a100.hardware.name.startswith("NVIDIA A100") and a100.hardware.bandwidth_gbs < 2100
+    assert a100.hardware.gpu is None and a100.hardware.twin_profile is None
+    h200 = load_profile("h200-llama-3-8b")
+    assert a100.coefficients == h200.coefficients and "a100" not in h200.hardware.name.lower()
+    same = starting_profile(scenarios.resolve("default", hardware="h200"), "cal")
+    assert same.hardware == h200.hardware and same.coefficients == h200.coefficients
+    assert "experiment cal" in same.provenance.notes
+
+
+def test_the_h100_profile_predicts_the_h100_runs_it_was_not_fitted_to():
+    """reports/examples/h100: make calibrate's plan on an H100, and vLLM's defaults five times on
+    the default scenario (60-s runs) in a later server start. The profile is the calibration's
+    fit; the five runs, never fitted, read within 3% on output throughput and TPOT p50, and spread
+    under the lab's goals run to run (CV 2% throughput, 5% TTFT p50)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from vllm_lab.twin.fit import predicted_metrics, replay
+
+    store_path = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
+    profile = load_profile("h100-llama-3-8b")
+    model = load_model_shape("llama-3-8b")
+    with Store(store_path) as store:
+        fitted = [p.name for p in calibrate.bench_points(store, "h100-calibrate")]
+        runs = store.runs("h100-baseline-repeats")
+        held_out = [calibrate.replayed(store, "h100-baseline-repeats", run, f"repeat{i + 1}")
+                    for i, (_, run) in enumerate(runs.iterrows())]
+    assert fitted == profile.provenance.fitted_on and profile.hardware.bandwidth_gbs == 3350
+    for pt in held_out:
+        got = predicted_metrics(replay(pt, profile, model))
+        for key in ("output_throughput", "p50_tpot_ms"):
+            assert abs(got[key] / pt.measured[key] - 1) < 0.03, (pt.name, key, got[key], pt.measured[key])
+    cv = runs[["output_throughput", "ttft_p50"]].std() / runs[["output_throughput", "ttft_p50"]].mean()
+    assert len(runs) == 5 and cv["output_throughput"] < 0.02 and cv["ttft_p50"] < 0.05
+    assert np.all(runs["status"] == "ok")

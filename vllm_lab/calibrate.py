@@ -109,7 +109,7 @@ def bench_points(store: Store, experiment_id: str) -> list[BenchPoint]:
     for _, run in runs[runs["status"] == "ok"].iterrows():
         p = run["point"]
         if p.get("traffic") in ("closed", "open"):
-            out.append(_replayed(store, experiment_id, run))
+            out.append(replayed(store, experiment_id, run))
             continue
         n = int(run["requests"])
         out.append(BenchPoint(
@@ -122,10 +122,11 @@ def bench_points(store: Store, experiment_id: str) -> list[BenchPoint]:
     return out
 
 
-def _replayed(store: Store, experiment_id: str, run) -> BenchPoint:
+def replayed(store: Store, experiment_id: str, run, name: str | None = None) -> BenchPoint:
     """A realistic run as a fit point: its requests in the order sent, an open loop's send times,
     and its figures on the bench's definitions (throughput over first send to last reply,
-    percentiles over every request), which is how the predictor's run is read."""
+    percentiles over every request), which is how the predictor's run is read. ``name``: the
+    point's, else the run's ``point`` value (a run of any experiment, a baseline's too)."""
     scenario = Scenario.model_validate_json(run["scenario_json"])
     df = store.samples(experiment_id, run["run_key"])
     df = df[df["status"] == "ok"].sort_values("start_ts")
@@ -134,7 +135,7 @@ def _replayed(store: Store, experiment_id: str, run) -> BenchPoint:
     open_loop = scenario.load.open_loop
     prompts, chat = replayed_prompts(scenario, df["prompt_tokens"].astype(int).tolist())
     return BenchPoint(
-        name=run["point"]["point"], num_prompts=len(df), input_len=round(df["prompt_tokens"].mean()),
+        name=name or run["point"]["point"], num_prompts=len(df), input_len=round(df["prompt_tokens"].mean()),
         output_len=round(df["output_tokens"].mean()),
         max_concurrency=None if open_loop else int(scenario.load.shape.level),
         request_rate=float(scenario.load.shape.level) if open_loop else float("inf"), burstiness=1.0,

@@ -18,6 +18,7 @@ from vllm_lab.commands.settings import Settings, Source
 from vllm_lab.commands.stopping import stoppable
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store, StoreError, experiment_dir
+from vllm_lab.twin.profile import Profile, load_profile, measured_on, on_hardware
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ def calibrate(settings: Settings, source: Source, fit_only: bool = False,
               profile_out: Path | None = None, reference: Sequence[Path] = (), fit: str = "all") -> int:
     """Run the calibration plan on the backend, then fit a twin profile to it."""
     from vllm_lab.models import load_model_shape
-    from vllm_lab.twin.profile import load_profile
 
     scenario = source.resolve_checked()
     if not fit_only:
@@ -64,17 +64,36 @@ def calibrate(settings: Settings, source: Source, fit_only: bool = False,
     exp_id = experiment_id(dataclasses.replace(settings, resume=True), "calibrate", scenario, "calibrate")
     if fit_only:
         scenario = Scenario.model_validate_json(_first_run_scenario(settings.store_path, exp_id))
-    # The profile keeps its own hardware block (the GPU it was measured on, up to 8 per host).
-    base = load_profile(scenario.hardware.twin_profile)
     model = load_model_shape(str(scenario.serve["model"]))
     out = profile_out or experiment_dir(settings.out, exp_id) / f"{scenario.hardware.gpu}-{model.name}.yaml"
-    profile, rows = calibration.fit(settings.store_path, exp_id, base.model_copy(
-        update={"name": out.stem, "model": model.name}), model, out, list(reference), fit)
+    base = starting_profile(scenario, exp_id).model_copy(update={"name": out.stem, "model": model.name})
+    profile, rows = calibration.fit(settings.store_path, exp_id, base, model, out, list(reference), fit)
     for row in rows:
         print(f"  {row['point']:6s} {row['metric']:18s} measured {row['measured']:9.2f} "
               f"twin {row['predicted']:9.2f} {row['error']:+7.1%}")
     print(f"profile: {out} (median errors {profile.provenance.errors})")
     return 0
+
+
+def starting_profile(scenario: Scenario, exp_id: str) -> Profile:
+    """The profile a calibration fits from: the one the hardware preset names, on the GPU measured.
+
+    A profile of the same GPU keeps its own hardware block (up to 8 GPUs a host); one of another
+    GPU takes the preset's peaks first (``on_hardware``), so the efficiencies the fit finds are
+    this GPU's and the profile it writes describes the GPU it was measured on. The terms the plan
+    does not pin (launch costs measured elsewhere, the fp8 cache's read share) stay the base's.
+    """
+    base = load_profile(scenario.hardware.twin_profile)
+    hw = scenario.hardware
+    if measured_on(base, hw):
+        start = base
+    else:  # the preset's keys (its short name, the profile it names) are not a profile's
+        start = on_hardware(base, hw)
+        start = start.model_copy(update={"hardware": start.hardware.model_copy(
+            update={"gpu": None, "twin_profile": None})})
+    notes = (f"make calibrate on {start.hardware.name} (experiment {exp_id}), fitted from profile "
+             f"{base.name}; the coefficients the calibration plan does not pin are {base.name}'s.")
+    return start.model_copy(update={"provenance": start.provenance.model_copy(update={"notes": notes})})
 
 
 def _first_run_scenario(path: Path, exp_id: str) -> str:

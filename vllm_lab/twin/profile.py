@@ -105,6 +105,12 @@ class Profile(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=100)
 
 
+def measured_on(profile: Profile, hardware: Hardware) -> bool:
+    """Whether the profile was fitted on the GPU of ``hardware`` (a lab preset): its key, h200 of
+    h200 or h100 of h100-80g, is in the name of the profile's own GPU."""
+    return (hardware.gpu or "").split("-")[0] in profile.hardware.name.lower().replace(" ", "")
+
+
 def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
     """The profile's fitted coefficients on another GPU: the roofline takes that GPU's numbers.
 
@@ -118,7 +124,7 @@ def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
         fp8 = own.tflops_fp8 / own.tflops_bf16 * hardware.tflops_bf16
     # Powers measured on the profile's own GPU hold only for that GPU: a preset of another keeps
     # the model's shares of its board power (twin/power.py).
-    same = (hardware.gpu or "").split("-")[0] in own.name.lower().replace(" ", "")
+    same = measured_on(profile, hardware)
     hw = hardware.model_copy(update={
         "tflops_fp8": fp8,
         "tdp_w": hardware.tdp_w or (own.tdp_w if same else None),
