@@ -361,17 +361,18 @@ def test_an_open_loop_is_one_schedule_dealt_to_its_processes(tmp_path):
 @integration
 def test_a_user_idle_past_its_limit_sends_on_a_fresh_connection(tmp_path):
     # The server closes a connection idle for 0.3 s as the next request comes on it (the
-    # keep-alive race, every time); users pause 0.4 s between requests.
+    # keep-alive race); users pause 0.4 s between requests.
     with running("--ttft-ms", "5", "--itl-ms", "1", "--close-idle-s", "0.3") as url:
-        runs = {limit: run_load(url, "ok", SHORT, _closed(2, 3, think_time_s=0.4,
+        runs = {limit: run_load(url, "ok", SHORT, _closed(2, 5, think_time_s=0.4,
                                                          idle_connection_s=limit),
                                 tmp_path / str(limit), scrape_metrics=False)
                 for limit in (0.2, 10.0)}
     fresh, reused = runs[0.2].samples, runs[10.0].samples
     assert len(fresh) >= 8 and (fresh.status == "ok").all(), fresh.error_detail.unique()
     # Kept past the server's limit, a request on a reused connection dies unread (the one after
-    # it goes out on the new connection the failure left).
+    # it goes out on the new connection the failure left). Not every one: on a loaded machine
+    # 3-8 of 14-16 did (the client sometimes opens a new connection itself).
     failed = reused[reused.status != "ok"]
-    assert len(reused) >= 8 and len(failed) >= len(reused) // 4
+    assert len(reused) >= 12 and len(failed) >= 2
     assert failed.error_detail.str.startswith("HTTPConnectionClosed").all()
     assert (failed.e2e_s < 0.1).all()
