@@ -8,7 +8,8 @@ short fixed prompts), Poisson arrivals at
 half and four fifths of the predicted capacity (where prefill chunks and decodes share steps all
 the time), and chat with a shared system prompt. All of it on one server start, since only the load
 changes. The fit then moves the profile's coefficients until the twin's predictor reproduces those
-runs (``vllm_lab.twin.fit``), each realistic run replayed request for request.
+runs (``vllm_lab.twin.fit``), each run replayed request for request (``FIT_STATUSES``: an unsteady
+fixed-length loop too, read over all its requests as vllm bench serve reads a run).
 """
 
 from __future__ import annotations
@@ -102,28 +103,22 @@ def _fixed_points(base: Scenario, plan) -> list[Point]:
     return points
 
 
+# The runs a calibration fits: every run vLLM served whole. A closed loop of a few waves of
+# identical requests (the plan's c128 and c512) never holds a steady window, so the lab marks it
+# unsteady, but read over all its requests, as vllm bench serve reads a run and the predictor
+# replays it, it measured what it is there for: a saturated engine and API server.
+FIT_STATUSES = ("ok", "unsteady")
+
+
 def bench_points(store: Store, experiment_id: str) -> list[BenchPoint]:
-    """The experiment's ok runs as the fit's points (what each measured, and how it was run)."""
+    """The experiment's runs of ``FIT_STATUSES`` as the fit's points, each replayed."""
     runs = store.runs(experiment_id)
-    out = []
-    for _, run in runs[runs["status"] == "ok"].iterrows():
-        p = run["point"]
-        if p.get("traffic") in ("closed", "open"):
-            out.append(replayed(store, experiment_id, run))
-            continue
-        n = int(run["requests"])
-        out.append(BenchPoint(
-            name=p["point"], num_prompts=n, input_len=int(p["prompt"]), output_len=int(p["output"]),
-            max_concurrency=int(p["users"]), request_rate=float("inf"), burstiness=1.0,
-            measured={"output_throughput": float(run["output_throughput"]),
-                      "p50_ttft_ms": float(run["ttft_p50"]) * 1000,
-                      "p50_tpot_ms": float(run["tpot_p50"]) * 1000},
-            flags=dict(Scenario.model_validate_json(run["scenario_json"]).serve)))
-    return out
+    return [replayed(store, experiment_id, run)
+            for _, run in runs[runs["status"].isin(FIT_STATUSES)].iterrows()]
 
 
 def replayed(store: Store, experiment_id: str, run, name: str | None = None) -> BenchPoint:
-    """A realistic run as a fit point: its requests in the order sent, an open loop's send times,
+    """A run as a fit point: its requests in the order sent, an open loop's send times,
     and its figures on the bench's definitions (throughput over first send to last reply,
     percentiles over every request), which is how the predictor's run is read. ``name``: the
     point's, else the run's ``point`` value (a run of any experiment, a baseline's too)."""
@@ -145,7 +140,9 @@ def replayed(store: Store, experiment_id: str, run, name: str | None = None) -> 
         flags=dict(scenario.serve), prompt_lens=prompts,
         output_lens=df["output_tokens"].astype(int).tolist(),
         arrival_times=(df["start_ts"] - start).tolist() if open_loop else None, chat=chat,
-        kind="chat" if chat else ("open" if open_loop else "closed variable"))
+        kind="chat" if chat else "open" if open_loop else (
+            "closed fixed" if df["prompt_tokens"].nunique() == df["output_tokens"].nunique() == 1
+            else "closed variable"))
 
 
 # What a calibration fits: every coefficient the plan pins ("all"), or the host's CPU scale alone
