@@ -5,7 +5,8 @@
 ``hosts`` (not in the default set: about 70 s) re-reads the held-out runs with each host calibrated
 as ``make calibrate FIT=host`` would, from its other runs. ``shape`` (not in the default set) shows
 what the medians by kind do not: the part of a TTFT after vLLM's own first-token stamp, and the
-spread of the twin's TTFT against vLLM's and the client's on open loops.
+spread of the twin's TTFT against vLLM's and the client's on open loops. ``fidelity`` ends with
+the other GPUs' profiles against their own calibration and the runs held out of it (``OTHER_GPUS``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,36 @@ def fidelity(profile, model, ref: Path) -> None:
     for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
         errs = [abs(r["error"]) for r in rows if r["metric"] == metric]
         print(f"{metric:18s} median |error| {statistics.median(errs):6.1%}   worst {max(errs):6.1%}")
+
+
+# GPUs other than the H200, each with its own profile, fitted by make calibrate to a committed
+# example's store: (profile, store, the calibration's experiment, experiments held out of it).
+EXAMPLES = Path(__file__).resolve().parents[1] / "reports/examples"
+OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate", ("h100-baseline-repeats",)),)
+
+
+def other_gpus(model) -> None:
+    """Each other GPU's profile against its calibration (fitted) and the runs held out of it,
+    every run replayed request for request."""
+    from vllm_lab import calibrate
+    from vllm_lab.store import Store
+
+    for name, store_path, fitted_exp, held_exps in OTHER_GPUS:
+        profile = load_profile(name)
+        with Store(store_path) as store:
+            sets = [("fitted", calibrate.bench_points(store, fitted_exp))]
+            sets += [("held out", [calibrate.replayed(store, exp, run, f"{exp} #{i + 1}")
+                                   for i, (_, run) in enumerate(store.runs(exp).iterrows())])
+                     for exp in held_exps]
+        for label, points in sets:
+            rows = compare(points, profile, model)
+            print(f"\n## Fidelity on {profile.hardware.name}, {label}: {name} vs {store_path.parent.name}")
+            for r in rows:
+                print(f"{r['point']:26s} {r['metric']:18s} {r['measured']:10.2f} {r['predicted']:10.2f} "
+                      f"{r['error']:+8.1%}")
+            for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
+                errs = [abs(r["error"]) for r in rows if r["metric"] == metric]
+                print(f"{metric:18s} median |error| {statistics.median(errs):6.1%}   worst {max(errs):6.1%}")
 
 
 # Closed-loop runs on the same H200, held out of the fit: file -> the flags over vLLM's defaults.
@@ -349,6 +380,8 @@ def main(argv=None) -> int:
             held_out(profile, model)
         if args.profile == "h200-llama-3-8b" and STAIRCASES.exists():
             staircases()
+        if args.profile == "h200-llama-3-8b":
+            other_gpus(model)
     if "hosts" in args.which:
         hosts(profile, model)
     if "shape" in args.which:
