@@ -37,11 +37,16 @@ REFERENCE = Path(__file__).resolve().parents[1] / "vllm_lab/twin/reference/h200-
 def fidelity(profile, model, ref: Path) -> None:
     """Predicted vs measured output throughput, TTFT p50 and TPOT p50 for every reference file."""
     points = [load_point(f) for f in sorted(ref.glob("*.json"))]
-    rows = compare(points, profile, model)
     print(f"\n## Fidelity: {profile.name} vs {ref}")
     print(f"{'file':14s} {'metric':18s} {'measured':>10s} {'twin':>10s} {'error':>8s}")
+    print_compared(compare(points, profile, model), 14)
+
+
+def print_compared(rows: list[dict], width: int) -> None:
+    """``fit.compare``'s rows, a line each (the point's name ``width`` wide), then each metric's
+    median and worst |error|."""
     for r in rows:
-        print(f"{r['point']:14s} {r['metric']:18s} {r['measured']:10.2f} {r['predicted']:10.2f} "
+        print(f"{r['point']:{width}s} {r['metric']:18s} {r['measured']:10.2f} {r['predicted']:10.2f} "
               f"{r['error']:+8.1%}")
     for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
         errs = [abs(r["error"]) for r in rows if r["metric"] == metric]
@@ -68,14 +73,8 @@ def other_gpus(model) -> None:
                                    for i, (_, run) in enumerate(store.runs(exp).iterrows())])
                      for exp in held_exps]
         for label, points in sets:
-            rows = compare(points, profile, model)
             print(f"\n## Fidelity on {profile.hardware.name}, {label}: {name} vs {store_path.parent.name}")
-            for r in rows:
-                print(f"{r['point']:26s} {r['metric']:18s} {r['measured']:10.2f} {r['predicted']:10.2f} "
-                      f"{r['error']:+8.1%}")
-            for metric in ("output_throughput", "p50_ttft_ms", "p50_tpot_ms"):
-                errs = [abs(r["error"]) for r in rows if r["metric"] == metric]
-                print(f"{metric:18s} median |error| {statistics.median(errs):6.1%}   worst {max(errs):6.1%}")
+            print_compared(compare(points, profile, model), 26)
 
 
 # Closed-loop runs on the same H200, held out of the fit: file -> the flags over vLLM's defaults.

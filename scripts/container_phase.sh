@@ -24,9 +24,10 @@
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
 # MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
-# are read. HARDWARE is the lab's preset of the host's GPU (default h200; h100-80g for an H100). VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE
-# (default /tmp/lab), OUT (default /tmp/out), DURATION (s per run, default 10), LAB_PYTHON (the
-# Python with the lab's dependencies, default python3). BUDGET_S (default 520) bounds the phase:
+# are read. HARDWARE is the lab's preset of the host's GPU (default h200; h100-80g for an H100).
+# VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE (default
+# /tmp/lab), OUT (default /tmp/out), DURATION (s per run, default 10), LAB_PYTHON (the Python with
+# the lab's dependencies, default python3). BUDGET_S (default 520) bounds the phase:
 # then the lab is interrupted as Ctrl-C would, so it stops its servers and keeps every finished
 # run; calling the phase again resumes it.
 # DETACH=1 starts the phase detached (setsid) and returns at once, so a phase may outlast the
