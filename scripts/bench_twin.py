@@ -56,7 +56,8 @@ def print_compared(rows: list[dict], width: int) -> None:
 # GPUs other than the H200, each with its own profile, fitted by make calibrate to a committed
 # example's store: (profile, store, the calibration's experiment, experiments held out of it).
 EXAMPLES = Path(__file__).resolve().parents[1] / "reports/examples"
-OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate", ("h100-baseline-repeats",)),)
+OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate",
+               ("h100-baseline-repeats", *(f"autotune-realtime-chat-h100-{c}" for c in ("defaults", "c1", "c2")))),)
 
 
 def other_gpus(model) -> None:
@@ -70,7 +71,7 @@ def other_gpus(model) -> None:
         with Store(store_path) as store:
             sets = [("fitted", calibrate.bench_points(store, fitted_exp))]
             sets += [("held out", [calibrate.replayed(store, exp, run, f"{exp} #{i + 1}")
-                                   for i, (_, run) in enumerate(store.runs(exp).iterrows())])
+                                   for i, (_, run) in enumerate(store.runs(exp).sort_values("started").iterrows())])
                      for exp in held_exps]
         for label, points in sets:
             print(f"\n## Fidelity on {profile.hardware.name}, {label}: {name} vs {store_path.parent.name}")

@@ -328,6 +328,24 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
         assert summary["best_flags"] == {"api-server-count": 4}
 
 
+
+def test_the_h100_autotune_rebuilds_from_its_store(tmp_path):
+    """reports/examples/h100: `make autotune` on an H100, resumed once to measure c2 past the
+    first 20 GPU-minutes. Its report is what its store gives; the pick's gain is read with its
+    interval, and the predictor's capacity of the picks is the one far off (+25%)."""
+    example = REPO / "reports/examples/h100"
+    exp = "autotune-realtime-chat-h100"
+    db = tmp_path / "lab.db"
+    db.write_bytes((example / "lab.db").read_bytes())
+    (tmp_path / "lab.samples").symlink_to(example / "lab.samples")
+    summary = build_report(db, exp, tmp_path, search.storage_url(None, db))
+    for name in ("summary.json", "report.md", "best.yaml"):
+        assert (tmp_path / exp / name).read_text() == (example / exp / name).read_text(), name
+    low, high = summary["gain_interval"]
+    assert summary["best"] == "c1" and low <= summary["gain"] <= high and low > autotune.NOISE
+    assert abs(summary["predicted_defaults_capacity"] / summary["defaults_capacity"] - 1) <= 0.05
+    assert summary["prediction_error"] > 0.2
+
 def test_the_defaults_of_e_broke_on_requests_the_server_closed_unread():
     """`-e`'s defaults broke at two levels where every SLO held: one request each died at once on
     a kept-alive connection the server was closing (the keep-alive race the client now avoids:
