@@ -329,6 +329,40 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
 
 
 
+
+def test_the_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
+    """A flag the search moved that gains nothing on the predictor goes back to vLLM's default
+    (against the pick's own figure, so reverts never add up past the noise); the pared pick is
+    measured first, the pick as found second, named in that order."""
+    from vllm_lab.analysis.autotune import Candidate
+    from vllm_lab.autotune import ranking
+
+    chat = resolve("realtime-chat", "h100-80g")
+    base = autotune.open_loop(autotune.defaults_scenario(chat, autotune.load_space(None, chat)), 30)
+    worth = {("api-server-count", 4): 0.30, ("kv-cache-dtype", "fp8"): 0.04,
+             ("max-num-batched-tokens", 2322): 0.03, ("max-num-seqs", 612): 0.004}
+    asked = []
+
+    def capacity(scenario, start, duration_s):
+        asked.append(dict(scenario.serve))
+        gain = sum(g for (k, v), g in worth.items() if scenario.serve.get(k) == v)
+        return ranking.Predicted(round(30 * (1 + gain), 3))
+
+    monkeypatch.setattr(ranking, "predicted_slo_capacity", capacity)
+    pick = {"max-num-seqs": 612, "max-num-batched-tokens": 2322, "kv-cache-dtype": "fp8",
+            "api-server-count": 4, "block-size": 16}
+    ranked = [Candidate("c1", pick, 40.1), Candidate("c2", {**pick, "max-num-seqs": 256}, 40.0)]
+    lean, found = ranking.with_pared(ranked, base, 30.0, say=lambda line: None)
+    assert (lean.name, found.name) == ("c1", "c2") and found.flags == pick
+    # max-num-seqs (0.3% of the pick) and the token budget (2.2% more) go back; fp8's 2.9% more
+    # would take the pared pick past 5% below the pick.
+    assert lean.flags == {**pick, "max-num-seqs": 1024, "max-num-batched-tokens": 8192}
+    assert lean.predicted == round(30 * 1.34, 3)
+    assert len(asked) == 1 + 4  # the pick, then each moved flag once (block-size 16 is vLLM's)
+    # A pick whose every flag gains nothing is the defaults, measured anyway: nothing to add.
+    worth.clear()
+    assert ranking.with_pared(ranked, base, 30.0, say=lambda line: None) == ranked
+
 def test_the_h100_autotune_rebuilds_from_its_store(tmp_path):
     """reports/examples/h100: `make autotune` on an H100, resumed once to measure c2 past the
     first 20 GPU-minutes. Its report is what its store gives; the pick's gain is read with its

@@ -26,6 +26,7 @@ from vllm_lab.autotune.ranking import (
     saturation,
     say_now,
     top_configs,
+    with_pared,
 )
 from vllm_lab.autotune.space import defaults_scenario, measure_section, open_loop, with_flags
 from vllm_lab.backends import Backend, Measurement
@@ -77,7 +78,7 @@ def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: B
         f"of {', '.join(space.space)}")
     study = run_search(base, space, settings.experiment_id, settings.storage, settings.trials,
                        settings.seed, start, step_s, say, settings.objective)
-    record = _record(settings, scenario, defaults, space, backend, study, how, sat.value, start, t0)
+    record = _record(settings, scenario, defaults, space, backend, study, how, sat.value, start, t0, say)
     record.budget = settings.gpu_minutes
     records.keep(settings.store_path, settings.experiment_id, record, settings.plan)
     say(f"autotune: search done in {time.time() - t0:.0f} s; measuring "
@@ -89,9 +90,9 @@ def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: B
 
 def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: search.SearchSpace,
             backend: Backend, study, how: Measuring, saturated: float, start: float,
-            t0: float) -> Record:
+            t0: float, say: Callable[[str], Any] = say_now) -> Record:
     """The autotune's record: the one it kept (a resumed experiment keeps the candidates it chose
-    first), else a new plan from the search's top configurations."""
+    first), else a new plan from the search's top configurations, the best pared first."""
     from vllm_lab.analysis.autotune import load_record
 
     record = load_record(settings.store_path, settings.experiment_id, settings.storage)
@@ -99,12 +100,14 @@ def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: s
         step_s = settings.step_s or how.step_s
         top = settings.top if settings.top is not None else how.top
         predicted = predicted_slo_capacity(open_loop(defaults, step_s), start, step_s)
+        ranked = with_pared(top_configs(study, top), open_loop(defaults, step_s), step_s,
+                            settings.objective, say)
         record = Record(Plan(
             scenario=redact(scenario.to_record()), defaults=redact(defaults.to_record()),
             space=list(space.space), backend=backend.name, step_s=step_s,
             search_s=round(time.time() - t0, 1), trials=settings.trials, saturation=saturated,
             objective=settings.objective,
-            candidates=candidates.plan_candidates(predicted.value, top_configs(study, top),
+            candidates=candidates.plan_candidates(predicted.value, ranked,
                                                   measure_section(space, backend.name))))
     if record.plan.objective != settings.objective:
         raise ScenarioError(f"experiment {settings.experiment_id} ranks by {record.plan.objective}: "

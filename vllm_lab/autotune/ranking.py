@@ -3,6 +3,7 @@ capacity, bracketed from a start rate and bisected, in an Optuna study named aft
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_lab import plans, search, stress
-from vllm_lab.analysis.autotune import Candidate
+from vllm_lab.analysis.autotune import NOISE, Candidate
 from vllm_lab.analysis.stress import level_verdict, offered_rate
 from vllm_lab.autotune.space import open_loop, with_flags
 from vllm_lab.backends import Measurement, PredictBackend
@@ -142,6 +143,50 @@ def run_search(base: Scenario, space: search.SearchSpace, study_name: str, stora
             say(f"  trial {trial.number} {point_label(values)}: predicted SLO capacity "
                 f"{result.value:.2f} req/s{per_joule}")
     return study
+
+
+def pared(best: Candidate, base: Scenario, duration_s: float, objective: str = "capacity",
+          say: Callable[[str], Any] = say_now, tolerance: float = NOISE) -> Candidate:
+    """``best`` with each flag that carries none of its gain set back to vLLM's default.
+
+    The search moves every flag of the space at once, and a flag the predictor is indifferent to
+    keeps whatever value the sampler drew. Each moved flag is set back in turn (the space's order)
+    and stays back where the predictor still gives at least ``1 - tolerance`` of the best's figure,
+    measured against the best itself, so the reverts cannot add up to more than ``tolerance``. The
+    lab's rule calls fewer changed flags cheaper, and a flag that gains nothing is a risk for
+    nothing (an fp8 KV cache changes the answers, a memory share near 1 courts an OOM)."""
+    flags = dict(best.flags or {})
+    start = best.predicted or 1.0
+    kept = predicted_slo_capacity(with_flags(base, flags), start, duration_s)
+    if kept.error or kept.score(objective) <= 0:
+        return best
+    floor = (1 - tolerance) * kept.score(objective)
+    for param, value in (best.flags or {}).items():
+        default = plans.reference_value(param, base)
+        if default is None or value == default:
+            continue
+        trial = {**flags, param: default}
+        got = predicted_slo_capacity(with_flags(base, trial), start, duration_s)
+        if not got.error and got.score(objective) >= floor:
+            flags, kept = trial, got
+            say(f"  {best.name}: {param}={value} carries none of its gain on the predictor; "
+                f"back to vLLM's {default}")
+    return dataclasses.replace(best, flags=tidy(flags), predicted=kept.value)
+
+
+def with_pared(ranked: list[Candidate], base: Scenario, duration_s: float,
+               objective: str = "capacity", say: Callable[[str], Any] = say_now) -> list[Candidate]:
+    """The candidates to measure: the best pared to the flags that carry its gain first (the
+    cheapest the predictor says is as good), then the best as the search found it (whether the
+    flags the pared one gave up matter on the GPU), then the rest, as many as ``ranked`` had."""
+    if not ranked:
+        return ranked
+    lean = pared(ranked[0], base, duration_s, objective, say)
+    if lean.flags == ranked[0].flags or all(
+            v == plans.reference_value(k, base) for k, v in lean.flags.items()):
+        return ranked
+    ordered = [lean, *(c for c in ranked if c.flags != lean.flags)][:len(ranked)]
+    return [dataclasses.replace(c, name=f"c{i + 1}") for i, c in enumerate(ordered)]
 
 
 def tidy(values: dict[str, Any]) -> dict[str, Any]:
