@@ -330,17 +330,18 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
 
 
 
-def test_the_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
+def test_each_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
     """A flag the search moved that gains nothing on the predictor goes back to vLLM's default
-    (against the pick's own figure, so reverts never add up past the noise); the pared pick is
-    measured first, the pick as found second, named in that order."""
+    (against the pick's own figure, so reverts never add up past the noise); two picks that pare
+    to one configuration are measured once, and the next pick takes the freed place."""
     from vllm_lab.analysis.autotune import Candidate
     from vllm_lab.autotune import ranking
 
     chat = resolve("realtime-chat", "h100-80g")
     base = autotune.open_loop(autotune.defaults_scenario(chat, autotune.load_space(None, chat)), 30)
-    worth = {("api-server-count", 4): 0.30, ("kv-cache-dtype", "fp8"): 0.04,
-             ("max-num-batched-tokens", 2322): 0.03, ("max-num-seqs", 612): 0.004}
+    worth = {("api-server-count", 4): 0.30, ("api-server-count", 2): 0.25,
+             ("kv-cache-dtype", "fp8"): 0.04, ("max-num-batched-tokens", 2322): 0.03,
+             ("max-num-seqs", 612): 0.004}
     asked = []
 
     def capacity(scenario, start, duration_s):
@@ -351,17 +352,25 @@ def test_the_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
     monkeypatch.setattr(ranking, "predicted_slo_capacity", capacity)
     pick = {"max-num-seqs": 612, "max-num-batched-tokens": 2322, "kv-cache-dtype": "fp8",
             "api-server-count": 4, "block-size": 16}
-    ranked = [Candidate("c1", pick, 40.1), Candidate("c2", {**pick, "max-num-seqs": 256}, 40.0)]
-    lean, found = ranking.with_pared(ranked, base, 30.0, say=lambda line: None)
-    assert (lean.name, found.name) == ("c1", "c2") and found.flags == pick
+    other = {"max-num-seqs": 612, "api-server-count": 2, "block-size": 16}
+    ranked = [Candidate("c1", pick, 41.2), Candidate("c2", {**pick, "max-num-seqs": 256}, 41.1),
+              Candidate("c3", other, 37.6)]
+    quiet = {"say": lambda line: None}
+    first, second = ranking.pared_candidates(ranked, base, 30.0, 2, **quiet)
     # max-num-seqs (0.3% of the pick) and the token budget (2.2% more) go back; fp8's 2.9% more
     # would take the pared pick past 5% below the pick.
-    assert lean.flags == {**pick, "max-num-seqs": 1024, "max-num-batched-tokens": 8192}
-    assert lean.predicted == round(30 * 1.34, 3)
-    assert len(asked) == 1 + 4  # the pick, then each moved flag once (block-size 16 is vLLM's)
-    # A pick whose every flag gains nothing is the defaults, measured anyway: nothing to add.
+    assert first.flags == {**pick, "max-num-seqs": 1024, "max-num-batched-tokens": 8192}
+    assert first.predicted == round(30 * 1.34, 3)
+    # c2 pares to c1's configuration: c3 takes its place, as c2.
+    assert (first.name, second.name) == ("c1", "c2")
+    assert second.flags == {**other, "max-num-seqs": 1024} and second.predicted == 30 * 1.25
+    # Each pick once, then each flag it moved once (block-size 16 is vLLM's own).
+    assert len(asked) == (1 + 4) + (1 + 4) + (1 + 2)
+    # Picks that all pare to vLLM's defaults (measured anyway) are measured as found.
     worth.clear()
-    assert ranking.with_pared(ranked, base, 30.0, say=lambda line: None) == ranked
+    assert [c.flags for c in ranking.pared_candidates(ranked, base, 30.0, 2, **quiet)] == [
+        pick, {**pick, "max-num-seqs": 256}]
+
 
 def test_the_h100_autotune_rebuilds_from_its_store(tmp_path):
     """reports/examples/h100: `make autotune` on an H100, resumed once to measure c2 past the

@@ -1,8 +1,8 @@
 """Which configurations autotune measures, in which order, and where each one's staircase stands.
 
 The defaults first, then the measure-only variants (each on the best configuration measured before
-it), then the predictor's top configurations, its best pared to the flags that carry its gain
-first (``ranking.with_pared``). A candidate's staircase is centred on what was measured before it
+it), then the predictor's top configurations, each pared to the flags that carry its gain
+(``ranking.pared_candidates``). A candidate's staircase is centred on what was measured before it
 (``staircase_centre``), and refined inside its SLO bracket (``refine_level``).
 """
 

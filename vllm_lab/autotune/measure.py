@@ -21,12 +21,12 @@ from vllm_lab.analysis.stress import level_verdict
 from vllm_lab.autotune import candidates, records
 from vllm_lab.autotune.budget import Budget, Measuring, measuring
 from vllm_lab.autotune.ranking import (
+    pared_candidates,
     predicted_slo_capacity,
     run_search,
     saturation,
     say_now,
     top_configs,
-    with_pared,
 )
 from vllm_lab.autotune.space import defaults_scenario, measure_section, open_loop, with_flags
 from vllm_lab.backends import Backend, Measurement
@@ -92,7 +92,8 @@ def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: s
             backend: Backend, study, how: Measuring, saturated: float, start: float,
             t0: float, say: Callable[[str], Any] = say_now) -> Record:
     """The autotune's record: the one it kept (a resumed experiment keeps the candidates it chose
-    first), else a new plan from the search's top configurations, the best pared first."""
+    first), else a new plan from the search's top configurations, each pared to the flags that
+    carry its gain."""
     from vllm_lab.analysis.autotune import load_record
 
     record = load_record(settings.store_path, settings.experiment_id, settings.storage)
@@ -100,8 +101,9 @@ def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: s
         step_s = settings.step_s or how.step_s
         top = settings.top if settings.top is not None else how.top
         predicted = predicted_slo_capacity(open_loop(defaults, step_s), start, step_s)
-        ranked = with_pared(top_configs(study, top), open_loop(defaults, step_s), step_s,
-                            settings.objective, say)
+        # Twice as many as measured: where two pare to one configuration, the next takes its place.
+        ranked = pared_candidates(top_configs(study, 2 * top), open_loop(defaults, step_s), step_s,
+                                  top, settings.objective, say)
         record = Record(Plan(
             scenario=redact(scenario.to_record()), defaults=redact(defaults.to_record()),
             space=list(space.space), backend=backend.name, step_s=step_s,

@@ -174,19 +174,25 @@ def pared(best: Candidate, base: Scenario, duration_s: float, objective: str = "
     return dataclasses.replace(best, flags=tidy(flags), predicted=kept.value)
 
 
-def with_pared(ranked: list[Candidate], base: Scenario, duration_s: float,
-               objective: str = "capacity", say: Callable[[str], Any] = say_now) -> list[Candidate]:
-    """The candidates to measure: the best pared to the flags that carry its gain first (the
-    cheapest the predictor says is as good), then the best as the search found it (whether the
-    flags the pared one gave up matter on the GPU), then the rest, as many as ``ranked`` had."""
-    if not ranked:
-        return ranked
-    lean = pared(ranked[0], base, duration_s, objective, say)
-    if lean.flags == ranked[0].flags or all(
-            v == plans.reference_value(k, base) for k, v in lean.flags.items()):
-        return ranked
-    ordered = [lean, *(c for c in ranked if c.flags != lean.flags)][:len(ranked)]
-    return [dataclasses.replace(c, name=f"c{i + 1}") for i, c in enumerate(ordered)]
+def pared_candidates(ranked: list[Candidate], base: Scenario, duration_s: float, k: int,
+                     objective: str = "capacity",
+                     say: Callable[[str], Any] = say_now) -> list[Candidate]:
+    """The candidates to measure: the ranked configurations, best first, each pared to the flags
+    that carry its gain (``pared``), as many as ``k`` that differ from each other and from vLLM's
+    defaults (measured anyway); named c1, c2, ... in that order. Two picks that differ only in
+    flags that gain nothing are one configuration to measure, and a GPU minute goes to the next."""
+    out: list[Candidate] = []
+    for cand in ranked:
+        if len(out) >= k:
+            break
+        lean = pared(cand, base, duration_s, objective, say)
+        if all(v == plans.reference_value(p, base) for p, v in lean.flags.items()):
+            continue
+        if all(lean.flags != c.flags for c in out):
+            out.append(lean)
+    if not out:  # every pick is the defaults on the predictor: measure them as found
+        out = ranked[:k]
+    return [dataclasses.replace(c, name=f"c{i + 1}") for i, c in enumerate(out)]
 
 
 def tidy(values: dict[str, Any]) -> dict[str, Any]:
