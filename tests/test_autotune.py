@@ -333,7 +333,8 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
 def test_each_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
     """A flag the search moved that gains nothing on the predictor goes back to vLLM's default
     (against the pick's own figure, so reverts never add up past the noise); two picks that pare
-    to one configuration are measured once, and the next pick takes the freed place."""
+    to one configuration are measured once, the next pick taking the freed place, and where the
+    picks pare to fewer configurations than are measured, the picks as found fill the places."""
     from vllm_lab.analysis.autotune import Candidate
     from vllm_lab.autotune import ranking
 
@@ -358,18 +359,22 @@ def test_each_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
     quiet = {"say": lambda line: None}
     first, second = ranking.pared_candidates(ranked, base, 30.0, 2, **quiet)
     # max-num-seqs (0.3% of the pick) and the token budget (2.2% more) go back; fp8's 2.9% more
-    # would take the pared pick past 5% below the pick.
-    assert first.flags == {**pick, "max-num-seqs": 1024, "max-num-batched-tokens": 8192}
+    # would take the pared pick past 5% below the pick. A candidate names the flags it changes.
+    assert first.flags == {"kv-cache-dtype": "fp8", "api-server-count": 4}
     assert first.predicted == round(30 * 1.34, 3)
     # c2 pares to c1's configuration: c3 takes its place, as c2.
     assert (first.name, second.name) == ("c1", "c2")
-    assert second.flags == {**other, "max-num-seqs": 1024} and second.predicted == 30 * 1.25
+    assert second.flags == {"api-server-count": 2} and second.predicted == 30 * 1.25
     # Each pick once, then each flag it moved once (block-size 16 is vLLM's own).
     assert len(asked) == (1 + 4) + (1 + 4) + (1 + 2)
+    # Where the picks pare to fewer than are measured, the picks as found fill the places.
+    moved = {k: v for k, v in pick.items() if k != "block-size"}
+    assert [(c.name, c.flags) for c in ranking.pared_candidates(ranked[:2], base, 30.0, 3, **quiet)] == [
+        ("c1", first.flags), ("c2", moved), ("c3", {**moved, "max-num-seqs": 256})]
     # Picks that all pare to vLLM's defaults (measured anyway) are measured as found.
     worth.clear()
     assert [c.flags for c in ranking.pared_candidates(ranked, base, 30.0, 2, **quiet)] == [
-        pick, {**pick, "max-num-seqs": 256}]
+        moved, {**moved, "max-num-seqs": 256}]
 
 
 def test_the_h100_autotune_rebuilds_from_its_store(tmp_path):

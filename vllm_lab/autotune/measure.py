@@ -101,8 +101,8 @@ def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: s
         step_s = settings.step_s or how.step_s
         top = settings.top if settings.top is not None else how.top
         predicted = predicted_slo_capacity(open_loop(defaults, step_s), start, step_s)
-        # Twice as many as measured: where two pare to one configuration, the next takes its place.
-        ranked = pared_candidates(top_configs(study, 2 * top), open_loop(defaults, step_s), step_s,
+        # Two more than measured: where two pare to one configuration, the next takes its place.
+        ranked = pared_candidates(top_configs(study, top + 2), open_loop(defaults, step_s), step_s,
                                   top, settings.objective, say)
         record = Record(Plan(
             scenario=redact(scenario.to_record()), defaults=redact(defaults.to_record()),

@@ -177,22 +177,27 @@ def pared(best: Candidate, base: Scenario, duration_s: float, objective: str = "
 def pared_candidates(ranked: list[Candidate], base: Scenario, duration_s: float, k: int,
                      objective: str = "capacity",
                      say: Callable[[str], Any] = say_now) -> list[Candidate]:
-    """The candidates to measure: the ranked configurations, best first, each pared to the flags
-    that carry its gain (``pared``), as many as ``k`` that differ from each other and from vLLM's
-    defaults (measured anyway); named c1, c2, ... in that order. Two picks that differ only in
-    flags that gain nothing are one configuration to measure, and a GPU minute goes to the next."""
-    out: list[Candidate] = []
+    """The candidates to measure, ``k`` of them named c1, c2, ... in order, each with the flags
+    it changes from vLLM's defaults only (what the lab's rule counts as its cost): the ranked
+    configurations, best first, each pared to the flags that carry its gain (``pared``), those
+    that differ from each other and from vLLM's defaults (measured anyway); then, where the picks
+    pare to fewer than ``k``, the picks as the search found them: whether the flags the pared ones
+    gave up matter on the GPU is the next thing a measurement can tell."""
+    def changed(c: Candidate) -> Candidate:
+        return dataclasses.replace(c, flags={p: v for p, v in (c.flags or {}).items()
+                                             if v != plans.reference_value(p, base)})
+
+    chosen: list[Candidate] = []
     for cand in ranked:
-        if len(out) >= k:
+        if len(chosen) >= k:
             break
-        lean = pared(cand, base, duration_s, objective, say)
-        if all(v == plans.reference_value(p, base) for p, v in lean.flags.items()):
-            continue
-        if all(lean.flags != c.flags for c in out):
-            out.append(lean)
-    if not out:  # every pick is the defaults on the predictor: measure them as found
-        out = ranked[:k]
-    return [dataclasses.replace(c, name=f"c{i + 1}") for i, c in enumerate(out)]
+        lean = changed(pared(cand, base, duration_s, objective, say))
+        if lean.flags and all(lean.flags != c.flags for c in chosen):
+            chosen.append(lean)
+    for cand in map(changed, ranked):
+        if cand.flags and all(cand.flags != c.flags for c in chosen):
+            chosen.append(cand)
+    return [dataclasses.replace(c, name=f"c{i + 1}") for i, c in enumerate(chosen[:k])]
 
 
 def tidy(values: dict[str, Any]) -> dict[str, Any]:
