@@ -328,8 +328,6 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
         assert summary["best_flags"] == {"api-server-count": 4}
 
 
-
-
 def test_each_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
     """A flag the search moved that gains nothing on the predictor goes back to vLLM's default
     (against the pick's own figure, so reverts never add up past the noise); two picks that pare
@@ -393,6 +391,7 @@ def test_the_h100_autotune_rebuilds_from_its_store(tmp_path):
     assert summary["best"] == "c1" and low <= summary["gain"] <= high and low > autotune.NOISE
     assert abs(summary["predicted_defaults_capacity"] / summary["defaults_capacity"] - 1) <= 0.05
     assert summary["prediction_error"] > 0.2
+
 
 def test_the_defaults_of_e_broke_on_requests_the_server_closed_unread():
     """`-e`'s defaults broke at two levels where every SLO held: one request each died at once on

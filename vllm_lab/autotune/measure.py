@@ -100,10 +100,11 @@ def _record(settings: Settings, scenario: Scenario, defaults: Scenario, space: s
     if record is None:
         step_s = settings.step_s or how.step_s
         top = settings.top if settings.top is not None else how.top
-        predicted = predicted_slo_capacity(open_loop(defaults, step_s), start, step_s)
+        base = open_loop(defaults, step_s)
+        predicted = predicted_slo_capacity(base, start, step_s)
         # Two more than measured: where two pare to one configuration, the next takes its place.
-        ranked = pared_candidates(top_configs(study, top + 2), open_loop(defaults, step_s), step_s,
-                                  top, settings.objective, say)
+        ranked = pared_candidates(top_configs(study, top + 2), base, step_s, top,
+                                  settings.objective, say)
         record = Record(Plan(
             scenario=redact(scenario.to_record()), defaults=redact(defaults.to_record()),
             space=list(space.space), backend=backend.name, step_s=step_s,
