@@ -297,7 +297,7 @@ def test_live_twin_autotune(tmp_path):
 
 @pytest.mark.parametrize("exp", ["autotune-realtime-chat-h200", "autotune-realtime-chat-h200-b",
                                  "autotune-realtime-chat-h200-c", "autotune-realtime-chat-h200-d",
-                                 "autotune-realtime-chat-h200-e"])
+                                 "autotune-realtime-chat-h200-e", "autotune-realtime-chat-h200-f"])
 def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
     """reports/examples/autotune-h200: each committed report is what its store gives today; the
     folder's summary.json is the newest experiment's (the headline)."""
@@ -315,8 +315,17 @@ def test_the_h200_example_rebuilds_from_its_store(tmp_path, exp):
     assert summary["gain"] > autotune.NOISE
     for name in ("summary.json", "report.md", "best.yaml"):
         assert (tmp_path / exp / name).read_text() == (example / exp / name).read_text(), name
-    if exp.endswith("-d"):  # the headline
+    if exp.endswith("-f"):  # the headline: pared picks, both predictions within 5%, +30% at least
         assert (example / "summary.json").read_text() == (example / exp / "summary.json").read_text()
+        assert summary["best_flags"] == {"kv-cache-dtype": "fp8", "api-server-count": 2}
+        assert summary["gain_interval"][0] >= 0.30
+        assert abs(summary["predicted_defaults_capacity"] / summary["defaults_capacity"] - 1) <= 0.05
+        assert abs(summary["prediction_error"]) <= 0.05
+        # The same pick as the search found it (three more flags the predictor credits with
+        # nothing) measured 10% less than pared.
+        as_found = next(c for c in summary["candidates"] if c["name"] == "c2")
+        assert len(as_found["flags"]) == 5 and as_found["measured"] < 0.95 * summary["best_capacity"]
+        return
     if exp[-2:] in ("-c", "-d"):  # the client of one arrival schedule, the gain's interval
         low, high = summary["gain_interval"]
         assert low <= summary["gain"] <= high and summary["gpu_minutes"] <= 20

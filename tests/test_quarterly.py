@@ -159,7 +159,7 @@ def test_the_build_says_each_stage(store_path, tmp_path):
 
 
 def test_the_quarter_names_each_autotunes_best_as_its_own_report_does(tmp_path):
-    """reports/examples/autotune-h200: five autotunes (the first two from a store from before their
+    """reports/examples/autotune-h200: six autotunes (the first two from a store from before their
     experiments were recorded, their plans in their studies); the quarter names each one's best by
     analysis.autotune.outcome, the function the autotune's own report reads."""
     from vllm_lab import search
@@ -175,7 +175,7 @@ def test_the_quarter_names_each_autotunes_best_as_its_own_report_does(tmp_path):
     table = quarterly.autotune_summary(db, now).set_index("experiment_id")
     assert list(table.index) == ["autotune-realtime-chat-h200", "autotune-realtime-chat-h200-b",
                                  "autotune-realtime-chat-h200-c", "autotune-realtime-chat-h200-d",
-                                 "autotune-realtime-chat-h200-e"]
+                                 "autotune-realtime-chat-h200-e", "autotune-realtime-chat-h200-f"]
     for name, row in table.iterrows():
         found = outcome(db, name, search.storage_url(None, db))
         assert row["best"] == found.best.candidate.name and row["verdict"] == found.verdict()
