@@ -4,4 +4,6 @@ import sys
 
 from vllm_lab.cli import main
 
-sys.exit(main())
+# Guarded: autotune's search predicts in spawned processes, which import this file again.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,8 @@ _STARTED = pytest.StashKey[list]()
 
 def pytest_configure(config):
     """Load matplotlib's font list before any test: on a machine without its cache it runs fc-list
-    once, which is matplotlib setting itself up, not a test starting a process.
+    once, which is matplotlib setting itself up, not a test starting a process. Autotune's
+    searches predict in this process (VLLM_LAB_PREDICT_PROCESSES=1).
 
     Ctrl-C is given back its default handler where the suite was started with it ignored (a
     shell's background job, `nohup make test &`): the lab keeps an inherited ignore on purpose,
@@ -36,6 +37,9 @@ def pytest_configure(config):
 
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The tests' autotune searches are too small to pay for starting prediction processes (and a
+    # test without the integration marker starts none); the test that compares both sets its own.
+    os.environ["VLLM_LAB_PREDICT_PROCESSES"] = "1"
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -358,6 +358,7 @@ def test_each_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
         return ranking.Predicted(round(30 * (1 + gain), 3))
 
     monkeypatch.setattr(ranking, "predicted_slo_capacity", capacity)
+    monkeypatch.setattr(ranking, "PROCESSES", 1)  # the stub lives in this process
     pick = {"max-num-seqs": 612, "max-num-batched-tokens": 2322, "kv-cache-dtype": "fp8",
             "api-server-count": 4, "block-size": 16}
     other = {"max-num-seqs": 612, "api-server-count": 2, "block-size": 16}
@@ -480,3 +481,26 @@ def test_the_search_starts_from_the_defaults_and_each_flag_moved_alone(tmp_path)
         study = run_search(base, space, f"s{seed}", f"sqlite:///{tmp_path}/s{seed}.db", 3, seed,
                            20.0, 15, say=lambda _: None)
         assert [t.params for t in study.trials] == points[:3]
+
+
+@pytest.mark.integration  # it starts prediction processes
+def test_a_search_in_processes_is_the_search_in_one(tmp_path, monkeypatch):
+    """Trials are asked a batch at a time and predicted side by side in processes of their own:
+    one seed gives the same trials and figures as in one process, past the first points too."""
+    from vllm_lab.autotune import ranking
+
+    scenario = chat()
+    full = autotune.load_space(None, scenario).space
+    space = search.SearchSpace(space={p: full[p] for p in ("api-server-count", "max-num-seqs")})
+    base = autotune.open_loop(autotune.defaults_scenario(scenario, space), 10)
+    trials = len(first_points(base, space)) + 3  # three the sampler draws
+    found = {}
+    monkeypatch.setattr(ranking, "BATCH", 3)
+    for processes in (1, 2):
+        monkeypatch.setattr(ranking, "PROCESSES", processes)
+        lines: list[str] = []
+        study = run_search(base, space, "s", f"sqlite:///{tmp_path}/p{processes}.db", trials, 7,
+                           20.0, 10, say=lines.append)
+        found[processes] = [(t.params, t.value, t.state) for t in study.trials]
+        assert len(lines) == trials
+    assert found[1] == found[2] and len(found[1]) == trials

@@ -341,8 +341,10 @@ def sampler_for(objective: str, seed: int | None, startup_trials: int = 4):
         return optuna.samplers.NSGAIISampler(
             seed=seed, population_size=max(4, startup_trials * 2),
             **({} if _has_set_constraint() else {"constraints_func": _constraints}))
+    # constant_liar: trials asked together (autotune's batches, make tune's workers) are spread
+    # apart instead of drawn from one density; it changes nothing for one trial at a time.
     return optuna.samplers.TPESampler(
-        seed=seed, n_startup_trials=startup_trials, multivariate=True,
+        seed=seed, n_startup_trials=startup_trials, multivariate=True, constant_liar=True,
         **({"constraints_func": _constraints}
            if objective in CONSTRAINED and not _has_set_constraint() else {}))
 

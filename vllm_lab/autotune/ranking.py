@@ -6,7 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,18 @@ from vllm_lab.store import RunStatus
 # Probes per configuration: a bracket widened by BRACKET, then halved: about 4% wide.
 PROBES = 7
 BRACKET = 1.4
+# Configurations the search asks for at once, each predicted in a process of its own. Fixed, not
+# the host's core count, so that one SEED gives one search on any host; the processes are as many
+# as the host has cores, up to this, or VLLM_LAB_PREDICT_PROCESSES (1: all here, e.g. on a shared
+# host, or for searches too small to pay for starting processes, as the tests' are). PROCESSES,
+# where set, overrides both.
+BATCH = 8
+PROCESSES: int | None = None
+
+
+def _workers(jobs: int) -> int:
+    limit = PROCESSES or int(os.environ.get("VLLM_LAB_PREDICT_PROCESSES") or os.cpu_count() or 1)
+    return min(jobs, limit, BATCH)
 
 
 def say_now(line: str) -> None:
@@ -112,7 +128,9 @@ def run_search(base: Scenario, space: search.SearchSpace, study_name: str, stora
                trials: int, seed: int | None, start: float, duration_s: float,
                say: Callable[[str], Any] = say_now, objective: str = "capacity"):
     """Optuna over ``space`` on the predictor, maximizing the SLO capacity or (energy) the output
-    tokens per joule at it; each trial keeps both; resumes its study."""
+    tokens per joule at it; each trial keeps both; resumes its study. Trials are asked ``BATCH``
+    at a time and predicted side by side (``processes``); the sampler lies about the ones in
+    flight (``constant_liar``) so that one batch spreads over the space."""
     from optuna.trial import TrialState
 
     study = search.open_study(study_name, storage, "goodput", seed, startup_trials=min(8, max(trials // 2, 1)))
@@ -121,28 +139,61 @@ def run_search(base: Scenario, space: search.SearchSpace, study_name: str, stora
     # seeded at random, one search found +56% predicted and the next +1%).
     for point in first_points(base, space)[:trials]:
         study.enqueue_trial(point, skip_if_exists=True)
-    done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
-    for _ in range(max(trials - done, 0)):
-        trial = study.ask()
-        try:
-            values = tidy(search.suggest(trial, space))
-            result = predicted_slo_capacity(with_flags(base, values), start, duration_s)
-        except BaseException:
-            study.tell(trial, state=TrialState.FAIL)  # never leave a trial RUNNING
-            raise
-        if result.error:
-            trial.set_user_attr("error", result.error.splitlines()[0][:300])
-            study.tell(trial, state=TrialState.PRUNED)
-            say(f"  trial {trial.number} {point_label(values)}: does not start")
-        else:
-            trial.set_user_attr("capacity", result.value)
-            trial.set_user_attr("tokens_per_joule", result.tokens_per_joule)
-            study.tell(trial, result.score(objective))
-            per_joule = (f", {result.tokens_per_joule:.2f} tok/J at it"
-                         if objective == "energy" and result.tokens_per_joule else "")
-            say(f"  trial {trial.number} {point_label(values)}: predicted SLO capacity "
-                f"{result.value:.2f} req/s{per_joule}")
+    left = trials - len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+    with processes(min(left, BATCH)) as run:
+        while left > 0:
+            batch = [study.ask() for _ in range(min(left, BATCH))]
+            try:
+                points = [tidy(search.suggest(trial, space)) for trial in batch]
+                results = run(predicted_slo_capacity,
+                              [(with_flags(base, v), start, duration_s) for v in points])
+            except BaseException:
+                for trial in batch:
+                    study.tell(trial, state=TrialState.FAIL)  # never leave a trial RUNNING
+                raise
+            for trial, values, result in zip(batch, points, results):
+                _tell(study, trial, values, result, objective, say)
+            left -= len(batch)
     return study
+
+
+def _tell(study, trial, values: dict[str, Any], result: Predicted, objective: str,
+          say: Callable[[str], Any]) -> None:
+    """One trial's prediction into its study, and its progress line."""
+    from optuna.trial import TrialState
+
+    if result.error:
+        trial.set_user_attr("error", result.error.splitlines()[0][:300])
+        study.tell(trial, state=TrialState.PRUNED)
+        say(f"  trial {trial.number} {point_label(values)}: does not start")
+        return
+    trial.set_user_attr("capacity", result.value)
+    trial.set_user_attr("tokens_per_joule", result.tokens_per_joule)
+    study.tell(trial, result.score(objective))
+    per_joule = (f", {result.tokens_per_joule:.2f} tok/J at it"
+                 if objective == "energy" and result.tokens_per_joule else "")
+    say(f"  trial {trial.number} {point_label(values)}: predicted SLO capacity "
+        f"{result.value:.2f} req/s{per_joule}")
+
+
+@contextmanager
+def processes(jobs: int) -> Iterator[Callable[..., list]]:
+    """``run(fn, jobs)``: ``fn(*job)`` for each job, in order. In processes of their own (started
+    once, by spawn: the lab's process may hold threads) where several jobs meet several cores,
+    else here; ``fn`` is then a module's function. The predictor is deterministic, so either way
+    gives the same figures."""
+    workers = _workers(jobs)
+    if workers <= 1:
+        yield lambda fn, batch: [fn(*job) for job in batch]
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield lambda fn, batch: list(pool.map(_call, [(fn, job) for job in batch]))
+
+
+def _call(fn_job: tuple[Callable[..., Any], tuple]) -> Any:
+    """One job in a worker process."""
+    fn, job = fn_job
+    return fn(*job)
 
 
 def pared(best: Candidate, base: Scenario, duration_s: float, objective: str = "capacity",
@@ -174,6 +225,13 @@ def pared(best: Candidate, base: Scenario, duration_s: float, objective: str = "
     return dataclasses.replace(best, flags=tidy(flags), predicted=kept.value)
 
 
+def _pared_quietly(best: Candidate, base: Scenario, duration_s: float,
+                   objective: str) -> tuple[Candidate, list[str]]:
+    """``pared`` with its progress lines kept, to be said in the picks' order."""
+    lines: list[str] = []
+    return pared(best, base, duration_s, objective, lines.append), lines
+
+
 def pared_candidates(ranked: list[Candidate], base: Scenario, duration_s: float, k: int,
                      objective: str = "capacity",
                      say: Callable[[str], Any] = say_now) -> list[Candidate]:
@@ -187,11 +245,15 @@ def pared_candidates(ranked: list[Candidate], base: Scenario, duration_s: float,
         return dataclasses.replace(c, flags={p: v for p, v in (c.flags or {}).items()
                                              if v != plans.reference_value(p, base)})
 
+    with processes(len(ranked)) as run:  # each pick pared in a process of its own
+        leans = run(_pared_quietly, [(cand, base, duration_s, objective) for cand in ranked])
     chosen: list[Candidate] = []
-    for cand in ranked:
+    for lean, lines in leans:
         if len(chosen) >= k:
             break
-        lean = changed(pared(cand, base, duration_s, objective, say))
+        for line in lines:
+            say(line)
+        lean = changed(lean)
         if lean.flags and all(lean.flags != c.flags for c in chosen):
             chosen.append(lean)
     for cand in map(changed, ranked):
