@@ -119,6 +119,10 @@ def test_predictor_end_to_end_and_resume(tmp_path):
     assert saved == json.loads(json.dumps(summary, default=str))
     md = (folder / "report.md").read_text()
     assert "| defaults " in md and "measure-only" in md.lower() and "starting and stopping" in md
+    # The host's time: the command's wall from its start, the setup part of it, the lab's share.
+    assert summary["host_minutes"] >= summary["gpu_minutes"] > 0
+    assert 0 < summary["host_minutes_setup"] < summary["host_minutes"]
+    assert 0 <= summary["lab_share"] < 1 and "Minutes of the host" in md
     assert "<table>" in (folder / "index.html").read_text()
     if summary["gain"] <= autotune.NOISE:
         assert "the defaults are within" in summary["verdict"]
@@ -134,6 +138,8 @@ def test_predictor_end_to_end_and_resume(tmp_path):
     assert len(store.runs()) == runs  # everything was recorded: nothing measured twice
     store.close()
     assert again["best_capacity"] == summary["best_capacity"]
+    # A resumed phase adds its own time (its setup, reading the plan back), nothing measured.
+    assert again["host_minutes"] > summary["host_minutes"] and again["gpu_minutes"] == summary["gpu_minutes"]
     with pytest.raises(ScenarioError, match="experiment at measures on predict: resume it with BACKEND=predict"):
         autotune_command.run(scenario, space, Slow(), settings(tmp_path, trials=4, seed=3, top=1, step_s=15), said.append)
 

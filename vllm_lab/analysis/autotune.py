@@ -212,25 +212,42 @@ class Spend:
 
 
 @dataclass
+class Host:
+    """Seconds of the lab's own command on the host, over every phase of an autotune: from the
+    command's start to its last level (``wall_s``), and of that the part before its first
+    server start (``setup_s``: provisioning, and the search or its plan read back). What the
+    measuring backend did not count of the wall is the lab's own time."""
+
+    wall_s: float = 0.0
+    setup_s: float = 0.0
+
+    def __add__(self, other: Host) -> Host:
+        return Host(self.wall_s + other.wall_s, self.setup_s + other.setup_s)
+
+
+@dataclass
 class Record:
-    """What an autotune keeps besides its runs: the plan, the minutes each candidate spent and the
-    budget it was last given (GPU_MINUTES)."""
+    """What an autotune keeps besides its runs: the plan, the minutes each candidate spent, the
+    budget it was last given (GPU_MINUTES) and the host's time (None in a record from before)."""
 
     plan: Plan
     spend: dict[str, Spend] = field(default_factory=dict)
     budget: float | None = None
+    host: Host | None = None
 
     def meta(self) -> dict[str, Any]:
         """The record as its experiment's meta."""
         return {"plan": self.plan.to_record(), "spend": {k: asdict(v) for k, v in self.spend.items()},
-                "gpu_minutes_budget": self.budget}
+                "gpu_minutes_budget": self.budget} | (
+                    {"host": asdict(self.host)} if self.host else {})
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> Record:
         """The record from its experiment's meta (or a study's user attributes, the same keys)."""
         return cls(Plan.from_record(meta["plan"]),
                    {k: Spend.from_record(v) for k, v in (meta.get("spend") or {}).items()},
-                   meta.get("gpu_minutes_budget"))
+                   meta.get("gpu_minutes_budget"),
+                   Host(**meta["host"]) if meta.get("host") else None)
 
 
 def load_record(store_path: Path, experiment_id: str, storage: str) -> Record | None:

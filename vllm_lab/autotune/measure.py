@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_lab import plans, search, stress
-from vllm_lab.analysis.autotune import Candidate, Capacity, Plan, Record, measured_capacity
+from vllm_lab.analysis.autotune import Candidate, Capacity, Host, Plan, Record, measured_capacity
 from vllm_lab.analysis.stress import level_verdict
 from vllm_lab.autotune import candidates, records
 from vllm_lab.autotune.budget import Budget, Measuring, measuring
@@ -52,6 +52,7 @@ class Settings:
     repeats: int = 1
     plan: dict[str, Any] | None = None  # the command's recorded plan (commands.plan_record)
     objective: str = "capacity"  # ranking.OBJECTIVES
+    began: float | None = None  # when the command started (time.time()), provisioning included
 
 
 def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: Backend,
@@ -84,7 +85,12 @@ def search_and_measure(scenario: Scenario, space: search.SearchSpace, backend: B
     say(f"autotune: search done in {time.time() - t0:.0f} s; measuring "
         f"{', '.join(c.name for c in record.plan.candidates)} on {backend.name} "
         f"(budget {settings.gpu_minutes:g} min)")
-    Staircases(record, defaults, backend, settings, how, say, progress).measure()
+    began, measuring_from = settings.began or t0, time.time()
+    try:
+        Staircases(record, defaults, backend, settings, how, say, progress).measure()
+    finally:  # a phase stopped by its deadline counts too
+        record.host = (record.host or Host()) + Host(time.time() - began, measuring_from - began)
+        records.keep_host(settings.store_path, settings.experiment_id, record.host)
     return record
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from vllm_lab.analysis.autotune import STEP, Record, Spend
+from vllm_lab.analysis.autotune import STEP, Host, Record, Spend
 from vllm_lab.store import Store
 
 
@@ -25,3 +25,9 @@ def keep_spend(store_path: Path, experiment_id: str, spend: dict[str, Spend]) ->
     """Write what the candidates spent so far."""
     with Store(store_path) as store:
         store.update_meta(experiment_id, spend={k: asdict(v) for k, v in spend.items()})
+
+
+def keep_host(store_path: Path, experiment_id: str, host: Host) -> None:
+    """Write the host's time so far, every phase's."""
+    with Store(store_path) as store:
+        store.update_meta(experiment_id, host=asdict(host))

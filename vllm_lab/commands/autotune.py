@@ -5,6 +5,7 @@ predictor and measured on the backend within GPU_MINUTES (``vllm_lab.autotune``)
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ class AutotuneOptions:
 def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> int:
     """Search on the predictor by SLO capacity, measure the defaults and the best few within
     GPU_MINUTES and before DEADLINE, and report; a stop reports what was measured."""
+    began = time.time()  # the host's time counts from here: provisioning is the lab's own
     if settings.spread:
         raise scenarios.ScenarioError("SPREAD=1 is not supported by autotune: its candidates are "
                                       "measured one after another on one host")
@@ -74,7 +76,7 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
     tuned = tuning.Settings(exp_id, settings.store_path, settings.out, storage, options.gpu_minutes,
                             trials=options.trials, seed=options.seed, top=options.top, step_s=step_s,
                             repeats=settings.repeats or 1, plan=settings.plan,
-                            objective=options.objective)
+                            objective=options.objective, began=began)
     shown = Progress("autotune", exp_id, settings.backend, settings.out, noun="level",
                      window_s=step_s or tuning.measuring(settings.backend).step_s)
 

@@ -137,7 +137,20 @@ def summary_of(found: Outcome) -> dict[str, Any]:
         "candidates": [_candidate_summary(r) for r in found.rows],
         "verdict": found.verdict(),
         "measure_only_flags": sorted(MEASURE_ONLY),
-    } | (_energy_summary(found) if found.objective == "energy" else {})
+    } | _host_summary(found, start_min + measure_min) | (
+        _energy_summary(found) if found.objective == "energy" else {})
+
+
+def _host_summary(found: Outcome, gpu_minutes: float) -> dict[str, Any]:
+    """The host's minutes, from the command's start to its last level over every phase, and the
+    lab's own share of them (the rest of what the measuring backend counted: provisioning, the
+    search, the steps between levels). Empty for a record from before they were kept."""
+    host = found.record.host
+    if host is None:
+        return {}
+    wall = host.wall_s / 60
+    return {"host_minutes": round(wall, 3), "host_minutes_setup": round(host.setup_s / 60, 3),
+            "lab_share": round(max(wall - gpu_minutes, 0.0) / wall, 4) if wall else None}
 
 
 def _rounded(pair: tuple[float | None, float | None] | None) -> list[float | None] | None:
@@ -246,6 +259,10 @@ def _minutes_lines(summary: dict[str, Any], budget: float | None, found: Outcome
         + (f" of a budget of {budget:g}" if budget is not None else "") + "."
         + (" Candidates marked 'not measured' did not fit the budget: raise GPU_MINUTES and run "
            "again with RESUME=1." if any(r.found.status == "not measured" for r in found.rows) else ""),
+        *([(f"Minutes of the host, from the command's start to its last level: "
+           f"{summary['host_minutes']:.2f}, of which the lab's own {summary['lab_share']:.0%} "
+           f"({summary['host_minutes_setup']:.2f} before the first server start: provisioning "
+           f"and the search).")] if summary.get("lab_share") is not None else []),
         f"Searched flags (the twin models them): {', '.join(found.record.plan.space)}.",
         "Measure-only flags (the twin does not model them: tried live on real vLLM from the "
         "space's measure: section, or swept with make sweep): "
