@@ -37,6 +37,7 @@ PROCESSES: int | None = None
 
 
 def _workers(jobs: int) -> int:
+    """Processes for ``jobs`` predictions at once (1: in this process)."""
     limit = PROCESSES or int(os.environ.get("VLLM_LAB_PREDICT_PROCESSES") or os.cpu_count() or 1)
     return min(jobs, limit, BATCH)
 
