@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
             gains = [best_gain(base, space, trials, s, anchored, start, defaults) for s in SEEDS]
             print(f"{trials} trials, {way}: " + " ".join(f"{g:+.0%}" for g in gains)
                   + f" | lowest {min(gains):+.0%}, median {statistics.median(gains):+.0%} "
-                    f"({(time.time() - t0) / len(SEEDS):.0f} s a search, {ranking.PROCESSES} "
+                    f"({(time.time() - t0) / len(SEEDS):.0f} s a search, {ranking.prediction_processes(ranking.BATCH)} "
                     f"processes)", flush=True)
     return 0
 

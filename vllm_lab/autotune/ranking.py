@@ -36,7 +36,7 @@ BATCH = 8
 PROCESSES: int | None = None
 
 
-def _workers(jobs: int) -> int:
+def prediction_processes(jobs: int) -> int:
     """Processes for ``jobs`` predictions at once (1: in this process)."""
     limit = PROCESSES or int(os.environ.get("VLLM_LAB_PREDICT_PROCESSES") or os.cpu_count() or 1)
     return min(jobs, limit, BATCH)
@@ -183,7 +183,7 @@ def processes(jobs: int) -> Iterator[Callable[..., list]]:
     once, by spawn: the lab's process may hold threads) where several jobs meet several cores,
     else here; ``fn`` is then a module's function. The predictor is deterministic, so either way
     gives the same figures."""
-    workers = _workers(jobs)
+    workers = prediction_processes(jobs)
     if workers <= 1:
         yield lambda fn, batch: [fn(*job) for job in batch]
         return
