@@ -32,7 +32,8 @@ def best_gain(base, space, trials: int, seed: int, anchored: bool, start: float,
             search, "one_at_a_time", search.one_at_a_time if anchored else lambda *_: []):
         study = run_search(base, space, f"s{seed}", f"sqlite:///{d}/s.db", trials, seed, start,
                            STEP_S, say=lambda _: None)
-        return top_configs(study, 1)[0].predicted / defaults - 1
+        found = top_configs(study, 1)
+        return found[0].predicted / defaults - 1 if found else -1.0  # nothing held the SLO
 
 
 def main(argv: list[str]) -> int:
