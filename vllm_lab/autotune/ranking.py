@@ -141,7 +141,7 @@ def run_search(base: Scenario, space: search.SearchSpace, study_name: str, stora
     for point in first_points(base, space)[:trials]:
         study.enqueue_trial(point, skip_if_exists=True)
     left = trials - len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
-    with processes(min(left, BATCH)) as run:
+    with processes(left) as run:  # at most BATCH at once
         while left > 0:
             batch = [study.ask() for _ in range(min(left, BATCH))]
             try:
