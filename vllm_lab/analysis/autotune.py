@@ -136,6 +136,8 @@ class Candidate:
     measure: dict[str, Any] | None = None  # a measure-only variant: the flag values it tries
     centre: float | None = None
     base: str | None = None
+    # The SLO capacity predicted on the host the defaults were measured on (autotune/host.py).
+    host_predicted: float | None = None
 
     @property
     def measure_only(self) -> bool:
@@ -145,7 +147,7 @@ class Candidate:
     def to_record(self) -> dict[str, Any]:
         """The candidate as the plan records it (keys left out until they are known)."""
         record = {"name": self.name, "flags": self.flags, "predicted": self.predicted}
-        for key in ("measure", "centre", "base"):
+        for key in ("measure", "centre", "base", "host_predicted"):
             if getattr(self, key) is not None:
                 record[key] = getattr(self, key)
         return record
@@ -154,7 +156,8 @@ class Candidate:
     def from_record(cls, record: dict[str, Any]) -> Candidate:
         """A candidate from its record."""
         return cls(record["name"], record.get("flags"), record.get("predicted"),
-                   record.get("measure"), record.get("centre"), record.get("base"))
+                   record.get("measure"), record.get("centre"), record.get("base"),
+                   record.get("host_predicted"))
 
 
 @dataclass
@@ -173,10 +176,14 @@ class Plan:
     saturation: float
     candidates: list[Candidate]
     objective: str = "capacity"  # what ranks the candidates: SLO capacity, or energy (tok/J at it)
+    # The measuring host's factor on the profile's CPU terms, read from the defaults' measured
+    # capacity (autotune/host.py); None until they are measured, and in a plan from before.
+    host_scale: float | None = None
 
     def to_record(self) -> dict[str, Any]:
-        """The plan as the store keeps it."""
-        return {**{k: v for k, v in asdict(self).items() if k != "candidates"},
+        """The plan as the store keeps it (no host_scale until it is known)."""
+        return {**{k: v for k, v in asdict(self).items()
+                   if k != "candidates" and not (k == "host_scale" and v is None)},
                 "candidates": [c.to_record() for c in self.candidates]}
 
     @classmethod
@@ -185,7 +192,8 @@ class Plan:
         fields = {k: record[k] for k in ("scenario", "defaults", "space", "backend", "step_s",
                                          "search_s", "trials", "saturation")}
         return cls(**fields, candidates=[Candidate.from_record(c) for c in record["candidates"]],
-                   objective=record.get("objective", "capacity"))  # a plan from before: capacity
+                   objective=record.get("objective", "capacity"),  # a plan from before: capacity
+                   host_scale=record.get("host_scale"))
 
     def candidate(self, name: str) -> Candidate:
         """The candidate named ``name``."""

@@ -39,15 +39,18 @@ def aim(found: Capacity | None) -> float | None:
 def staircase_centre(cand: Candidate, plan: Plan, found: Mapping[str, Capacity]) -> float:
     """Where a candidate's staircase is centred, from what was measured before it.
 
-    The defaults: on their prediction. A ranked candidate: on its prediction scaled by how far the
-    predictor was from the defaults' measured capacity (what made the twin optimistic there, a
-    frontend it does not model for one, is there for every candidate). A measure-only variant: on
-    its base's measured capacity, since the flag is tried for a gain over it.
+    The defaults: on their prediction. A ranked candidate: on its prediction on the host the
+    defaults were measured on (``host_predicted``, autotune/host.py), where the defaults said the
+    host differs from the profile's; else on its prediction scaled by how far the predictor was
+    from the defaults' measured capacity (within noise of it: the profile's host). A measure-only
+    variant: on its base's measured capacity, since the flag is tried for a gain over it.
     """
     dflt = plan.candidates[0]
     seen = aim(found.get("defaults"))
     ratio = seen / dflt.predicted if seen and dflt.predicted else 1.0
     if not cand.measure_only:
+        if cand.name != dflt.name and cand.host_predicted:
+            return round(cand.host_predicted, 3)
         return round(cand.predicted * (1.0 if cand.name == dflt.name else ratio), 3)
     base_seen = aim(found.get(cand.base))
     if base_seen:

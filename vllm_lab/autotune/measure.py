@@ -9,6 +9,7 @@ Each staircase is a stress experiment of its own, ``<experiment>-<candidate>``, 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 from vllm_lab import plans, search, stress
 from vllm_lab.analysis.autotune import Candidate, Capacity, Host, Plan, Record, measured_capacity
 from vllm_lab.analysis.stress import level_verdict
-from vllm_lab.autotune import candidates, records
+from vllm_lab.autotune import candidates, host, records
 from vllm_lab.autotune.budget import Budget, Measuring, measuring
 from vllm_lab.autotune.ranking import (
     pared_candidates,
@@ -153,6 +154,10 @@ class Staircases:
         """One candidate's staircase: its flags and levels chosen (once), skipped when its estimate
         does not fit what is left, then its levels and refinements while the budget allows."""
         cand = self.plan.candidates[i]
+        if (cand.centre is None and i and not cand.measure_only and self.plan.host_scale is None
+                and self.plan.backend not in host.PROFILE_HOSTS):
+            self.learn_host()
+            cand = self.plan.candidates[i]
         if cand.centre is None:  # decided when the candidate first starts, then kept
             cand = candidates.choose(cand, self.plan, {c.name: measured_capacity(
                 self.settings.store_path, self.experiment(c)) for c in self.plan.candidates if c is not cand})
@@ -186,6 +191,30 @@ class Staircases:
                  f"{measured_capacity(self.settings.store_path, self.experiment(cand)).describe()} "
                  f"({used.start_s / 60:.1f} min starting, {used.measure_s / 60:.1f} min measuring"
                  + ("; stopped by the budget" if stopped else "") + ")")
+
+    def learn_host(self) -> None:
+        """Once the defaults are measured: the host's factor on the profile's CPU terms, and each
+        ranked candidate not yet started predicted on that host (autotune/host.py), kept in the
+        plan. Nothing while the defaults have no capacity to go by."""
+        plan, dflt = self.plan, self.plan.candidates[0]
+        seen = host.middle(measured_capacity(self.settings.store_path, self.experiment(dflt)))
+        if not seen or not dflt.predicted:
+            return
+        base = open_loop(self.defaults, plan.step_s)
+        folder = self.settings.out / ".work" / f"{self.settings.experiment_id}-host"
+        plan.host_scale = host.fitted_scale(base, seen, dflt.predicted, seen, plan.step_s, folder)
+        todo = [c for c in plan.candidates[1:] if c.centre is None and not c.measure_only]
+        if plan.host_scale != 1.0 and todo:
+            got = host.predicted_on_host(base, [c.flags for c in todo], plan.host_scale, seen,
+                                         plan.step_s, folder)
+            for cand, value in zip(todo, got):
+                plan.candidates[plan.candidates.index(cand)] = dataclasses.replace(cand, host_predicted=value)
+            self.say(f"  the host: the defaults measured {seen:.2f} req/s, predicted {dflt.predicted:.2f}; "
+                     f"its CPU runs the profile's CPU terms at x{plan.host_scale:g}, where the "
+                     f"predictor gives " + ", ".join(f"{c.name} {v:.2f}" for c, v in zip(todo, got))
+                     + " req/s")
+        records.keep(self.settings.store_path, self.settings.experiment_id, self.record,
+                     self.settings.plan)
 
     def staircase(self, cand: Candidate, scenario: Scenario, levels: list[float],
                   points: list[plans.Point]) -> bool:

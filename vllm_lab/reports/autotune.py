@@ -138,6 +138,7 @@ def summary_of(found: Outcome) -> dict[str, Any]:
         "verdict": found.verdict(),
         "measure_only_flags": sorted(MEASURE_ONLY),
     } | _host_summary(found, start_min + measure_min) | (
+        {"host_scale": plan.host_scale} if plan.host_scale is not None else {}) | (
         _energy_summary(found) if found.objective == "energy" else {})
 
 
@@ -170,7 +171,8 @@ def _candidate_summary(row: Row) -> dict[str, Any]:
     out = {"name": c.name, "flags": c.flags, "predicted": c.predicted, "measured": row.measured,
            "interval": list(row.found.interval) if row.measured is not None else None,
            "centre": c.centre, "bound": row.found.bound, "status": row.found.status}
-    return out | ({"measure": c.measure, "base": c.base} if c.measure else {})
+    return out | ({"measure": c.measure, "base": c.base} if c.measure else {}) | (
+        {"host_predicted": c.host_predicted} if c.host_predicted is not None else {})
 
 
 def _flags_text(flags: dict[str, Any]) -> str:
@@ -225,7 +227,7 @@ def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path) -> page
               page.notes(facts), Block(md=[""]),
               page.table(candidates_frame(summary, found), "text"), Block(md=[""]),
               Block(page.img(figure) + "\n", page.md_img(figure)),
-              page.notes(_minutes_lines(summary, summary["gpu_minutes_budget"], found)
+              page.notes(_host_lines(found) + _minutes_lines(summary, summary["gpu_minutes_budget"], found)
                          + _winner_lines(summary)), Block(md=[""]),
               page.footer(f"make report EXPERIMENT={summary['experiment']}", md=True)]
     return page.Page(title, blocks)
@@ -235,15 +237,38 @@ def candidates_frame(summary: dict[str, Any], found: Outcome) -> pd.DataFrame:
     """One row per candidate: its flags over vLLM's defaults, predicted and measured capacity,
     the minutes it took."""
     rows = []
+    on_host = any(r.candidate.host_predicted is not None for r in found.rows)
     for r in found.rows:
         rows.append({"candidate": r.candidate.name + (" (best)" if r.candidate.name == summary["best"] else ""),
                      "flags over vLLM's defaults": _candidate_flags(r),
-                     "predicted req/s": _predicted_text(r), "measured req/s": r.found.describe(),
+                     "predicted req/s": _predicted_text(r),
+                     **({"predicted on this host": _host_text(r)} if on_host else {}),
+                     "measured req/s": r.found.describe(),
                      **({"tok/J at capacity": _per_joule(r.found.tokens_per_joule)}
                         if found.objective == "energy" else {}),
                      "start min": f"{r.spend.start_s / 60:.2f}",
                      "measuring min": f"{r.spend.measure_s / 60:.2f}"})
     return pd.DataFrame(rows)
+
+
+def _host_text(row: Row) -> str:
+    c = row.candidate
+    if c.name == "defaults":
+        return "(fitted to it)"
+    return f"{c.host_predicted:.2f}" if c.host_predicted is not None else "–"
+
+
+def _host_lines(found: Outcome) -> list[str]:
+    """What the defaults said of the host, where it is not the profile's."""
+    scale, dflt = found.record.plan.host_scale, found.defaults
+    if scale is None or scale == 1.0 or dflt.measured is None or dflt.candidate.predicted is None:
+        return []
+    return [(f"The host: vLLM's defaults measured {dflt.measured:.2f} req/s where the twin's profile "
+            f"predicted {dflt.candidate.predicted:.2f}. The predictor puts them there on a host whose "
+            f"CPU takes {scale:g} times the profile's host's time for the engine core's scheduling and "
+            f"launches and the API server's work ({'faster' if scale < 1 else 'slower'} than the "
+            f"profile's), and each candidate's staircase was centred on its capacity predicted on "
+            f"that host (make calibrate FIT=host fits such a host from its own runs).")]
 
 
 def _per_joule(value: float | None) -> str:
