@@ -83,6 +83,9 @@ def test_capacity_of_a_staircase_and_its_refinement():
     none_hold = autotune.capacity_from_levels(t.assign(meets_slo=False))
     assert none_hold.capacity == 0.0 and none_hold.bound == "<"
     assert autotune.refine_level(none_hold) == 1.0
+    # Where a candidate's lowest level broke above what the defaults held, it tries that first.
+    assert autotune.refine_level(none_hold, anchor=1.5) == 1.5
+    assert autotune.refine_level(none_hold, anchor=1.9) == 1.0  # within 8% of the break: halve
     narrow = autotune.capacity_from_levels(levels([{"level": 4, "meets_slo": True, "unbounded": False},
                                                    {"level": 4.2, "meets_slo": False, "unbounded": False}]))
     assert autotune.refine_level(narrow) is None
@@ -330,6 +333,17 @@ def test_a_capacity_lies_between_the_levels_that_held_and_broke_and_so_does_the_
     low, high = found.gain_interval
     assert low == pytest.approx(45 / 36 - 1) and high == pytest.approx(50 / 33 - 1)
     assert low < found.gain < high and "(+25% to +52% between the levels that held and broke)" in found.verdict()
+    # A pick whose levels held less than the defaults but broke only well above them is not yet
+    # told apart from them: the verdict keeps the defaults and says so.
+    coarse = capacity_from_levels(levels([(20, True), (30, True), (40, False)]))
+    rows[1] = Row(rows[1].candidate, coarse, Spend())
+    verdict = Outcome("x", Record(plan), rows, 0, 0).verdict()
+    assert verdict.startswith("the defaults are within 0% of the best measured") and verdict.endswith(
+        "; c1 lies between 31.20 and 41.60 req/s, not yet told apart from them (RESUME=1 with "
+        "more GPU_MINUTES narrows it)")
+    rows[1] = Row(rows[1].candidate, capacity_from_levels(levels([(20, True), (30, True), (34, False)])),
+                  Spend())  # broke by 35.36 offered, within 5% of the defaults' 34.32: settled
+    assert Outcome("x", Record(plan), rows, 0, 0).verdict().endswith("keep them")
 
 
 def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path):

@@ -366,6 +366,16 @@ class Outcome:
         high = b_high / d_low - 1 if b_high is not None and d_low else None
         return (low, high)
 
+    def unsettled(self) -> list[Row]:
+        """Measured candidates whose levels leave room for more than ``NOISE`` over the defaults'
+        capacity (the first level they broke offered more), while the one that held offered
+        less: their staircases ended before they were told apart from the defaults."""
+        dflt = self.defaults.measured
+        if not dflt or self.objective != "capacity":
+            return []
+        return [r for r in self.rows[1:] if r.measured and r.measured < dflt * (1 + NOISE)
+                and r.found.ceiling and r.found.ceiling > dflt * (1 + NOISE)]
+
     def minutes(self) -> tuple[float, float]:
         """Minutes of the measuring backend spent starting (and stopping) servers, and measuring."""
         return (sum(r.spend.start_s for r in self.rows) / 60,
@@ -390,8 +400,13 @@ class Outcome:
                     f"carries {best.measured:.2f} req/s within it")
         top = self.top.measured
         if name == "defaults" or (gain is not None and gain <= NOISE):
-            return (f"the defaults are within {max(top / dflt - 1, 0):.0%} of the best reachable on "
-                    f"this traffic ({dflt:.2f} against {top:.2f} req/s): keep them")
+            open_ = self.unsettled()  # candidates whose levels left them undecided
+            return (f"the defaults are within {max(top / dflt - 1, 0):.0%} of the best "
+                    f"{'measured' if open_ else 'reachable'} on this traffic ({dflt:.2f} against "
+                    f"{top:.2f} req/s): keep them"
+                    + "".join(f"; {r.candidate.name} lies between {r.found.capacity:.2f} and "
+                              f"{r.found.ceiling:.2f} req/s, not yet told apart from them (RESUME=1 "
+                              f"with more GPU_MINUTES narrows it)" for r in open_))
         return (f"{name} carries {best.measured:.2f} req/s within the SLO against "
                 f"{dflt:.2f} for vLLM's defaults: {gain:+.0%}{self._gain_range()}")
 

@@ -94,15 +94,21 @@ def candidate_levels(centre: float, saturation: float | None, fractions: tuple[f
     return sorted({round(centre * f, 3) for f in fractions})
 
 
-def refine_level(found: Capacity, tolerance: float = 0.08) -> float | None:
-    """One more level that narrows the measured capacity, or None when it is narrow enough."""
+def refine_level(found: Capacity, tolerance: float = 0.08, anchor: float | None = None) -> float | None:
+    """One more level that narrows the measured capacity, or None when it is narrow enough.
+
+    ``anchor``: a rate another configuration held (the best measured before this one), tried
+    first where even the lowest level broke above it: whether this candidate holds what is
+    already known to hold is what it is measured to tell."""
     low, high = found.bracket or (None, None)
     if found.status != "ok":
         return None
     if high is None:
         return round(low * 1.3, 3)  # nothing broke: look higher
-    if low is None:
-        return round(high * 0.5, 3) if high > 0.05 else None  # the lowest broke: look lower
+    if low is None:  # the lowest broke: look lower, at the anchor when it lies below
+        if anchor and anchor < high / (1 + tolerance):
+            return round(anchor, 3)
+        return round(high * 0.5, 3) if high > 0.05 else None
     return round((low + high) / 2, 3) if high / low - 1 > tolerance else None
 
 

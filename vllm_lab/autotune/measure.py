@@ -229,12 +229,24 @@ class Staircases:
                 if self.budget.ran() and not self.budget.fits_a_run():
                     return True
                 found = self.level(cand, exp, point)
-            extra = candidates.refine_level(found) if round_ < self.how.refine else None
+            extra = (candidates.refine_level(found, anchor=self.anchor(cand))
+                     if round_ < self.how.refine else None)
             if extra is None or extra in levels or not self.budget.fits_a_run():
                 break
             levels = sorted([*levels, extra])
             points = stress.staircase_points(scenario, [extra], self.settings.repeats)
         return False
+
+    def anchor(self, cand: Candidate) -> float | None:
+        """The level the best configuration measured before ``cand`` held (its capacity on the
+        level's axis); None for the defaults, the first."""
+        if cand.name == self.plan.candidates[0].name:
+            return None
+        found = {c.name: measured_capacity(self.settings.store_path, self.experiment(c))
+                 for c in self.plan.candidates if c.name != cand.name}
+        best = candidates.best_measured(self.plan, found)
+        f = found.get(best.name)
+        return f.bracket[0] if f and f.status == "ok" and f.bracket and f.bracket[0] else None
 
     def level(self, cand: Candidate, exp: str, point: plans.Point) -> Capacity:
         """One level of a candidate's staircase, taken and recorded; the capacity it now shows."""
