@@ -188,6 +188,19 @@ def test_locust_replays_a_trace_as_one_schedule_over_two_processes(tmp_path):
     assert (df.target_output_tokens.to_numpy() == [row["output_tokens"] for row in rows]).all()
     # The trace's 60 requests take 7 s at half speed: the run ends with them, not at its 60 s.
     assert r.stop_reason == "schedule"
+    assert sorted(w["index"] for w in r.workers) == [0, 1]  # a share each (runner.check_shares)
+
+
+def test_two_processes_with_one_share_of_the_schedule_are_not_a_measurement():
+    """Once in CI both forked processes of a replay read share 0 and sent the even half of the
+    schedule twice: such a run is refused, not summarized as the load it was asked for."""
+    from vllm_lab.traffic.runner import TrafficError, check_shares
+
+    replay, closed = Load(mode="replay"), Load(mode="closed")
+    check_shares([{"index": 0}, {"index": 1}], replay)
+    check_shares([{"index": 0}, {"index": 0}], closed)  # a closed loop's users share one pool
+    with pytest.raises(TrafficError, match=r"took the schedule's shares \[0, 0\]: two sent the same"):
+        check_shares([{"index": 0}, {"index": 0}], replay)
 
 
 def test_stress_levels_scale_the_traces_own_pattern():

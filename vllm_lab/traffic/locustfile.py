@@ -182,6 +182,22 @@ class WorkerPool(Pool):
 
 # Made at import, which Locust does before it forks: its forked processes share this one.
 POOL: Pool = Pool(LOAD.stop.max_requests)
+# The next share of an open loop's schedule for a process Locust forks here, likewise shared:
+# each forked process takes its own when it starts, with no message to depend on.
+_SHARES = multiprocessing.Value("i", 0)
+
+
+def _share(runner) -> int:
+    """This process's share of the schedule (``arrivals.dealt``): the next free one where Locust
+    forked the processes here (they share memory), else the index the master gave this worker
+    (a worker on another host), 0 for a single process."""
+    if not isinstance(runner, WorkerRunner):
+        return 0
+    if _CFG.get("shared_pool", True):
+        with _SHARES.get_lock():
+            share, _SHARES.value = _SHARES.value, _SHARES.value + 1
+        return share
+    return runner.worker_index
 
 
 @events.init.add_listener
@@ -346,7 +362,7 @@ class _Process:
     """Per-process state: identity, the workload, the sample file, lag meters and the arrivals."""
 
     def __init__(self, runner):
-        self.index = getattr(runner, "worker_index", 0) if isinstance(runner, WorkerRunner) else 0
+        self.index = _share(runner)
         self.count = int(_CFG.get("num_workers", 1))
         # A remote worker is named after its inventory host, so its samples say where they came from.
         self.host = _CFG.get("worker_host") or socket.gethostname()

@@ -521,6 +521,19 @@ def _run_locust(cmd: list[str], env: dict, out_dir: Path, load: Load, hosts: lis
     return rc, tail.decode("utf-8", errors="replace")
 
 
+def check_shares(workers: list[dict], load: Load) -> None:
+    """TrafficError where two processes of an open loop took one share of its schedule.
+
+    Each process sends its own share (``arrivals.dealt``, by the index in its summary): two with
+    one share send those requests twice and leave another share unsent, a load that is not the
+    schedule (seen once, in CI: two forked processes both read index 0)."""
+    shares = [w.get("index") for w in workers]
+    if load.open_loop and len(set(shares)) < len(shares):
+        raise TrafficError(f"Locust's {len(shares)} processes took the schedule's shares "
+                           f"{sorted(shares, key=str)}: two sent the same requests, so the run's "
+                           f"load was not its schedule")
+
+
 def _result(out_dir: Path, rc: int, tail: str, metrics: pd.DataFrame, load: Load,
             workload) -> LoadResult:
     samples_dir = out_dir / "samples"
@@ -531,6 +544,7 @@ def _result(out_dir: Path, rc: int, tail: str, metrics: pd.DataFrame, load: Load
     workers = samples_mod.worker_summaries(samples_dir)
     if rc not in (0, 1) or (df.empty and not workers):
         raise TrafficError(f"locust exited with {rc} and wrote no samples; output tail:\n{tail}")
+    check_shares(workers, load)
     sched = df["sched_lag_s"].dropna().to_numpy(dtype=float) if len(df) else np.array([])
     sched_p99 = float(np.percentile(sched, 99)) if sched.size else 0.0
     # Per-worker loop-lag p99s are not averaged: the worst worker decides.
