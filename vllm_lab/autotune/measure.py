@@ -209,8 +209,9 @@ class Staircases:
                                          plan.step_s, folder)
             for cand, value in zip(todo, got):
                 plan.candidates[plan.candidates.index(cand)] = dataclasses.replace(cand, host_predicted=value)
-            self.say(f"  the host: the defaults measured {seen:.2f} req/s, predicted {dflt.predicted:.2f}; "
-                     f"its CPU runs the profile's CPU terms at x{plan.host_scale:g}, where the "
+            self.say(f"  the host: the defaults' capacity measured {seen:.2f} req/s (the middle of "
+                     f"its interval), predicted {dflt.predicted:.2f}; a host whose CPU takes "
+                     f"x{plan.host_scale:g} the profile's host's time gives that, and on it the "
                      f"predictor gives " + ", ".join(f"{c.name} {v:.2f}" for c, v in zip(todo, got))
                      + " req/s")
         records.keep(self.settings.store_path, self.settings.experiment_id, self.record,
