@@ -57,12 +57,16 @@ def on_host(scenario: Scenario, scale: float, folder: Path) -> Scenario:
         update={"twin_profile": str(path)})})
 
 
+def _predicted(scenarios: list[Scenario], start: float, step_s: float) -> list[float]:
+    """Each scenario's predicted SLO capacity, side by side."""
+    with processes(len(scenarios)) as run:
+        return [p.value for p in run(predicted_slo_capacity, [(s, start, step_s) for s in scenarios])]
+
+
 def capacities(base: Scenario, scales: tuple[float, ...], start: float, step_s: float,
                folder: Path) -> list[float]:
     """The predicted SLO capacity of ``base`` on the host of each scale, side by side."""
-    moved = [on_host(base, s, folder) for s in scales]
-    with processes(len(scales)) as run:
-        return [p.value for p in run(predicted_slo_capacity, [(m, start, step_s) for m in moved])]
+    return _predicted([on_host(base, s, folder) for s in scales], start, step_s)
 
 
 def crossing(scales: tuple[float, ...], caps: list[float], measured: float) -> tuple[int, int]:
@@ -109,6 +113,4 @@ def predicted_on_host(base: Scenario, flag_sets: list[dict], scale: float, start
                       step_s: float, folder: Path) -> list[float]:
     """Each configuration's predicted SLO capacity on the host of ``scale``, side by side."""
     moved = on_host(base, scale, folder)
-    with processes(len(flag_sets)) as run:
-        return [p.value for p in run(predicted_slo_capacity,
-                                     [(with_flags(moved, f), start, step_s) for f in flag_sets])]
+    return _predicted([with_flags(moved, f) for f in flag_sets], start, step_s)

@@ -159,8 +159,7 @@ class Staircases:
             self.learn_host()
             cand = self.plan.candidates[i]
         if cand.centre is None:  # decided when the candidate first starts, then kept
-            cand = candidates.choose(cand, self.plan, {c.name: measured_capacity(
-                self.settings.store_path, self.experiment(c)) for c in self.plan.candidates if c is not cand})
+            cand = candidates.choose(cand, self.plan, self.measured_besides(cand))
         scenario = open_loop(with_flags(self.defaults, cand.flags), self.plan.step_s)
         levels = candidates.candidate_levels(cand.centre or 0.0, self.plan.saturation,
                                              candidates.fractions(cand, self.how.fractions))
@@ -243,11 +242,15 @@ class Staircases:
         level's axis); None for the defaults, the first."""
         if cand.name == self.plan.candidates[0].name:
             return None
-        found = {c.name: measured_capacity(self.settings.store_path, self.experiment(c))
-                 for c in self.plan.candidates if c.name != cand.name}
+        found = self.measured_besides(cand)
         best = candidates.best_measured(self.plan, found)
         f = found.get(best.name)
         return f.bracket[0] if f and f.status == "ok" and f.bracket and f.bracket[0] else None
+
+    def measured_besides(self, cand: Candidate) -> dict[str, Capacity]:
+        """Every other candidate's capacity as the store has it now."""
+        return {c.name: measured_capacity(self.settings.store_path, self.experiment(c))
+                for c in self.plan.candidates if c.name != cand.name}
 
     def level(self, cand: Candidate, exp: str, point: plans.Point) -> Capacity:
         """One level of a candidate's staircase, taken and recorded; the capacity it now shows."""
