@@ -673,6 +673,28 @@ def test_the_second_h100_hosts_defaults_name_its_host(tmp_path):
     assert 55 <= on_host <= 62, on_host
 
 
+@pytest.mark.fidelity  # the host's fit and two predictions on it, ~15 s
+def test_the_third_h100_hosts_defaults_name_its_host_and_c1_is_found_there(tmp_path):
+    """`-g` (reports/examples/h100): its defaults measured 37.84 … 40.30 req/s against 31.40
+    predicted. The predictor puts them there on a host at about 0.8 of the profile's host's CPU
+    time, and on it c1 (fp8, two API-server processes) at 52-57 req/s: it measured 52.37 … 54.73.
+    Four processes are predicted the same there (the GPU's limit); they measured 42.45."""
+    from vllm_lab.analysis.autotune import load_record, measured_capacity
+    from vllm_lab.autotune import host, open_loop
+    from vllm_lab.search import storage_url
+
+    db = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
+    exp = "autotune-realtime-chat-h100-g"
+    plan = load_record(db, exp, storage_url(None, db)).plan
+    base = open_loop(Scenario.model_validate(plan.defaults), plan.step_s)
+    seen = host.middle(measured_capacity(db, f"{exp}-defaults"))
+    scale = host.fitted_scale(base, seen, plan.candidates[0].predicted, seen, plan.step_s, tmp_path)
+    assert 0.76 <= scale <= 0.86, scale
+    flags = [plan.candidate(n).flags for n in ("c1", "c2")]
+    assert [f["api-server-count"] for f in flags] == [2, 4]
+    c1, c2 = host.predicted_on_host(base, flags, scale, seen, plan.step_s, tmp_path)
+    assert 52 <= c1 <= 57 and c2 >= c1 * 0.98, (c1, c2)
+
 def test_a_model_folder_of_another_host_is_read_as_the_shape_it_is_named_for():
     assert load_model_shape("/models/llama-3-8b").name == "llama-3-8b"
     with pytest.raises(ValueError, match="not a known shape"):
