@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +165,12 @@ def test_live_twin_staircase(tmp_path):
     assert not t.loc[1.5, "unbounded"] and t.loc[8.0, "unbounded"]
     assert t.loc[8.0, "queue_growth"] > 0  # the twin's own vllm:num_requests_waiting grows
     assert (tmp_path / "reports/live-st/stress.png").exists()
+    # Each run says what CPU its load generator's host gave it (a quota's throttled time where
+    # the kernel counts it: this machine's, for the run's span).
+    for r in store.runs("live-st").itertuples():
+        summary = json.loads(r.summary_json)
+        assert 1 <= summary["client_host_cpus"] <= os.cpu_count()
+        assert summary.get("client_host_throttled_s", 0.0) >= 0.0
 
 
 def open_loop_run(capacity: float, e2e_growth: float = 0.0) -> pd.DataFrame:

@@ -35,6 +35,7 @@ from vllm_lab.run_summary import RunSummary
 from vllm_lab.scenarios import Scenario, ScenarioError
 from vllm_lab.store import RunStatus
 from vllm_lab.summary import summarize, unsteady_reason
+from vllm_lab.traffic import host_cpu
 from vllm_lab.traffic.runner import TrafficError
 
 log = logging.getLogger(__name__)
@@ -394,6 +395,7 @@ class LiveBackend:
                             "VLLM_SERVER_DEV_MODE): this run starts with the last run's cache",
                             instance.url)
         self.hooks.phase("measuring", window_s=scenario.load.stop.duration_s)
+        throttled = host_cpu.throttled_s()
         result = run_load(instance.url, _served_model(scenario), scenario.workload, scenario.load,
                           workdir, seed=scenario.run.seed, api_key=api_key,
                           processes=processes, workers_hosts=workers,
@@ -409,9 +411,29 @@ class LiveBackend:
                        loop_lag_p99_s=result.loop_lag_p99_s,
                        client_cpu_max=result.cpu_fraction_max,
                        loadgen_processes=processes, loadgen_hosts=len(workers or []) or 1)
+        summary.update(_host_cpu(throttled, float(summary.get("send_span_s") or 0.0)))
         if reset is not None:
             summary["prefix_cache_reset"] = reset
         return result, summary
+
+
+# A run its host's CPU quota stalled for more than this share of its sending is said to be, in
+# the log: its figures are the host's limit as much as the configuration's.
+THROTTLED_SHARE_NOTED = 0.02
+
+
+def _host_cpu(throttled_before: float | None, span_s: float) -> dict[str, float]:
+    """The load generator's host's cores, and the seconds its CPU quota stalled it over the run
+    (where the kernel counts them)."""
+    out = {"client_host_cpus": host_cpu.cpus()}
+    after = host_cpu.throttled_s()
+    if throttled_before is not None and after is not None:
+        stalled = out["client_host_throttled_s"] = max(0.0, after - throttled_before)
+        if span_s and stalled > THROTTLED_SHARE_NOTED * span_s:
+            log.warning("the host's CPU quota (%g cores) stalled this run for %.1f s of its %.0f s "
+                        "of sending: its figures are the host's limit as much as the "
+                        "configuration's", out["client_host_cpus"], stalled, span_s)
+    return out
 
 
 def _client_limited(result, summary: RunSummary) -> str:

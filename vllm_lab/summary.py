@@ -122,6 +122,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("loop_lag_p99_s", "s", "load generator event-loop lag p99", LOWER),
     Metric("client_cpu_max", "share", "busiest Locust process's CPU", LOWER),
     Metric("loadgen_hosts", "count", "load-generator hosts", NEITHER),
+    # The load generator's host: the cores it gives, and the time its CPU quota stalled it
+    # (traffic.host_cpu; in a container that also runs vLLM, vLLM's processes too).
+    Metric("client_host_cpus", "cores", "cores the load generator's host gives it", NEITHER),
+    Metric("client_host_throttled_s", "s", "time the host's CPU quota stalled the run", LOWER),
     Metric("loadgen_rerun_of", "count", "Locust processes of the client-limited first try", NEITHER),
     # vLLM's own account of the run (audit.ServerView) and the client against it (audit.Audit).
     Metric("server_requests", "count", "requests by vLLM's /metrics", NEITHER),

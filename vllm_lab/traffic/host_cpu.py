@@ -1,0 +1,73 @@
+"""The CPU the load generator's host gives the lab: how many cores, and how long a container's CPU
+quota held everything on it back during a run.
+
+A GPU host rented as a container may get fewer cores than it shows (a CFS quota, ``cpu.max``), and
+where vLLM's engine core, its API-server processes and Locust share that quota, a run that asks for
+more stalls them all at once: the engine's steps lengthen with the GPU idle, which reads as a slower
+configuration, not as a starved host. The kernel counts that time (``throttled_usec`` in the
+cgroup's ``cpu.stat``); a run records it beside its figures so two hosts of one GPU can be told
+apart by what they are. Where the client runs on another host than the server (a fleet), these are
+the client's host's figures.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cpus(root: Path = CGROUP) -> float:
+    """Cores this process may use: a cgroup's quota where it sets one, else its CPU affinity."""
+    cores = float(len(os.sched_getaffinity(0)))
+    quota = _quota(root)
+    return min(cores, quota) if quota else cores
+
+
+def throttled_s(root: Path = CGROUP) -> float | None:
+    """Seconds the cgroup's quota has throttled it since it started (None where it has no count).
+
+    cgroup v2 says ``throttled_usec`` in ``cpu.stat``; v1, ``throttled_time`` in nanoseconds in
+    ``cpu/cpu.stat`` (or ``cpu,cpuacct/cpu.stat``).
+    """
+    stat = _read_stat(root / "cpu.stat")
+    if "throttled_usec" in stat:
+        return stat["throttled_usec"] / 1e6
+    for v1 in ("cpu", "cpu,cpuacct"):
+        stat = _read_stat(root / v1 / "cpu.stat")
+        if "throttled_time" in stat:
+            return stat["throttled_time"] / 1e9
+    return None
+
+
+def _quota(root: Path) -> float | None:
+    """The quota in cores (v2 ``cpu.max``: "max 100000" or "400000 100000"; v1 the two files)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        q, p = float(quota), float(period)
+    except ValueError:  # "max": no quota
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _read_stat(path: Path) -> dict[str, float]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    stat = {}
+    for line in lines:
+        key, _, value = line.partition(" ")
+        try:
+            stat[key] = float(value)
+        except ValueError:
+            continue
+    return stat
