@@ -462,12 +462,22 @@ def test_each_pick_is_pared_to_the_flags_that_carry_its_gain(monkeypatch):
     # c2 pares to c1's configuration: c3 takes its place, as c2.
     assert (first.name, second.name) == ("c1", "c2")
     assert second.flags == {"api-server-count": 2} and second.predicted == 30 * 1.25
-    # Each pick once, then each flag it moved once (block-size 16 is vLLM's own).
-    assert len(asked) == (1 + 4) + (1 + 4) + (1 + 2)
+    # Each pick once, then each flag it moved once (block-size 16 is vLLM's own), and four
+    # API-server processes that cannot go back to one at two as well.
+    assert len(asked) == (1 + 5) + (1 + 5) + (1 + 2)
     # Where the picks pare to fewer than are measured, the picks as found fill the places.
     moved = {k: v for k, v in pick.items() if k != "block-size"}
     assert [(c.name, c.flags) for c in ranking.pared_candidates(ranked[:2], base, 30.0, 3, **quiet)] == [
         ("c1", first.flags), ("c2", moved), ("c3", {**moved, "max-num-seqs": 256})]
+    # Where two processes carry as much as four on the predictor, two are kept: each is a core of
+    # the host the predictor does not charge for.
+    worth[("api-server-count", 2)] = 0.28
+    lines = []
+    halved = ranking.pared(ranked[0], base, 30.0, say=lines.append)
+    assert halved.flags == {**pick, "max-num-seqs": 1024, "max-num-batched-tokens": 8192,
+                            "api-server-count": 2}
+    assert halved.predicted == round(30 * 1.32, 3)
+    assert lines[-1] == "  c1: api-server-count=4 carries no more than 2 on the predictor; 2 is kept"
     # Picks that all pare to vLLM's defaults (measured anyway) are measured as found.
     worth.clear()
     assert [c.flags for c in ranking.pared_candidates(ranked, base, 30.0, 2, **quiet)] == [
