@@ -222,10 +222,10 @@ def pared(best: Candidate, base: Scenario, duration_s: float, objective: str = "
             got = predicted_slo_capacity(with_flags(base, trial), start, duration_s)
             if not got.error and got.score(objective) >= floor:
                 flags, kept = trial, got
-                say(f"  {best.name}: {param}={value} carries none of its gain on the predictor; "
-                    f"back to vLLM's {default}" if nearer == default else
-                    f"  {best.name}: {param}={value} carries no more than {nearer} on the "
-                    f"predictor; {nearer} is kept")
+                say(f"  {best.name}: {param}={value} " + (
+                    f"carries none of its gain on the predictor; back to vLLM's {default}"
+                    if nearer == default else
+                    f"carries no more than {nearer} on the predictor; {nearer} is kept"))
                 break
     return dataclasses.replace(best, flags=tidy(flags), predicted=kept.value)
 
