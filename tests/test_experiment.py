@@ -13,7 +13,7 @@ from tests.support.processes import private_inventory
 from vllm_lab import cli, serving
 from vllm_lab.commands.autotune import AutotuneOptions, autotune
 from vllm_lab.commands.naming import experiment_id
-from vllm_lab.commands.settings import Settings, Source, store_path
+from vllm_lab.commands.settings import Settings, Source
 from vllm_lab.commands.stopping import watched
 from vllm_lab.commands.sweep import sweep
 from vllm_lab.commands.tune import TuneOptions, tune
@@ -27,7 +27,7 @@ from vllm_lab.deadline import (
     Watchdog,
 )
 from vllm_lab.scenarios import resolve
-from vllm_lab.store import Store
+from vllm_lab.store import Store, store_path
 
 pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
 

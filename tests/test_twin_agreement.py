@@ -18,9 +18,10 @@ import pytest
 from tests.support.processes import private_inventory
 from vllm_lab import scenarios, serving
 from vllm_lab.backends import LiveBackend, PredictBackend
-from vllm_lab.prediction import chat_template_tokens, predicted_requests
+from vllm_lab.prediction import predicted_requests
 from vllm_lab.scenarios import SCENARIO_DIR
 from vllm_lab.traffic.workloads import PromptBuilder, WorkloadGenerator
+from vllm_lab.twin.prompts import chat_template_tokens
 from vllm_lab.twin.tokenizer import load_tokenizer
 
 # What each shipped scenario keeps (its serve flags, API, shared prefix, load mode and level) and

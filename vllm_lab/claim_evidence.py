@@ -9,19 +9,27 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from vllm_lab.run_summary import RunSummary
 from vllm_lab.store import DETERMINISTIC_BACKENDS
-
-if TYPE_CHECKING:
-    from vllm_lab.claims import Arm
 
 HOLDS, PARTLY, NO, UNTESTABLE = "holds", "holds partly", "does not hold", "not testable here"
 # Below 3% a difference is no change, however exact (the predictor) or closely the repeats agree:
 # the same 3% a single run's spread is taken as (stats.SINGLE_RUN_CV) and the point of a claim.
 MATERIAL = 0.03
 OK_STATUSES = ("ok",)  # a client-limited run measured the client, not vLLM
+
+
+class Arm(Protocol):
+    """What the evidence reads of a claim's arm (``claims.Arm``): its name, and the label its runs
+    carry in the store."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
 
 
 @dataclass(frozen=True)

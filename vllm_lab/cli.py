@@ -40,11 +40,10 @@ from vllm_lab.commands import (
     watch,
 )
 from vllm_lab.commands.arguments import UsageError
-from vllm_lab.commands.settings import store_path
 from vllm_lab.flags import redact_url
 from vllm_lab.inputs import InputError
 from vllm_lab.monitor import MonitorError
-from vllm_lab.store import StoreError, describe_sqlite_error
+from vllm_lab.store import StoreError, describe_sqlite_error, store_path
 from vllm_lab.watch import WatchError
 
 # The commands in the order `lab --help` lists them; each adds its own parser.

@@ -158,6 +158,11 @@ class StoreError(Exception):
     """The store can't be used as asked; the message is one sentence for the user."""
 
 
+def store_path(out: Path | str, store: Path | None = None) -> Path:
+    """The store a command reads and writes: STORE if given, else OUT/lab.db."""
+    return store or Path(out) / "lab.db"
+
+
 def check_experiment_name(name: str) -> str:
     """``name`` if it is a valid experiment name, else StoreError saying what is allowed."""
     if not EXPERIMENT_NAME.fullmatch(name) or ".." in name:

@@ -8,8 +8,7 @@ import argparse
 from vllm_lab.analysis import findings as patterns
 from vllm_lab.commands.arguments import add_store_arguments
 from vllm_lab.commands.naming import newest_experiment
-from vllm_lab.commands.settings import store_path
-from vllm_lab.store import Store
+from vllm_lab.store import Store, store_path
 
 
 def register(sub) -> None:

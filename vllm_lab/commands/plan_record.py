@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_lab.commands.arguments import UsageError
-from vllm_lab.commands.settings import store_path
-from vllm_lab.store import Store
+from vllm_lab.store import Store, store_path
 
 # The options that shape the runs of every long command, then each command's own.
 _COMMON = ("--scenario", "--hardware", "--set", "--backend", "--repeats", "--precision")

@@ -7,8 +7,7 @@ import argparse
 
 from vllm_lab.commands.arguments import add_store_arguments
 from vllm_lab.commands.naming import newest_experiment
-from vllm_lab.commands.settings import store_path
-from vllm_lab.store import check_experiment_name
+from vllm_lab.store import check_experiment_name, store_path
 
 
 def register(sub) -> None:

@@ -12,14 +12,11 @@ from typing import Any
 
 from vllm_lab import lint as lint_mod
 from vllm_lab import scenarios, serving
+from vllm_lab.commands import plan_record
 from vllm_lab.commands.precision import Precision
 from vllm_lab.deadline import Deadline
 from vllm_lab.scenarios import Scenario
-
-
-def store_path(out: Path, store: Path | None = None) -> Path:
-    """The store a command reads and writes: STORE if given, else OUT/lab.db."""
-    return store or Path(out) / "lab.db"
+from vllm_lab.store import store_path
 
 
 @dataclass(frozen=True)
@@ -95,8 +92,7 @@ class Settings:
         """The command that resumes ``exp_id``: the command line's, else the lab's from the plan."""
         if self.resume_command is not None:
             return self.resume_command(exp_id, **changes)
-        from vllm_lab.commands.plan_record import resume_words
-        return resume_words((self.plan or {}).get("command", "?"), self.plan or {}, exp_id)
+        return plan_record.resume_words((self.plan or {}).get("command", "?"), self.plan or {}, exp_id)
 
     @property
     def store_path(self) -> Path:

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from vllm_lab.commands.arguments import add_store_arguments, count, seconds
-from vllm_lab.commands.settings import store_path
+from vllm_lab.store import store_path
 
 
 def register(sub) -> None:

@@ -193,9 +193,9 @@ def loop_cpu(cpu: dict) -> float | None:
 
 
 def _scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
-    """A scenario's requests as its workload built them (prediction.replayed_prompts)."""
+    """A scenario's requests as its workload built them (prompts.replayed_prompts)."""
     from vllm_lab import scenarios
-    from vllm_lab.prediction import replayed_prompts
+    from vllm_lab.twin.prompts import replayed_prompts
 
     return replayed_prompts(scenarios.resolve(name), lengths)
 
