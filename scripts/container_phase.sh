@@ -22,7 +22,11 @@
 #        fitted to it; EXPERIMENT names it, default h200-calibrate; `wait` copies the store as soon
 #        as the runs are in, so the host may be let go while the fit still runs),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
-#        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200).
+#        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200),
+#        stress (make stress SHAPE=step, default, at LEVELS req/s on SCENARIO, default realtime-chat:
+#        one configuration's staircase, e.g. an autotune candidate's flags given in SET; EXPERIMENT
+#        names it, default stress-<SHAPE>).
+# SET (optional) adds overrides to the phase's own, e.g. SET="serve.api-server-count=2".
 # MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
 # are read. HARDWARE is the lab's preset of the host's GPU (default h200; h100-80g for an H100).
 # VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE (default
@@ -36,7 +40,7 @@
 # waits up to SECONDS (default 540) for it, copies the store to OUT as it stands, and exits 0 when
 # the phase has ended well, 75 while it still runs, the phase's status otherwise.
 set -uo pipefail
-phase=${1:?usage: container_phase.sh sweep|claims|baseline|calibrate|tp|tp70b|autotune|wait}
+phase=${1:?usage: container_phase.sh sweep|claims|baseline|calibrate|tp|tp70b|autotune|stress|wait}
 store=${STORE:-/tmp/lab}
 out=${OUT:-/tmp/out}
 mkdir -p "$store" "$out"
@@ -129,7 +133,13 @@ PY
                   CONFIRM="${CONFIRM:-2}")
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
       sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
-  *) echo "container_phase.sh: unknown phase $phase (sweep, claims, baseline, calibrate, tp, tp70b or autotune)" >&2; exit 2 ;;
+  # A staircase of one configuration: its levels last DURATION (30 s unless set) after a discarded run.
+  stress) shape=${SHAPE:-step}
+          args=(stress SCENARIO="${SCENARIO:-realtime-chat}" SHAPE="$shape" LEVELS="${LEVELS:-}"
+                HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml EXPERIMENT="${EXPERIMENT:-stress-$shape}")
+          common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
+          sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
+  *) echo "container_phase.sh: unknown phase $phase (sweep, claims, baseline, calibrate, tp, tp70b, autotune or stress)" >&2; exit 2 ;;
 esac
 
 # The TP and sweep phases continue the committed example's store, so the runs it holds (TP 1 of
@@ -148,7 +158,7 @@ if nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -q .; then
 fi
 
 set -m  # the lab runs in its own process group: the deadline interrupts all of it at once
-make "${args[@]}" "${common[@]}" MODEL="$model" SET="$sets" > "$out/$phase.log" 2>&1 &
+make "${args[@]}" "${common[@]}" MODEL="$model" SET="$sets${SET:+ $SET}" > "$out/$phase.log" 2>&1 &
 job=$!
 ( sleep "$((budget + 25))"; echo "container_phase.sh: deadline ($budget s): interrupting" >> "$out/$phase.log";
   kill -INT -- "-$job" 2>/dev/null ) &
