@@ -83,3 +83,20 @@ def test_a_figure_not_measured_is_left_out_never_printed_as_nan():
                                  output_throughput=None))
     assert f.kind == "budget" and "nan" not in f.evidence
     assert "(max" not in f.evidence and "output not measured" in f.evidence
+
+
+def test_a_host_whose_cpu_quota_stalled_the_run_is_named_and_fewer_api_servers_tried():
+    """A run records its host's cores and the time its CPU quota stalled it (in its summary, no
+    column): past 2% of the sending, the figures are the host's, and a pick with several
+    API-server processes is told to try half."""
+    stalled = {"client_host_cpus": 16.0, "client_host_throttled_s": 1.8, "send_span_s": 30.0}
+    [f] = findings.findings(_row({"api-server-count": 4}, summary=stalled))
+    assert f.kind == "starved-host" and f.flags == {"api-server-count": 2}
+    assert "16 cores" in f.evidence and "1.8 s of 30 s" in f.evidence and "(6%)" in f.evidence
+    assert "4 API-server processes" in f.evidence
+    [one] = findings.findings(_row(summary=stalled))
+    assert one.flags == {} and "fewer API-server" not in one.advice
+    assert findings.describe(one).splitlines()[1].strip().startswith("vLLM's engine core")
+    # Under 2% of the sending, or with no count (no quota, another kernel), nothing is said.
+    assert kinds(_row(summary={**stalled, "client_host_throttled_s": 0.5})) == []
+    assert kinds(_row(summary={"client_host_cpus": 16.0, "send_span_s": 30.0})) == []

@@ -417,11 +417,6 @@ class LiveBackend:
         return result, summary
 
 
-# A run its host's CPU quota stalled for more than this share of its sending is said to be, in
-# the log: its figures are the host's limit as much as the configuration's.
-THROTTLED_SHARE_NOTED = 0.02
-
-
 def _host_cpu(throttled_before: float | None, span_s: float) -> dict[str, float]:
     """The load generator's host's cores, and the seconds its CPU quota stalled it over the run
     (where the kernel counts them)."""
@@ -429,7 +424,7 @@ def _host_cpu(throttled_before: float | None, span_s: float) -> dict[str, float]
     after = host_cpu.throttled_s()
     if throttled_before is not None and after is not None:
         stalled = out["client_host_throttled_s"] = max(0.0, after - throttled_before)
-        if span_s and stalled > THROTTLED_SHARE_NOTED * span_s:
+        if span_s and stalled > host_cpu.THROTTLED_SHARE_NOTED * span_s:
             log.warning("the host's CPU quota (%g cores) stalled this run for %.1f s of its %.0f s "
                         "of sending: its figures are the host's limit as much as the "
                         "configuration's", out["client_host_cpus"], stalled, span_s)

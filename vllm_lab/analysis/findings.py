@@ -13,6 +13,12 @@ The four patterns (the guide's "Troubleshooting" list):
 - **preemption storm**: many preemptions per request with the KV cache full: lower
   ``max-num-seqs`` or give the KV cache more memory.
 
+And one the lab adds, since it records the host's CPU beside each run:
+
+- **a starved host**: a container's CPU quota stalled the run for more than 2% of its sending
+  (vLLM's engine core, its API-server processes and the load generator share it, and a stall holds
+  them all): the figures are the host's limit; fewer API-server processes, or more cores.
+
 Input is one row of ``Store.runs()`` (a mapping), optionally with per-run sample aggregates
 (``prompt_p50``, ``prompt_p99``); nothing here reads the store itself.
 """
@@ -27,6 +33,7 @@ from typing import Any
 
 from vllm_lab import flags as flag_catalog
 from vllm_lab.summary import as_float, value
+from vllm_lab.traffic.host_cpu import THROTTLED_SHARE_NOTED
 
 # Per-run aggregates of the raw samples a caller may add to a row (not summary metrics).
 SAMPLE_FIGURES = ("prompt_p50", "prompt_p99")
@@ -51,7 +58,7 @@ VLLM_DEFAULTS = flag_catalog.engine_defaults(
 class Finding:
     """One troubleshooting finding: what, the numbers that triggered it, and the flags to try."""
 
-    kind: str            # budget | long-prefill | oom | preemption-storm
+    kind: str            # budget | long-prefill | oom | preemption-storm | starved-host
     title: str
     evidence: str        # the numbers, in a sentence
     advice: str          # what to change and why
@@ -63,11 +70,14 @@ class Finding:
 
 def _num(row: Mapping[str, Any], key: str) -> float:
     """A figure of the row, NaN when missing or empty: a summary metric (checked against the
-    catalog) or one of the per-run sample aggregates the caller added."""
+    catalog; from the run's decoded ``summary`` where the store keeps it in no column) or one of
+    the per-run sample aggregates the caller added."""
     if key in SAMPLE_FIGURES:
         v = as_float(row.get(key))
         return math.nan if v is None else v
-    return value(row, key)
+    found = value(row, key)
+    summary = row.get("summary")
+    return value(summary, key) if math.isnan(found) and isinstance(summary, Mapping) else found
 
 
 def _clause(text: str, v: float) -> str:
@@ -159,7 +169,25 @@ def _preemption_storm(row, flags) -> Finding | None:
         suggestion)
 
 
-RULES = (_budget, _long_prefill, _oom, _preemption_storm)
+def _starved_host(row, flags) -> Finding | None:
+    stalled, span = _num(row, "client_host_throttled_s"), _num(row, "send_span_s")
+    if not (span > 0 and stalled > THROTTLED_SHARE_NOTED * span):
+        return None
+    processes = int(flags.get("api-server-count") or 1)
+    cores = _num(row, "client_host_cpus")
+    return Finding(
+        "starved-host", "The host's CPU quota stalled the run",
+        f"the quota{_clause(' of {v:g} cores', cores)} held the host's processes for {stalled:.1f} s "
+        f"of {span:.0f} s of sending ({stalled / span:.0%}), with {processes} API-server "
+        f"process{'es' if processes > 1 else ''}",
+        "vLLM's engine core, its API-server processes and the load generator share the quota and "
+        "a stall holds them all, so the figures are the host's limit, not the configuration's: "
+        "give the container more cores, send the load from another host"
+        + (", or run fewer API-server processes" if processes > 1 else ""),
+        {"api-server-count": max(1, processes // 2)} if processes > 1 else {})
+
+
+RULES = (_budget, _long_prefill, _oom, _preemption_storm, _starved_host)
 
 
 def findings(row: Mapping[str, Any]) -> list[Finding]:
@@ -179,4 +207,5 @@ def findings(row: Mapping[str, Any]) -> list[Finding]:
 def describe(finding: Finding) -> str:
     """One finding as two lines: what and its numbers, then the flags to try."""
     flags = " ".join(f"--{k} {v}" for k, v in finding.flags.items())
-    return f"{finding.title}: {finding.evidence}.\n    try: {flags} ({finding.advice})"
+    todo = f"try: {flags} ({finding.advice})" if flags else finding.advice
+    return f"{finding.title}: {finding.evidence}.\n    {todo}"

@@ -16,6 +16,9 @@ import os
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+# A run its host's CPU quota stalled for more than this share of its sending is said to be (in the
+# log and by make findings): its figures are the host's limit as much as the configuration's.
+THROTTLED_SHARE_NOTED = 0.02
 
 
 def cpus(root: Path = CGROUP) -> float:
