@@ -94,6 +94,8 @@ def test_a_host_whose_cpu_quota_stalled_the_run_is_named_and_fewer_api_servers_t
     assert f.kind == "starved-host" and f.flags == {"api-server-count": 2}
     assert "16 cores" in f.evidence and "1.8 s of 30 s" in f.evidence and "(6%)" in f.evidence
     assert "4 API-server processes" in f.evidence
+    [smt] = findings.findings(_row(summary={**stalled, "client_host_physical_cores": 8.0}))
+    assert "16 cores (8 physical)" in smt.evidence
     [one] = findings.findings(_row(summary=stalled))
     assert one.flags == {} and "fewer API-server" not in one.advice
     assert findings.describe(one).splitlines()[1].strip().startswith("vLLM's engine core")

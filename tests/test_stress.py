@@ -170,6 +170,7 @@ def test_live_twin_staircase(tmp_path):
     for r in store.runs("live-st").itertuples():
         summary = json.loads(r.summary_json)
         assert 1 <= summary["client_host_cpus"] <= os.cpu_count()
+        assert 1 <= summary.get("client_host_physical_cores", 1) <= summary["client_host_cpus"]
         assert summary.get("client_host_throttled_s", 0.0) >= 0.0
 
 

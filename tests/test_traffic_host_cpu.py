@@ -34,13 +34,44 @@ def test_no_quota_is_the_cores_this_process_may_run_on(tmp_path, files):
     assert host_cpu.throttled_s(tmp_path) is None
 
 
+def _topology(root, siblings: dict[int, str], name="core_cpus_list"):
+    for cpu, text in siblings.items():
+        (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (root / f"cpu{cpu}" / "topology" / name).write_text(text + "\n")
+
+
+def test_smt_siblings_count_as_one_physical_core(tmp_path, monkeypatch):
+    """Four CPUs that are two cores' two hardware threads each are two physical cores; the older
+    kernels' thread_siblings_list says the same; no topology says nothing."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 8, 9})
+    _topology(tmp_path / "new", {0: "0,8", 8: "0,8", 1: "1,9", 9: "1,9"})
+    assert host_cpu.physical_cores(tmp_path / "new") == 2
+    _topology(tmp_path / "old", {0: "0", 8: "8", 1: "1", 9: "9"}, name="thread_siblings_list")
+    assert host_cpu.physical_cores(tmp_path / "old") == 4
+    assert host_cpu.physical_cores(tmp_path / "none") is None
+    # This machine's own topology reads as some cores, never more than it may run on.
+    monkeypatch.undo()
+    assert 1 <= (host_cpu.physical_cores() or 1) <= len(os.sched_getaffinity(0))
+
+
 def test_a_run_the_quota_stalled_says_so_and_records_it(monkeypatch, caplog):
     from vllm_lab import backends
 
     monkeypatch.setattr(host_cpu, "throttled_s", lambda root=host_cpu.CGROUP: 5.0)
     monkeypatch.setattr(host_cpu, "cpus", lambda root=host_cpu.CGROUP: 4.0)
+    monkeypatch.setattr(host_cpu, "physical_cores", lambda sysfs=host_cpu.SYSFS_CPU: None)
     assert backends._host_cpu(1.0, 60.0) == {"client_host_cpus": 4.0, "client_host_throttled_s": 4.0}
     assert "stalled this run for 4.0 s of its 60 s" in caplog.text
     caplog.clear()
     assert backends._host_cpu(4.5, 60.0)["client_host_throttled_s"] == 0.5 and not caplog.text
     assert backends._host_cpu(None, 60.0) == {"client_host_cpus": 4.0}
+
+
+def test_a_run_records_the_physical_cores_where_the_kernel_says(monkeypatch):
+    from vllm_lab import backends
+
+    monkeypatch.setattr(host_cpu, "throttled_s", lambda root=host_cpu.CGROUP: None)
+    monkeypatch.setattr(host_cpu, "cpus", lambda root=host_cpu.CGROUP: 16.0)
+    monkeypatch.setattr(host_cpu, "physical_cores", lambda sysfs=host_cpu.SYSFS_CPU: 8)
+    assert backends._host_cpu(None, 60.0) == {"client_host_cpus": 16.0,
+                                               "client_host_physical_cores": 8.0}

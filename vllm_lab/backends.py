@@ -418,9 +418,12 @@ class LiveBackend:
 
 
 def _host_cpu(throttled_before: float | None, span_s: float) -> dict[str, float]:
-    """The load generator's host's cores, and the seconds its CPU quota stalled it over the run
-    (where the kernel counts them)."""
+    """The load generator's host's cores (and the physical cores among them), and the seconds its
+    CPU quota stalled it over the run (where the kernel counts them)."""
     out = {"client_host_cpus": host_cpu.cpus()}
+    physical = host_cpu.physical_cores()
+    if physical is not None:
+        out["client_host_physical_cores"] = float(physical)
     after = host_cpu.throttled_s()
     if throttled_before is not None and after is not None:
         stalled = out["client_host_throttled_s"] = max(0.0, after - throttled_before)

@@ -125,6 +125,8 @@ METRICS: tuple[Metric, ...] = (
     # The load generator's host: the cores it gives, and the time its CPU quota stalled it
     # (traffic.host_cpu; in a container that also runs vLLM, vLLM's processes too).
     Metric("client_host_cpus", "cores", "cores the load generator's host gives it", NEITHER),
+    Metric("client_host_physical_cores", "cores",
+           "physical cores among them (a core's SMT threads count once)", NEITHER),
     Metric("client_host_throttled_s", "s", "time the host's CPU quota stalled the run", LOWER),
     Metric("loadgen_rerun_of", "count", "Locust processes of the client-limited first try", NEITHER),
     # vLLM's own account of the run (audit.ServerView) and the client against it (audit.Audit).

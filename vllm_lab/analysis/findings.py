@@ -174,10 +174,11 @@ def _starved_host(row, flags) -> Finding | None:
     if not (span > 0 and stalled > THROTTLED_SHARE_NOTED * span):
         return None
     processes = int(flags.get("api-server-count") or 1)
-    cores = _num(row, "client_host_cpus")
+    cores, physical = _num(row, "client_host_cpus"), _num(row, "client_host_physical_cores")
+    smt = _clause(" ({v:g} physical)", physical) if physical < cores else ""
     return Finding(
         "starved-host", "The host's CPU quota stalled the run",
-        f"the quota{_clause(' of {v:g} cores', cores)} held the host's processes for {stalled:.1f} s "
+        f"the quota{_clause(' of {v:g} cores', cores)}{smt} held the host's processes for {stalled:.1f} s "
         f"of {span:.0f} s of sending ({stalled / span:.0%}), with {processes} API-server "
         f"process{'es' if processes > 1 else ''}",
         "vLLM's engine core, its API-server processes and the load generator share the quota and "

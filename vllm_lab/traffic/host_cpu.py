@@ -8,6 +8,10 @@ configuration, not as a starved host. The kernel counts that time (``throttled_u
 cgroup's ``cpu.stat``); a run records it beside its figures so two hosts of one GPU can be told
 apart by what they are. Where the client runs on another host than the server (a fleet), these are
 the client's host's figures.
+
+Cores may also be hardware threads: where two of the cores a run may use are SMT siblings of one
+physical core, they share its execution units, and a host of 16 such threads has 8 cores' worth of
+work to share between vLLM and the load. A run records the physical cores among its cores too.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+SYSFS_CPU = Path("/sys/devices/system/cpu")
 # A run its host's CPU quota stalled for more than this share of its sending is said to be (in the
 # log and by make findings): its figures are the host's limit as much as the configuration's.
 THROTTLED_SHARE_NOTED = 0.02
@@ -26,6 +31,23 @@ def cpus(root: Path = CGROUP) -> float:
     cores = float(len(os.sched_getaffinity(0)))
     quota = _quota(root)
     return min(cores, quota) if quota else cores
+
+
+def physical_cores(sysfs: Path = SYSFS_CPU) -> int | None:
+    """Physical cores among the CPUs this process may run on: SMT siblings (one core's hardware
+    threads) count once. None where the kernel does not say (no topology in sysfs)."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        try:
+            siblings = (topology / "core_cpus_list").read_text().strip()
+        except OSError:
+            try:
+                siblings = (topology / "thread_siblings_list").read_text().strip()
+            except OSError:
+                return None
+        cores.add(siblings)
+    return len(cores) or None
 
 
 def throttled_s(root: Path = CGROUP) -> float | None:
