@@ -75,3 +75,21 @@ def test_a_run_records_the_physical_cores_where_the_kernel_says(monkeypatch):
     monkeypatch.setattr(host_cpu, "physical_cores", lambda sysfs=host_cpu.SYSFS_CPU: 8)
     assert backends._host_cpu(None, 60.0) == {"client_host_cpus": 16.0,
                                                "client_host_physical_cores": 8.0}
+
+
+@pytest.mark.integration
+@pytest.mark.untimed
+def test_the_host_cpu_benchmark_reads_each_process_count_against_one_alone():
+    """make bench NAME=host-cpu: the cores, physical cores and, per count of busy processes side by
+    side, each one's rate against one alone (1 is always run first) and the quota's stalls."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_host_cpu.py"
+    out = subprocess.run([sys.executable, str(script), "0.2", "2"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.splitlines()
+    assert out[0].startswith(f"cores {host_cpu.cpus():g} (quota, else affinity); physical cores ")
+    rows = [line.split() for line in out[2:]]
+    assert [r[0] for r in rows] == ["1", "2"] and rows[0][1] == "100%"
+    assert 0 < int(rows[1][1].rstrip("%")) <= 150
