@@ -191,7 +191,7 @@ show: venv ## Print the resolved scenario (hardware preset + scenario + SET over
 # hold. The process-free tests and those marked untimed (no live window) run beside them at the
 # lowest CPU priority (scripts/run-idle.sh: an idle cpu cgroup, which also holds the servers they
 # start in sessions of their own), in the cycles the timing tests leave idle.
-test: venv ## Every test (10-14 min on 2 cores, 18 beside a busy process); installs the system packages it needs first, or says what is missing
+test: venv ## Every test (10-15 min on 2 cores, 18 beside a busy process); installs the system packages it needs first, or says what is missing
 	@bash scripts/test-setup.sh
 	@# Bytecode once: the suite starts ~a thousand Python processes of the lab (servers, Locust, the
 	@# CLI), which compile it afresh each time where PYTHONDONTWRITEBYTECODE is set.
