@@ -1,10 +1,11 @@
 """Benchmark: how much CPU does this host give vLLM and the load, side by side?
 
 Before tuning on a rented GPU host, where vLLM's engine core, its API-server processes and the
-load generator share one container. Prints the cores (a container's quota, else the affinity), the physical cores among them (a core's
-SMT threads count once) and, for 1 … N busy processes side by side, each one's rate against one
-alone and the seconds the quota throttled them: a rate that falls before N reaches the cores is
-cores shared as hardware threads (or with other tenants); throttled time is the quota.
+load generator share one container. Prints the cores (a container's quota, else the affinity),
+the physical cores among them (a core's SMT threads count once) and, for 1 … N busy processes side
+by side, each one's rate against one alone and the seconds the quota throttled them: a rate that
+falls before N reaches the cores is cores shared as hardware threads (or with other tenants);
+throttled time is the quota.
 
     make bench NAME=host-cpu [ARGS="3 1,4,8,16"]     # seconds a step (default 3), process counts
 """

@@ -38,16 +38,22 @@ def physical_cores(sysfs: Path = SYSFS_CPU) -> int | None:
     threads) count once. None where the kernel does not say (no topology in sysfs)."""
     cores = set()
     for cpu in os.sched_getaffinity(0):
-        topology = sysfs / f"cpu{cpu}" / "topology"
-        try:
-            siblings = (topology / "core_cpus_list").read_text().strip()
-        except OSError:
-            try:
-                siblings = (topology / "thread_siblings_list").read_text().strip()
-            except OSError:
-                return None
+        siblings = _first_text(sysfs / f"cpu{cpu}" / "topology",
+                               ("core_cpus_list", "thread_siblings_list"))  # newer kernels, older
+        if siblings is None:
+            return None
         cores.add(siblings)
     return len(cores) or None
+
+
+def _first_text(folder: Path, names: tuple[str, ...]) -> str | None:
+    """The text of the first of ``names`` in ``folder`` that can be read (None where none can)."""
+    for name in names:
+        try:
+            return (folder / name).read_text().strip()
+        except OSError:
+            continue
+    return None
 
 
 def throttled_s(root: Path = CGROUP) -> float | None:
