@@ -6,7 +6,8 @@ Ctrl-C all end a command the way Ctrl-C always did, its servers and Locust proce
   stops on Ctrl-C (a run's Locust group, the servers, the instance locks, the heartbeat) stops on
   them too.
 - From then on the lab is stopping: a second signal (two Ctrl-C a second apart) is noted, not
-  raised, so it cannot cut the servers' stop short. A signal that comes while the lab stops a
+  raised, so it cannot cut the servers' stop short; a SIGTERM after the SIGTERM raised is the
+  same stop passed on again (make's copy), not noted. A signal that comes while the lab stops a
   server between two points (``shielded``) waits until that stop is done.
 - At exit, whatever a live backend still runs (a command that ended by an error) is stopped by
   the callbacks given to ``on_exit``.
@@ -22,7 +23,6 @@ import atexit
 import signal
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,15 +47,7 @@ class _State:
     pending: int | None = None  # a signal that came inside such a block
     noted = False           # the "still stopping" line was said
     installed = False
-    raised: tuple[int, float] | None = None  # the signal raised, and when (monotonic)
-
-
-# make passes a SIGTERM on to its children, who also got it as members of its process group (a job
-# scheduler or scripts/lab-make signals the group): the same signal again this soon is that copy.
-# On a loaded machine make may take over a second to pass it on, and at the lowest CPU priority
-# beside busy processes over five (a CI run of 2026-12-05 printed the stopping line for make's copy);
-# a real second SIGTERM this soon only goes unsaid (it is never raised either way).
-ECHO_S = 30.0
+    raised: int | None = None  # the signal raised
 
 
 _state = _State()
@@ -69,7 +61,7 @@ def exit_code(stop: KeyboardInterrupt) -> int:
 
 def _raise(signum: int) -> None:
     _state.stopping = True
-    _state.raised = (signum, time.monotonic())
+    _state.raised = signum
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated(signum)
@@ -106,16 +98,21 @@ def stop_inside(error: BaseException) -> KeyboardInterrupt | None:
     """
     if _state.raised is None or isinstance(error, KeyboardInterrupt):
         return None
-    signum = _state.raised[0]
+    signum = _state.raised
     stop = KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
     return stop if f"{type(stop).__name__}:" in str(error) else None
 
 
 def _echo(signum: int) -> bool:
-    """Whether ``signum`` is a copy of the signal just raised (see ECHO_S), not a second stop."""
-    raised = _state.raised
-    return (signum == signal.SIGTERM and raised is not None and raised[0] == signum
-            and time.monotonic() - raised[1] < ECHO_S)
+    """Whether ``signum`` is a copy of the SIGTERM already raised, not a second stop to note.
+
+    SIGTERM comes from programs, and they signal a whole process group: make passes it on to its
+    children, who got it as members of that group already (a job scheduler, scripts/lab-make).
+    How late that copy comes is no sign of it: make in the idle CPU class beside busy processes
+    passed it on over 30 s later (a CI run of 2026-12-06). A person's second Ctrl-C or a closed
+    terminal's SIGHUP is still noted; a program's second SIGTERM reads no line either way, and
+    is never raised."""
+    return signum == signal.SIGTERM and _state.raised == signum
 
 
 @contextmanager
