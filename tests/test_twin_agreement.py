@@ -18,10 +18,10 @@ import pytest
 from tests.support.processes import private_inventory
 from vllm_lab import scenarios, serving
 from vllm_lab.backends import LiveBackend, PredictBackend
-from vllm_lab.prediction import predicted_requests
+from vllm_lab.prediction import chat_template_tokens, predicted_requests, replayed_prompts
 from vllm_lab.scenarios import SCENARIO_DIR
 from vllm_lab.traffic.workloads import PromptBuilder, WorkloadGenerator
-from vllm_lab.twin.prompts import chat_template_tokens
+from vllm_lab.twin.reference import SCENARIO_PROMPTS, scenario_prompts
 from vllm_lab.twin.tokenizer import load_tokenizer
 
 # What each shipped scenario keeps (its serve flags, API, shared prefix, load mode and level) and
@@ -78,6 +78,14 @@ def test_prompts_built_without_a_tokenizer_have_the_twins_count_and_chat_adds_it
     assert served == [r.prompt_tokens + 10 for r in predicted_requests(plain, 20)]
     # A shared prefix goes as a system message: its header and end-of-turn are 5 tokens more.
     assert chat_template_tokens(scenarios.resolve("realtime-chat", "cpu-demo")) == 15
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIO_PROMPTS))
+def test_the_reference_replays_a_scenarios_runs_as_the_live_load_built_them(name):
+    """The H200's runs of a shipped scenario are replayed with the prompts its workload builds
+    today: the shared system prompt (the live load's rounding), its groups, the chat template."""
+    lengths = [8, 49, 50, 163, 900]
+    assert scenario_prompts(name, lengths) == replayed_prompts(scenarios.resolve(name), lengths)
 
 
 @pytest.mark.parametrize("name", [*RUNS, "realtime-chat@sharegpt"])

@@ -17,11 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_lab.plans import Point, apply_value
+from vllm_lab.prediction import replayed_prompts
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
 from vllm_lab.twin.fit import BenchPoint, compare, fit_host_scale, fit_profile, load_point
 from vllm_lab.twin.profile import Profile
-from vllm_lab.twin.prompts import replayed_prompts
 
 # name, prompt tokens, output tokens, concurrent users, requests; the shapes of the reference set.
 PLAN = [

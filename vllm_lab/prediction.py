@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 
 from vllm_lab.scenarios import Scenario
-from vllm_lab.twin.prompts import chat_template_tokens, shared_prefix_prompts
+from vllm_lab.traffic.workloads import shared_prefix_length
+from vllm_lab.twin.prompts import shared_prefix_prompts, template_tokens
 
 
 def predicted_arrivals(scenario: Scenario):
@@ -41,11 +42,29 @@ def modelled_energy(p) -> dict[str, Any]:
     return out
 
 
+def chat_template_tokens(scenario: Scenario) -> int:
+    """The tokens the served model's chat template puts around one user message, and around the
+    system message the live workload sends its shared prefix in (``twin.prompts.template_tokens``)."""
+    serve = scenario.serve
+    return template_tokens(str(serve.get("tokenizer") or serve["model"]), serve.get("chat-template"),
+                           scenario.workload.shared_prefix_ratio > 0)
+
+
+def replayed_prompts(scenario: Scenario, lengths: list[int]) -> tuple[list, bool]:
+    """A run's recorded prompt lengths as the predictor replays them: with the prefixes the
+    scenario's requests shared (as token ids, what the prefix cache meets) and the chat template
+    around each message; and whether the run was chat."""
+    w = scenario.workload
+    lin = w.lengths()[0]
+    chat = w.api == "chat"
+    template = chat_template_tokens(scenario) if chat else 0
+    shared = shared_prefix_length(w.shared_prefix_ratio, lin.mean) if lin is not None else 0
+    return shared_prefix_prompts([n + template for n in lengths], shared, w.prefix_groups), chat
+
+
 def predicted_requests(scenario: Scenario, count: int):
     """The scenario's workload as predictor requests: the live run's own lengths (request i's
     drawn from request i's stream, ``traffic.workloads.request_rng``) and prefix sharing, no text."""
-    from vllm_lab.traffic.workloads import shared_prefix_length
-
     if scenario.workload.source == "trace":
         return trace_predict_requests(scenario, count)
     lin, lout = scenario.workload.lengths()

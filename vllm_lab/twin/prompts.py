@@ -1,36 +1,12 @@
-"""A request's prompt as the twin's predictor takes it: token ids that share the prefixes the
-lab's workload shares (what vLLM's prefix cache meets), inside the served model's chat template
-where the API is chat. The lab's prediction layer and the twin's reference readings both build
-their requests here, so a replayed run and a predicted one are the same requests."""
+"""A request's prompt as the twin's predictor takes it: token ids that share the prefixes a
+workload shares (what vLLM's prefix cache meets), and the tokens the served model's chat template
+puts around a message. The lab's prediction layer builds a scenario's requests from these, and the
+twin's reference readings the measured runs' requests, so a replayed run and a predicted one are
+the same requests."""
 
 from __future__ import annotations
 
 from functools import lru_cache
-
-from vllm_lab.scenarios import Scenario
-
-
-def replayed_prompts(scenario: Scenario, lengths: list[int]) -> tuple[list, bool]:
-    """A run's recorded prompt lengths as the predictor replays them: with the prefixes the
-    scenario's requests share (as token ids, what the prefix cache meets) and the chat template
-    around each message; and whether the run was chat."""
-    w = scenario.workload
-    lin = w.lengths()[0]
-    chat = w.api == "chat"
-    template = chat_template_tokens(scenario) if chat else 0
-    shared = int(w.shared_prefix_ratio * lin.mean) if lin is not None else 0
-    return shared_prefix_prompts([n + template for n in lengths], shared, w.prefix_groups), chat
-
-
-def chat_template_tokens(scenario: Scenario) -> int:
-    """The tokens the served model's chat template puts around one user message (the start, the
-    role headers, the end-of-turn and the assistant's header), and around the system message
-    the live workload sends its shared prefix in: about 10 for Llama-3's (15 with a system
-    message), counted with the model folder's own template and tokenizer, or the twin's when it
-    has none."""
-    serve = scenario.serve
-    return _template_tokens(str(serve.get("tokenizer") or serve["model"]), serve.get("chat-template"),
-                            scenario.workload.shared_prefix_ratio > 0)
 
 
 def shared_prefix_prompts(prompts, shared: int, groups: int) -> list:
@@ -51,7 +27,11 @@ def shared_prefix_prompts(prompts, shared: int, groups: int) -> list:
 
 
 @lru_cache(maxsize=32)
-def _template_tokens(tokenizer: str, chat_template: str | None, system: bool) -> int:
+def template_tokens(tokenizer: str, chat_template: str | None, system: bool) -> int:
+    """The tokens a chat template puts around one user message (the start, the role headers, the
+    end-of-turn and the assistant's header), and around a system message where there is one:
+    about 10 for Llama-3's (15 with a system message), counted with the model folder's own
+    template and tokenizer, or the twin's when it has none."""
     from vllm_lab.twin.tokenizer import load_tokenizer  # jinja2: only where a chat run asks
 
     messages = [{"role": "system", "content": ""}] if system else []

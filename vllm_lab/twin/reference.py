@@ -88,7 +88,7 @@ FRONTEND_FITTED = {
 KINDS = {"closed": "closed fixed", "filefixed": "closed fixed", "sharegpt": "closed variable",
          "sharegpt-like": "closed variable",
          "poisson": "open", "gamma b=0.5": "open", "chat": "chat"}
-# The traffic `vllm bench serve` can send too; any other workload is a scenario's (vllm_lab.scenarios).
+# The traffic `vllm bench serve` can send too; any other workload is a scenario's (SCENARIO_PROMPTS).
 BENCH_WORKLOADS = ("random", "sharegpt", "chat", "filefixed")
 CONFIGS = {"defaults": {}, "max-num-batched-tokens=2048": {"max-num-batched-tokens": 2048},
            "long-prefill-token-threshold=256": {"long-prefill-token-threshold": 256},
@@ -147,7 +147,7 @@ def traffic_points(folder: Path = TRAFFIC) -> list[tuple[BenchPoint, bool]]:
         open_loop = run["arrival"] != "closed"
         prompts, chat = rq.prompt_tokens.astype(int).tolist(), run["case"] == "chat"
         if run["workload"] not in BENCH_WORKLOADS:  # a scenario's traffic, sent by the lab alone
-            prompts, chat = _scenario_prompts(run["workload"], prompts)
+            prompts, chat = scenario_prompts(run["workload"], prompts)
         # Requests in the order they were sent: the closed loop's pool hands them out so.
         lengths = (round(rq.prompt_tokens.mean()), round(rq.output_tokens.mean()))
         pt = BenchPoint(
@@ -192,12 +192,23 @@ def loop_cpu(cpu: dict) -> float | None:
     return float((series[j, 1] - series[i, 1]) / span) if span > 0 else None
 
 
-def _scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
-    """A scenario's requests as its workload built them (prompts.replayed_prompts)."""
-    from vllm_lab import scenarios
-    from vllm_lab.twin.prompts import replayed_prompts
+# The lab's scenarios measured here, their prompts as their workloads built them then: the
+# shared system prompt's tokens (vllm_lab.traffic.workloads.shared_prefix_length: 30% of
+# realtime-chat's mean of 163, rounded), the prefix groups, chat or not, and the served model
+# whose chat template wraps each message. Kept as measured, so a scenario edited later does not
+# change what these runs were (tests/test_twin_agreement.py holds the shipped ones to it).
+SCENARIO_PROMPTS = {"realtime-chat": (49, 1, True, "meta-llama/Meta-Llama-3-8B-Instruct"),
+                    "default": (0, 1, False, "meta-llama/Meta-Llama-3-8B-Instruct")}
 
-    return replayed_prompts(scenarios.resolve(name), lengths)
+
+def scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
+    """A scenario's measured requests as its workload built them (``SCENARIO_PROMPTS``), and
+    whether they were chat."""
+    from vllm_lab.twin.prompts import shared_prefix_prompts, template_tokens
+
+    shared, groups, chat, model = SCENARIO_PROMPTS[name]
+    template = template_tokens(model, None, shared > 0) if chat else 0
+    return shared_prefix_prompts([n + template for n in lengths], shared, groups), chat
 
 
 def fit_set() -> list[BenchPoint]:
