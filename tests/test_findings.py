@@ -7,12 +7,13 @@ import json
 from vllm_lab.analysis import findings
 
 
-def _row(serve: dict | None = None, **figures) -> dict:
+def _row(serve: dict | None = None, load: dict | None = None, **figures) -> dict:
     base = {"experiment_id": "e", "run_key": "k", "scenario_name": "default", "status": "ok",
             "error": "", "requests": 200.0, "gpu_util_mean": 92.0, "queue_len_mean": 0.2,
             "queue_len_max": 2.0, "ttft_p50": 0.1, "ttft_p99": 0.3, "preemptions": 0.0,
             "kv_usage_max": 0.6, "output_throughput": 2500.0,
-            "scenario_json": json.dumps({"serve": {"model": "m", **(serve or {})}})}
+            "scenario_json": json.dumps({"serve": {"model": "m", **(serve or {})},
+                                         **({"load": load} if load else {})})}
     return {**base, **figures}
 
 
@@ -32,6 +33,25 @@ def test_small_token_budget_under_80_percent_gpu_raises_the_budget():
     assert f.flags == {"max-num-batched-tokens": 2048}
     # GPU under 80% with nothing waiting is a light load, not a budget problem.
     assert kinds(_row(gpu_util_mean=40.0, queue_len_mean=0.0)) == []
+
+
+def test_requests_waiting_behind_a_full_batch_raise_max_num_seqs_not_the_budget():
+    """The H200's max-num-seqs sweep at 256 users (`reports/examples/h200-llama8b`): at 64, GPU
+    66% busy with 92 waiting, where a bigger budget schedules nothing more."""
+    waiting = {"gpu_util_mean": 66.0, "queue_len_mean": 91.8, "queue_len_max": 192.0,
+               "output_throughput": 7464.0}
+    closed = {"mode": "closed", "shape": {"kind": "constant", "level": 256}}
+    [f] = findings.findings(_row({"max-num-seqs": 64}, load=closed, **waiting))
+    assert f.kind == "batch-cap" and f.flags == {"max-num-seqs": 128}
+    assert f.evidence.endswith("at max-num-seqs=64, a closed loop of 256 users")
+    # vLLM's own count of running requests, where the run kept it, decides.
+    [f] = findings.findings(_row({"max-num-seqs": 64}, summary={"running_max": 64.0}, **waiting))
+    assert f.kind == "batch-cap" and "64 running at most" in f.evidence
+    [f] = findings.findings(_row({"max-num-seqs": 64}, load=closed, summary={"running_max": 40.0},
+                                 **waiting))
+    assert f.kind == "budget"
+    # Fewer users than the cap (or an open loop): the budget it is.
+    assert kinds(_row({"max-num-seqs": 512}, load=closed, **waiting)) == ["budget"]
 
 
 def test_latency_swing_with_long_prompts_caps_long_prefills():
@@ -102,3 +122,29 @@ def test_a_host_whose_cpu_quota_stalled_the_run_is_named_and_fewer_api_servers_t
     # Under 2% of the sending, or with no count (no quota, another kernel), nothing is said.
     assert kinds(_row(summary={**stalled, "client_host_throttled_s": 0.5})) == []
     assert kinds(_row(summary={"client_host_cpus": 16.0, "send_span_s": 30.0})) == []
+
+
+def test_a_ttft_that_vllm_puts_in_its_api_server_asks_for_more_api_server_processes():
+    """vLLM's account of the ShareGPT file at 256 users on an H200 (`traffic-2026-12-05b`): a mean
+    TTFT of 1.54 s, 27 ms of it queued and 139 ms from scheduling to first token; the rest is the
+    API server's, whose process used a core."""
+    held = {"server_ttft_mean": 1.54, "server_queue_mean": 0.027, "server_prefill_mean": 0.139,
+            "server_api_cpu": 1.03}
+    [f] = findings.findings(_row(summary=held))
+    assert f.kind == "api-server" and f.flags == {"api-server-count": 2}
+    assert "1,374 ms of its 1,540 ms mean TTFT" in f.evidence
+    assert "27 ms queued, 139 ms from scheduling" in f.evidence
+    assert "one API-server process using 1.03 of a core" in f.evidence
+    [two] = findings.findings(_row({"api-server-count": 2}, summary=held))
+    assert two.flags == {"api-server-count": 4} and "2 API-server processes" in two.evidence
+    # An engine that holds the TTFT (its queue), or an API server's part under 0.1 s, is not it.
+    assert kinds(_row(summary={**held, "server_queue_mean": 1.2})) == []
+    assert kinds(_row(summary={**held, "server_ttft_mean": 0.25})) == []
+    assert kinds(_row(summary={k: v for k, v in held.items() if k != "server_prefill_mean"})) == []
+    # At that limit the API server, not the budget, leaves the GPU idle while a few requests wait.
+    busy = {"gpu_util_mean": 75.0, "queue_len_mean": 2.5, "queue_len_max": 35.0}
+    assert kinds(_row(summary=held, **busy)) == ["api-server"]
+    assert kinds(_row(summary={**held, "server_queue_mean": 1.2}, **busy)) == ["budget"]
+    # A host whose quota stalled the run is short of cores: more processes would starve it more.
+    starved = {"client_host_cpus": 16.0, "client_host_throttled_s": 1.8, "send_span_s": 30.0}
+    assert kinds(_row(summary={**held, **starved})) == ["starved-host"]

@@ -189,3 +189,14 @@ def test_a_run_that_did_not_hold_its_load_says_why():
     assert unsteady_reason(tail, closed) == ""
     filled = {**tail, "warmup_s": 9.0, "duration_s": 6.0}  # the fill took most of the sending
     assert "covered 40% of the time its load was sent" in unsteady_reason(filled, closed)
+
+
+def test_the_server_view_keeps_the_most_requests_vllm_ran_at_once():
+    """vLLM's running gauge, summed over a server's engines at each scrape: a batch at max-num-seqs
+    tells the findings that waiting requests waited for a slot."""
+    running, waiting = "vllm:num_requests_running", "vllm:num_requests_waiting"
+    metrics = pd.DataFrame({"ts": [1.0, 1.0, 2.0, 2.0, 1.0, 2.0],
+                            "name": [running] * 4 + [waiting] * 2, "labels": "",
+                            "value": [20.0, 20.0, 40.0, 24.0, 30.0, 5.0]})  # two engines, then one view
+    s = summarize(closed_loop([2.0] * 4, [100] * 4), Slo(), server_metrics=metrics)
+    assert s["running_max"] == 64.0 and s["queue_len_max"] == 30.0

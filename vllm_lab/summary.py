@@ -100,6 +100,7 @@ METRICS: tuple[Metric, ...] = (
     # In summary_json: the rest of what summarize, the audit and the load generator add.
     *[Metric(f"{m}_mean", "s", f"{label} mean", LOWER) for m, label in LATENCY_LABELS.items()],
     Metric("kv_cache_tokens", "tokens", "KV cache size", HIGHER, short="KV tokens"),
+    Metric("running_max", "count", "requests running (max)", NEITHER),
     Metric("failed_requests", "count", "failed requests", LOWER),
     Metric("failed_requests_rate", "share", "failed share of requests", LOWER),
     Metric("loadgen_processes", "count", "Locust processes", NEITHER),
@@ -243,11 +244,14 @@ def _server_view(metrics: pd.DataFrame | None) -> dict[str, float]:
 
     out: dict[str, float] = {}
     waiting, kv = series("vllm:num_requests_waiting"), series("vllm:kv_cache_usage_perc")
+    running = series("vllm:num_requests_running")
     preempt = series("vllm:num_preemptions_total")
     # Utilization is a share per GPU: averaged over a server's GPUs; memory adds up.
     util, used = series("DCGM_FI_DEV_GPU_UTIL", "mean"), series("DCGM_FI_DEV_FB_USED")
     if len(waiting):
         out.update(queue_len_mean=float(waiting.mean()), queue_len_max=float(waiting.max()))
+    if len(running):  # a batch at max-num-seqs: requests wait for a slot, not for the budget
+        out["running_max"] = float(running.max())
     if len(kv):
         out.update(kv_usage_mean=float(kv.mean()), kv_usage_max=float(kv.max()))
     if len(preempt):

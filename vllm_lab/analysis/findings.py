@@ -4,7 +4,11 @@ looks for, each with the numbers that triggered it and the flag to try.
 The four patterns (the guide's "Troubleshooting" list):
 
 - **token budget too small**: throughput below expectation while the GPU is under 80% busy and
-  requests wait: each step carries too few tokens, so raise ``max-num-batched-tokens``;
+  requests wait: each step carries too few tokens, so raise ``max-num-batched-tokens``. Where the
+  batch was full at ``max-num-seqs`` (as many running as it allows, or a closed loop of more users
+  than it), vLLM schedules no more requests whatever the budget: the waiting ones wait for a slot,
+  and the finding is the batch cap instead (raise ``max-num-seqs``, the KV cache permitting).
+  Where the API server sets TTFT (below), it is what leaves the GPU idle, and neither is said;
 - **long requests block the queue**: TTFT swings (p99 many times p50) while a few long prompts
   arrive: cap how much of a step one prefill may take (``long-prefill-token-threshold``) and let
   several prefills share the chunked-prefill budget (``max-num-partial-prefills``);
@@ -13,11 +17,15 @@ The four patterns (the guide's "Troubleshooting" list):
 - **preemption storm**: many preemptions per request with the KV cache full: lower
   ``max-num-seqs`` or give the KV cache more memory.
 
-And one the lab adds, since it records the host's CPU beside each run:
+And two the lab adds, since it records vLLM's own account of each TTFT and the host's CPU:
 
+- **the API server sets TTFT**: vLLM's histograms put half its mean TTFT or more (0.1 s at least)
+  outside its engine's queue and prefill, in the API server's one event loop (taking requests in,
+  streaming tokens out): no engine flag helps, more API-server processes may;
 - **a starved host**: a container's CPU quota stalled the run for more than 2% of its sending
   (vLLM's engine core, its API-server processes and the load generator share it, and a stall holds
-  them all): the figures are the host's limit; fewer API-server processes, or more cores.
+  them all): the figures are the host's limit; fewer API-server processes, or more cores. Where
+  it holds, the API server's finding is not made: more processes would starve the host more.
 
 Input is one row of ``Store.runs()`` (a mapping), optionally with per-run sample aggregates
 (``prompt_p50``, ``prompt_p99``); nothing here reads the store itself.
@@ -32,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_lab import flags as flag_catalog
+from vllm_lab.analysis.points import api_server_sets_ttft
 from vllm_lab.summary import as_float, value
 from vllm_lab.traffic.host_cpu import THROTTLED_SHARE_NOTED
 
@@ -58,7 +67,7 @@ VLLM_DEFAULTS = flag_catalog.engine_defaults(
 class Finding:
     """One troubleshooting finding: what, the numbers that triggered it, and the flags to try."""
 
-    kind: str            # budget | long-prefill | oom | preemption-storm | starved-host
+    kind: str            # budget | batch-cap | long-prefill | oom | preemption-storm | api-server | starved-host
     title: str
     evidence: str        # the numbers, in a sentence
     advice: str          # what to change and why
@@ -86,28 +95,54 @@ def _clause(text: str, v: float) -> str:
     return "" if math.isnan(v) else text.format(v=v)
 
 
-def serve_flags(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The serve flags the run used (from its recorded scenario), vLLM's defaults filled in."""
+def _scenario(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's recorded scenario as a plain mapping ({} where it has none)."""
     scenario = row.get("scenario")
     if scenario is None:
         try:
             scenario = json.loads(row.get("scenario_json") or "{}")
         except json.JSONDecodeError:
             scenario = {}
-    return {**VLLM_DEFAULTS, **(scenario.get("serve") or {})}
+    return scenario if isinstance(scenario, Mapping) else {}
+
+
+def serve_flags(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The serve flags the run used (from its recorded scenario), vLLM's defaults filled in."""
+    return {**VLLM_DEFAULTS, **(_scenario(row).get("serve") or {})}
+
+
+def _full_batch(row: Mapping[str, Any], seqs: int) -> str:
+    """How the run shows its batch full at max-num-seqs, in words ("" where it does not): as many
+    requests running as the cap allows (vLLM's gauge), or, where a run kept no such figure, a
+    closed loop of more users than the cap."""
+    running = _num(row, "running_max")
+    if not math.isnan(running):
+        return f"{running:.0f} running at most" if running >= seqs else ""
+    load = _scenario(row).get("load") or {}
+    users = as_float((load.get("shape") or {}).get("level"))
+    closed = load.get("mode") == "closed" and users is not None and users > seqs
+    return f"a closed loop of {users:.0f} users" if closed else ""
 
 
 def _budget(row, flags) -> Finding | None:
     util, waiting = _num(row, "gpu_util_mean"), _num(row, "queue_len_mean")
-    if not (util < GPU_UTIL_LOW and waiting >= QUEUE_WAITING_MIN):
-        return None
-    budget = int(flags["max-num-batched-tokens"])
+    if not (util < GPU_UTIL_LOW and waiting >= QUEUE_WAITING_MIN) or _api_server_bound(row):
+        return None  # an API server at its limit leaves the GPU idle whatever the budget
+    budget, seqs = int(flags["max-num-batched-tokens"]), int(flags["max-num-seqs"])
+    waits = (f"GPU utilization {util:.0f}% (< {GPU_UTIL_LOW:.0f}%) with {waiting:.1f} requests "
+             f"waiting on average{_clause(' (max {v:.0f})', _num(row, 'queue_len_max'))}; output "
+             + (_clause("{v:.0f} tok/s", _num(row, "output_throughput")) or "not measured"))
+    full = _full_batch(row, seqs)
+    if full:
+        return Finding(
+            "batch-cap", "Requests wait behind a full batch: max-num-seqs caps it",
+            f"{waits} at max-num-seqs={seqs}, {full}",
+            "vLLM schedules at most max-num-seqs requests at once, so the waiting ones wait for "
+            "a slot, whatever the token budget: raise max-num-seqs (the KV cache permitting)",
+            {"max-num-seqs": seqs * 2})
     return Finding(
         "budget", "Throughput below expectation: GPU under 80% busy while requests wait",
-        f"GPU utilization {util:.0f}% (< {GPU_UTIL_LOW:.0f}%) with {waiting:.1f} requests waiting "
-        f"on average{_clause(' (max {v:.0f})', _num(row, 'queue_len_max'))}; output "
-        + (_clause("{v:.0f} tok/s", _num(row, "output_throughput")) or "not measured")
-        + f" at max-num-batched-tokens={budget}",
+        f"{waits} at max-num-batched-tokens={budget}",
         "the token budget per step is too small to keep the GPU busy: raise max-num-batched-tokens",
         {"max-num-batched-tokens": budget * 2})
 
@@ -169,10 +204,48 @@ def _preemption_storm(row, flags) -> Finding | None:
         suggestion)
 
 
-def _starved_host(row, flags) -> Finding | None:
-    stalled, span = _num(row, "client_host_throttled_s"), _num(row, "send_span_s")
-    if not (span > 0 and stalled > THROTTLED_SHARE_NOTED * span):
+def _ttft_parts(row) -> tuple[float, float, float]:
+    """vLLM's own account of the run's mean TTFT: whole, in its engine's queue, from scheduling
+    to first token (seconds; NaN where the run kept none)."""
+    return tuple(_num(row, k) for k in ("server_ttft_mean", "server_queue_mean",
+                                        "server_prefill_mean"))
+
+
+def _api_server_bound(row) -> bool:
+    ttft, queue, prefill = _ttft_parts(row)
+    return api_server_sets_ttft(ttft - queue - prefill, ttft)
+
+
+def _api_server(row, flags) -> Finding | None:
+    if not _api_server_bound(row) or _host_starved(row):
         return None
+    ttft, queue, prefill = _ttft_parts(row)
+    hold = ttft - queue - prefill
+    processes = int(flags.get("api-server-count") or 1)
+    cpu = _num(row, "server_api_cpu")
+    return Finding(
+        "api-server", "vLLM's API server sets TTFT",
+        f"vLLM's /metrics put {hold * 1e3:,.0f} ms of its {ttft * 1e3:,.0f} ms "
+        f"mean TTFT outside its engine ({queue * 1e3:,.0f} ms queued, {prefill * 1e3:,.0f} ms from "
+        f"scheduling to first token), with "
+        + (f"{processes} API-server processes" if processes > 1
+           else "one API-server process" + _clause(" using {v:.2f} of a core", cpu)),
+        "the API server takes requests in and streams every token out on one event loop a "
+        "process; at its limit no engine flag shortens TTFT, and a run settles on that limit or "
+        "the engine's by chance, so its TTFT repeats poorly: run more API-server processes, on a "
+        "host with cores to spare for them",
+        {"api-server-count": processes * 2})
+
+
+def _host_starved(row) -> bool:
+    stalled, span = _num(row, "client_host_throttled_s"), _num(row, "send_span_s")
+    return span > 0 and stalled > THROTTLED_SHARE_NOTED * span
+
+
+def _starved_host(row, flags) -> Finding | None:
+    if not _host_starved(row):
+        return None
+    stalled, span = _num(row, "client_host_throttled_s"), _num(row, "send_span_s")
     processes = int(flags.get("api-server-count") or 1)
     cores, physical = _num(row, "client_host_cpus"), _num(row, "client_host_physical_cores")
     smt = _clause(" ({v:g} physical)", physical) if physical < cores else ""
@@ -188,7 +261,7 @@ def _starved_host(row, flags) -> Finding | None:
         {"api-server-count": max(1, processes // 2)} if processes > 1 else {})
 
 
-RULES = (_budget, _long_prefill, _oom, _preemption_storm, _starved_host)
+RULES = (_budget, _long_prefill, _oom, _preemption_storm, _api_server, _starved_host)
 
 
 def findings(row: Mapping[str, Any]) -> list[Finding]:

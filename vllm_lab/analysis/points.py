@@ -78,6 +78,12 @@ def api_server_hold(row: pd.Series) -> float:
     return ttft - queue - prefill
 
 
+def api_server_sets_ttft(hold: float, ttft: float | None) -> bool:
+    """Whether the API server's part of vLLM's mean TTFT (``api_server_hold``, seconds) is most of
+    it (HOLD_SHARE) and long enough to matter (HOLD_MIN_S); False where either is missing."""
+    return hold >= HOLD_MIN_S and ttft is not None and hold >= HOLD_SHARE * float(ttft)
+
+
 def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
     """One row per point: mean of each metric over ok repeats, its CV, and the failures' causes."""
     rows = []

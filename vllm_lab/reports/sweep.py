@@ -17,13 +17,12 @@ from vllm_lab.analysis.points import (
     BEST_RULE,
     CV_WARN,
     DETERMINISTIC,
-    HOLD_MIN_S,
-    HOLD_SHARE,
     RANKED,
     SPREAD,
     STATISTIC,
     TWIN_METRICS,
     api_server_hold,
+    api_server_sets_ttft,
     best_point,
     point_table,
     ranked_label,
@@ -266,7 +265,7 @@ def api_server_notes(table: pd.DataFrame, params: list[str]) -> list[str]:
     notes = []
     for _, row in table.iterrows():
         hold, ttft = api_server_hold(row), row.get("server_ttft_mean")
-        if not (hold >= HOLD_MIN_S and hold >= HOLD_SHARE * float(ttft)):
+        if not api_server_sets_ttft(hold, ttft):
             continue
         where = point_name(row, params) or "this configuration"
         cpu = row.get("server_api_cpu")
