@@ -207,6 +207,11 @@ def by_kind(profile, model) -> None:
           " first token)")
     parts = reference.parts_by_kind(held)
     print(parts.assign(median=parts["median"].map("{:+.1%}".format)).to_string(index=False))
+    print("\n## Held out, by the twin's own API-server load (its predicted cores a process): TTFT p50"
+          " |error|, median and share past 25%")
+    load = reference.by_api_load(held)
+    print(load.assign(median=load["median"].map("{:.1%}".format),
+                      **{"past 25%": load["past 25%"].map("{:.0%}".format)}).to_string(index=False))
     repeats = ("Points run three times or more in one folder: a run's distance from its point's "
                "median (spread) beside the twin's (twin), medians")
     hosts = ("Points measured in two folders or more (hosts, days): a folder's distance from the "

@@ -15,9 +15,10 @@ from vllm_lab.store import PREDICTION_KEY, RunRecord, Store, run_identity
 pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
 
 
-def _sweep_store(path, prediction: bool, server: dict | None = None):
+def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cpu: dict | None = None):
     """A real-vLLM sweep of max-num-seqs 32 and 64; ``server``: vLLM's account of each point's
-    TTFT (mean, queue, prefill seconds)."""
+    TTFT (mean, queue, prefill seconds); ``twin_api_cpu``: the cores the prediction's API server
+    was busy."""
     scenario = scenarios.resolve("default", "h200")
     store = Store(path)
     store.create_experiment("sw", "sweep", "default", {"param": "max-num-seqs"})
@@ -33,6 +34,8 @@ def _sweep_store(path, prediction: bool, server: dict | None = None):
                                        "profile_version": "abc", "predicted": True, "status": "ok",
                                        "error": "", "summary": {"output_throughput": 1100.0 * n,
                                                                "ttft_p50": 0.2, "tpot_p50": 0.01}}
+            if twin_api_cpu:
+                summary[PREDICTION_KEY]["summary"]["server_api_cpu"] = twin_api_cpu[n]
         store.record_run(RunRecord(
             experiment_id="sw", run_key=run_identity(record, 0), step="sweep", scenario_name="default",
             scenario=record, status="ok", started=time.time(), ended=time.time() + 1,
@@ -59,6 +62,16 @@ def test_a_report_reads_the_recorded_prediction(tmp_path, no_twin):
     # Every point has its prediction: the page shows them beside the measured figures.
     md = (index.parent / "report.md").read_text()
     assert "The twin's prediction, recorded with each run" in md and "+10.0%" in md
+
+
+def test_a_prediction_near_the_twins_api_server_limit_says_its_ttft_is_least_sure(tmp_path, no_twin):
+    """Past 0.6 of a core (twin.frontend.LIMIT_CPU) the twin's TTFT held out is off by 46%
+    (median), below it 11%: the point's twin note says so, in the prediction's own figure."""
+    _sweep_store(tmp_path / "lab.db", prediction=True, twin_api_cpu={32: 0.31, 64: 0.78})
+    index = reports.build(tmp_path / "lab.db", "sw", tmp_path)
+    notes = pd.read_csv(index.parent / "summary.csv")["twin_error"].fillna("").tolist()
+    assert notes[0] == "" and notes[1].startswith("the twin's API server at 0.78 of a core, near its limit")
+    assert "its TTFT is least sure here" in (index.parent / "report.md").read_text()
 
 
 def test_an_old_store_says_no_prediction_recorded(tmp_path, no_twin):

@@ -152,11 +152,23 @@ def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[
         else:
             twin = RunSummary.of(rec["summary"])
             figures.update({f"twin_{k}": _float(twin.figure(k)) for k in TWIN_METRICS})
+            figures["twin_error"] = limit_note(twin.figure("server_api_cpu"))
         predicted.append(figures)
     out = pd.concat([table.reset_index(drop=True), pd.DataFrame(predicted)], axis=1)
     for k in TWIN_METRICS:
         out[f"twin_{k}_error"] = (out[f"twin_{k}"] - out[k]) / out[k]
     return out
+
+
+def limit_note(api_cpu: float | None) -> str:
+    """What a prediction whose API server is busy ``api_cpu`` cores a process (the twin's own
+    figure) says of itself: past ``twin.frontend.LIMIT_CPU`` its TTFT is least sure."""
+    from vllm_lab.twin.frontend import LIMIT_CPU
+
+    if api_cpu is None or not api_cpu >= LIMIT_CPU:
+        return ""
+    return (f"the twin's API server at {api_cpu:.2f} of a core, near its limit: its TTFT is least "
+            f"sure here (make bench NAME=twin ARGS=fidelity reads it by that load)")
 
 
 def _float(v: Any) -> float:

@@ -144,7 +144,8 @@ def compared(pt: BenchPoint, got: dict[str, float], metrics: tuple[str, ...]) ->
             continue
         m, p = pt.measured[key], got[key]
         rows.append({"point": pt.name, "kind": pt.kind, "metric": key, "measured": m,
-                     "predicted": p, "error": (p - m) / m if m else math.nan})
+                     "predicted": p, "error": (p - m) / m if m else math.nan,
+                     "twin_api_cpu": got.get("api_cpu", math.nan)})
     return rows
 
 

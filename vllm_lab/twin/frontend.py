@@ -15,6 +15,13 @@ both use this one model, so they cannot drift apart.
 
 from __future__ import annotations
 
+# Cores an API-server process is busy, as the twin predicts it (``Prediction.api_server_cpu``),
+# from which the twin's TTFT is least sure. Near that limit vLLM's run settles at the API server's
+# limit or at the engine's by chance (reference/README.md, "Where the API server holds a
+# request"), and the twin, which has no cost a request, keeps to the engine's. Held out on the
+# H200 (``reference.by_api_load``): TTFT p50 off by a median of 46% at or past it, 11% below.
+LIMIT_CPU = 0.6
+
 
 class Frontend:
     """``servers`` FIFO queues with a cost per admitted request and per streamed token."""

@@ -267,6 +267,22 @@ def parts_by_kind(errs: pd.DataFrame) -> pd.DataFrame:
             .rename(columns={"count": "runs"}).reset_index())
 
 
+def by_api_load(errs: pd.DataFrame, metric: str = "p50_ttft_ms") -> pd.DataFrame:
+    """The median |error| of ``metric`` and the share of runs past 25%, for the runs where the
+    twin's own API server is below ``frontend.LIMIT_CPU`` and for those at or past it: how far a
+    user may trust a prediction by what the prediction itself says."""
+    from vllm_lab.twin.frontend import LIMIT_CPU
+
+    d = errs[errs["metric"] == metric]
+    rows = []
+    for label, runs in ((f"below {LIMIT_CPU:g} of a core", d[d["twin_api_cpu"] < LIMIT_CPU]),
+                        (f"at or past {LIMIT_CPU:g}", d[d["twin_api_cpu"] >= LIMIT_CPU])):
+        a = runs["error"].abs()
+        rows.append({"twin's API server": label, "runs": len(runs), "median": a.median(),
+                     "past 25%": (a > 0.25).mean(), "kinds": ", ".join(sorted(set(runs["kind"])))})
+    return pd.DataFrame(rows)
+
+
 def held_out_errors(folders: tuple[Path, ...], profile, model) -> pd.DataFrame:
     """``errors`` of each folder's held-out runs, the folder named: a point's repeats are its
     runs of one name in one folder (one host, one server start or a few)."""
