@@ -15,10 +15,11 @@ from vllm_lab.store import PREDICTION_KEY, RunRecord, Store, run_identity
 pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
 
 
-def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cpu: dict | None = None):
+def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cpu: dict | None = None,
+                 backend: str = "vllm", api_cpu: dict | None = None):
     """A real-vLLM sweep of max-num-seqs 32 and 64; ``server``: vLLM's account of each point's
     TTFT (mean, queue, prefill seconds); ``twin_api_cpu``: the cores the prediction's API server
-    was busy."""
+    was busy; ``backend`` and ``api_cpu``: a sweep of another backend, its API server's cores."""
     scenario = scenarios.resolve("default", "h200")
     store = Store(path)
     store.create_experiment("sw", "sweep", "default", {"param": "max-num-seqs"})
@@ -29,6 +30,8 @@ def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cp
         if server:
             summary.update(zip(("server_ttft_mean", "server_queue_mean", "server_prefill_mean"),
                                server[n]))
+        if api_cpu:
+            summary["server_api_cpu"] = api_cpu[n]
         if prediction:
             summary[PREDICTION_KEY] = {"backend": "predict", "profile": "h200-llama-3-8b",
                                        "profile_version": "abc", "predicted": True, "status": "ok",
@@ -39,7 +42,7 @@ def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cp
         store.record_run(RunRecord(
             experiment_id="sw", run_key=run_identity(record, 0), step="sweep", scenario_name="default",
             scenario=record, status="ok", started=time.time(), ended=time.time() + 1,
-            point={"max-num-seqs": n}, gpu_model="NVIDIA H200", vllm_version="0.26.0", backend="vllm",
+            point={"max-num-seqs": n}, gpu_model="NVIDIA H200", vllm_version="0.26.0", backend=backend,
             summary=summary))
     store.close()
 
@@ -72,6 +75,19 @@ def test_a_prediction_near_the_twins_api_server_limit_says_its_ttft_is_least_sur
     notes = pd.read_csv(index.parent / "summary.csv")["twin_error"].fillna("").tolist()
     assert notes[0] == "" and notes[1].startswith("the twin's API server at 0.78 of a core, near its limit")
     assert "its TTFT is least sure here" in (index.parent / "report.md").read_text()
+
+
+def test_a_simulated_sweep_names_the_points_where_the_twins_api_server_nears_its_limit(tmp_path, no_twin):
+    """BACKEND=predict on the H200's profile, the default scenario at 256 users: max-num-seqs 128
+    has the twin's API server busy 0.70 of a core, 256 and 1024 0.85."""
+    _sweep_store(tmp_path / "lab.db", prediction=False, backend="predict", api_cpu={32: 0.45, 64: 0.85})
+    md = (reports.build(tmp_path / "lab.db", "sw", tmp_path).parent / "report.md").read_text()
+    assert ("the twin has vLLM's API server busy 0.6 of a core or more at max-num-seqs=64 (0.85): "
+            "near that limit real vLLM settles at it") in md and "max-num-seqs=32 (" not in md
+    # Real vLLM's own figure is a measurement, not the twin's: no such note.
+    _sweep_store(tmp_path / "real.db", prediction=False, api_cpu={32: 0.45, 64: 0.85})
+    assert "least sure" not in (reports.build(tmp_path / "real.db", "sw", tmp_path / "real").parent
+                                / "report.md").read_text()
 
 
 def test_an_old_store_says_no_prediction_recorded(tmp_path, no_twin):

@@ -279,6 +279,25 @@ def api_server_notes(table: pd.DataFrame, params: list[str]) -> list[str]:
     return notes
 
 
+def twin_limit_notes(table: pd.DataFrame, params: list[str], backend: str) -> list[str]:
+    """On the twin or its predictor, the points whose API server the twin has busy past
+    ``twin.frontend.LIMIT_CPU`` a process: near that limit real vLLM settles at it or at its
+    engine's by chance, and the twin's TTFT is least sure of what vLLM would read."""
+    from vllm_lab.twin.frontend import LIMIT_CPU
+
+    if backend not in SIMULATED or "server_api_cpu" not in table:
+        return []
+    near = table[table["server_api_cpu"] >= LIMIT_CPU]
+    if near.empty:
+        return []
+    where = "; ".join(f"{point_name(row, params) or 'this configuration'} "
+                      f"({row['server_api_cpu']:.2f})" for _, row in near.iterrows())
+    return [(f"the twin has vLLM's API server busy {LIMIT_CPU:g} of a core or more at {where}: "
+             f"near that limit real vLLM settles at it or at its engine's by chance, so the TTFT "
+             f"simulated there is the least sure (make bench NAME=twin ARGS=fidelity reads the "
+             f"twin's error by that load)")]
+
+
 def prediction_notes(table: pd.DataFrame) -> list[str]:
     """Points whose runs carry no recorded prediction of the twin: said, never made up now."""
     if "twin_error" not in table:
@@ -498,7 +517,8 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     figures = [f for f in [*figures, traffic.trace_figure(runs, folder, ctx.caption)] if f]
     best = best_point(table) if params else None
     notes = warnings(table) if params else baseline_notes(table)
-    notes += api_server_notes(table, params) + prediction_notes(table)
+    notes += (api_server_notes(table, params) + twin_limit_notes(table, params, ctx.backend)
+              + prediction_notes(table))
     shown = display_table(table, params)
     said = headline(table, best, params, ctx, planned=untaken(exp, table, params))
     return page.write_page(experiment_page(exp, ctx, said, shown,
