@@ -192,7 +192,8 @@ def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pa
     best_path = _best_file(runs, params, best, folder, _best_note(exp["id"], best, params, figure))
     _best_summary(exp, table, best, params, figure, headline, folder)
     shown = sweep.display_table(table, params, figure)
-    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, sweep.warnings(table), figures,
+    notes = sweep.warnings(table) + sweep.point_notes(table, params, ctx)
+    return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures,
                                                  _yaml_section(best_path),
                                                  sweep.column_groups(shown, params),
                                                  rule=best_rule(figure),
@@ -280,6 +281,7 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     notes = imp.lines()
     notes += [f"trial {r.trial}: {r.state.lower()} ({r.cause}): {r.error}" for r in
               trials[trials["state"].isin(["PRUNED", "FAIL"])].itertuples()]
+    notes += sweep.point_notes(table, params, ctx)
     notes.append(f"study {meta['study']} in {meta['storage'] or 'the lab database'}; more workers join "
                  f"with make tune EXPERIMENT={exp['id']}")
     extra = _yaml_section(best_path) + _confirm_section(store, exp["id"])

@@ -298,6 +298,13 @@ def twin_limit_notes(table: pd.DataFrame, params: list[str], backend: str) -> li
              f"twin's error by that load)")]
 
 
+def point_notes(table: pd.DataFrame, params: list[str], ctx: Context) -> list[str]:
+    """What a page of points (a sweep, a combination, a search) says of single points: where
+    vLLM's API server set TTFT, where the twin's is least sure, where no prediction was kept."""
+    return (api_server_notes(table, params) + twin_limit_notes(table, params, ctx.backend)
+            + prediction_notes(table))
+
+
 def prediction_notes(table: pd.DataFrame) -> list[str]:
     """Points whose runs carry no recorded prediction of the twin: said, never made up now."""
     if "twin_error" not in table:
@@ -517,8 +524,7 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     figures = [f for f in [*figures, traffic.trace_figure(runs, folder, ctx.caption)] if f]
     best = best_point(table) if params else None
     notes = warnings(table) if params else baseline_notes(table)
-    notes += (api_server_notes(table, params) + twin_limit_notes(table, params, ctx.backend)
-              + prediction_notes(table))
+    notes += point_notes(table, params, ctx)
     shown = display_table(table, params)
     said = headline(table, best, params, ctx, planned=untaken(exp, table, params))
     return page.write_page(experiment_page(exp, ctx, said, shown,
