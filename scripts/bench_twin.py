@@ -212,6 +212,12 @@ def by_kind(profile, model) -> None:
     load = reference.by_api_load(held)
     print(load.assign(median=load["median"].map("{:.1%}".format),
                       **{"past 25%": load["past 25%"].map("{:.0%}".format)}).to_string(index=False))
+    folders = (reference.TRAFFIC, *reference.LATER, *reference.REPEATS)
+    band = reference.api_limit_band(held, folders, profile, model)
+    print(f"\nPast it, the twin's TTFT p50 at the engine's limit and at the API server's "
+          f"(profile.at_api_limit) hold the measured one between them (10% either side) on "
+          f"{band['inside'].sum()} of {len(band)} runs; the upper bound is "
+          f"{(band['api_limit'] / band['engine']).median():.1f}x the lower (median)")
     repeats = ("Points run three times or more in one folder: a run's distance from its point's "
                "median (spread) beside the twin's (twin), medians")
     hosts = ("Points measured in two folders or more (hosts, days): a folder's distance from the "

@@ -187,6 +187,28 @@ def test_predict_backend_predicts_a_closed_loop_run():
     assert again.summary["ttft_p50"] == m.summary["ttft_p50"]
 
 
+def test_a_prediction_near_the_api_servers_limit_is_also_made_at_that_limit():
+    """256 users of the default traffic on the H200's profile: the twin has vLLM's API server
+    busy 0.85 of a core, and predicted with the server's costs at its own limit (every excess
+    request waiting for admission) TTFT p50 is many times longer; at 32 users (0.2 of a core) no
+    second prediction is made, nor in a search's probes (band=False)."""
+    from vllm_lab.twin.profile import API_LIMIT_REQUEST_S, at_api_limit, load_profile
+
+    s = scenarios.resolve("default", "h200", ["load.shape.level=256", "load.stop.duration_s=10"])
+    m = PredictBackend(band=True).measure(s, None, Path("unused"))
+    assert m.summary["server_api_cpu"] >= 0.6
+    assert m.summary["ttft_p50_api_limit"] > 5 * m.summary["ttft_p50"]
+    assert "ttft_p50_api_limit" not in PredictBackend().measure(s, None, Path("unused")).summary
+    light = scenarios.resolve("default", "h200", ["load.shape.level=32", "load.stop.duration_s=10"])
+    assert "ttft_p50_api_limit" not in PredictBackend(band=True).measure(light, None, Path("u")).summary
+    # At the limit a request costs 2 ms and a token 80 us; a chat request's total stays.
+    base = load_profile("h200-llama-3-8b").coefficients
+    limit = at_api_limit(load_profile("h200-llama-3-8b")).coefficients
+    assert limit.frontend_request_s == API_LIMIT_REQUEST_S and limit.frontend_token_s == 80e-6
+    assert (limit.frontend_request_s + limit.frontend_chat_s
+            == pytest.approx(base.frontend_request_s + base.frontend_chat_s))
+
+
 def test_the_predictor_draws_a_closed_loop_from_one_pool():
     # Variable lengths and a request count: users take the next request whenever they are free,
     # so N stay in flight until fewer than N requests are left, as in the live client.

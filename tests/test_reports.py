@@ -16,10 +16,11 @@ pytestmark = pytest.mark.usefixtures("shared_predictions")  # tests/conftest.py
 
 
 def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cpu: dict | None = None,
-                 backend: str = "vllm", api_cpu: dict | None = None):
+                 backend: str = "vllm", api_cpu: dict | None = None, ttft_at_limit: dict | None = None):
     """A real-vLLM sweep of max-num-seqs 32 and 64; ``server``: vLLM's account of each point's
     TTFT (mean, queue, prefill seconds); ``twin_api_cpu``: the cores the prediction's API server
-    was busy; ``backend`` and ``api_cpu``: a sweep of another backend, its API server's cores."""
+    was busy; ``backend``, ``api_cpu`` and ``ttft_at_limit``: a sweep of another backend, its API
+    server's cores and its TTFT p50 predicted at that server's limit."""
     scenario = scenarios.resolve("default", "h200")
     store = Store(path)
     store.create_experiment("sw", "sweep", "default", {"param": "max-num-seqs"})
@@ -32,6 +33,8 @@ def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cp
                                server[n]))
         if api_cpu:
             summary["server_api_cpu"] = api_cpu[n]
+        if ttft_at_limit and n in ttft_at_limit:
+            summary["ttft_p50_api_limit"] = ttft_at_limit[n]
         if prediction:
             summary[PREDICTION_KEY] = {"backend": "predict", "profile": "h200-llama-3-8b",
                                        "profile_version": "abc", "predicted": True, "status": "ok",
@@ -39,6 +42,8 @@ def _sweep_store(path, prediction: bool, server: dict | None = None, twin_api_cp
                                                                "ttft_p50": 0.2, "tpot_p50": 0.01}}
             if twin_api_cpu:
                 summary[PREDICTION_KEY]["summary"]["server_api_cpu"] = twin_api_cpu[n]
+                if twin_api_cpu[n] >= 0.6:  # predicted once more at the API server's limit
+                    summary[PREDICTION_KEY]["summary"]["ttft_p50_api_limit"] = 2.3
         store.record_run(RunRecord(
             experiment_id="sw", run_key=run_identity(record, 0), step="sweep", scenario_name="default",
             scenario=record, status="ok", started=time.time(), ended=time.time() + 1,
@@ -74,16 +79,20 @@ def test_a_prediction_near_the_twins_api_server_limit_says_its_ttft_is_least_sur
     index = reports.build(tmp_path / "lab.db", "sw", tmp_path)
     notes = pd.read_csv(index.parent / "summary.csv")["twin_error"].fillna("").tolist()
     assert notes[0] == "" and notes[1].startswith("the twin's API server at 0.78 of a core, near its limit")
+    assert notes[1].endswith("its TTFT is least sure here; TTFT p50 200 ms at the engine's limit, "
+                             "up to 2,300 ms at the API server's")
     assert "its TTFT is least sure here" in (index.parent / "report.md").read_text()
 
 
 def test_a_simulated_sweep_names_the_points_where_the_twins_api_server_nears_its_limit(tmp_path, no_twin):
     """BACKEND=predict on the H200's profile, the default scenario at 256 users: max-num-seqs 128
     has the twin's API server busy 0.70 of a core, 256 and 1024 0.85."""
-    _sweep_store(tmp_path / "lab.db", prediction=False, backend="predict", api_cpu={32: 0.45, 64: 0.85})
+    _sweep_store(tmp_path / "lab.db", prediction=False, backend="predict", api_cpu={32: 0.45, 64: 0.85},
+                 ttft_at_limit={64: 4.702})
     md = (reports.build(tmp_path / "lab.db", "sw", tmp_path).parent / "report.md").read_text()
-    assert ("the twin has vLLM's API server busy 0.6 of a core or more at max-num-seqs=64 (0.85): "
-            "near that limit real vLLM settles at it") in md and "max-num-seqs=32 (" not in md
+    assert ("the twin has vLLM's API server busy 0.6 of a core or more at max-num-seqs=64 (0.85; TTFT "
+            "p50 100 ms at the engine's limit, up to 4,702 ms at the API server's): near that limit "
+            "real vLLM settles at it") in md and "max-num-seqs=32 (" not in md
     # Real vLLM's own figure is a measurement, not the twin's: no such note.
     _sweep_store(tmp_path / "real.db", prediction=False, api_cpu={32: 0.45, 64: 0.85})
     assert "least sure" not in (reports.build(tmp_path / "real.db", "sw", tmp_path / "real").parent

@@ -101,6 +101,9 @@ METRICS: tuple[Metric, ...] = (
     *[Metric(f"{m}_mean", "s", f"{label} mean", LOWER) for m, label in LATENCY_LABELS.items()],
     Metric("kv_cache_tokens", "tokens", "KV cache size", HIGHER, short="KV tokens"),
     Metric("running_max", "count", "requests running (max)", NEITHER),
+    # The twin's alone: its TTFT p50 were vLLM's API server at its own limit (twin.profile.at_api_limit),
+    # predicted where the twin has that server near it (twin.frontend.LIMIT_CPU).
+    Metric("ttft_p50_api_limit", "s", "TTFT p50 at the API server's limit (the twin)", LOWER),
     Metric("failed_requests", "count", "failed requests", LOWER),
     Metric("failed_requests_rate", "share", "failed share of requests", LOWER),
     Metric("loadgen_processes", "count", "Locust processes", NEITHER),

@@ -52,7 +52,7 @@ SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50", "output_
 # The client beside the server: what vLLM's own /metrics said of the same runs (vllm_lab.audit),
 # and how many Locust processes sent the load. Means over every run of a point, limited ones too.
 AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
-               "audit_span_diff", "server_api_cpu")
+               "audit_span_diff", "server_api_cpu", "ttft_p50_api_limit")
 # vLLM's account of where a request's TTFT went (means over every run, as AUDIT): waiting in the engine's
 # queue, and from its scheduling to its first token; the rest is the API server's
 # (``api_server_hold``).
@@ -152,7 +152,8 @@ def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[
         else:
             twin = RunSummary.of(rec["summary"])
             figures.update({f"twin_{k}": _float(twin.figure(k)) for k in TWIN_METRICS})
-            figures["twin_error"] = limit_note(twin.figure("server_api_cpu"))
+            figures["twin_error"] = limit_note(twin.figure("server_api_cpu"), twin.ttft_p50,
+                                               twin.figure("ttft_p50_api_limit"))
         predicted.append(figures)
     out = pd.concat([table.reset_index(drop=True), pd.DataFrame(predicted)], axis=1)
     for k in TWIN_METRICS:
@@ -160,15 +161,23 @@ def with_twin_predictions(table: pd.DataFrame, runs: pd.DataFrame, params: list[
     return out
 
 
-def limit_note(api_cpu: float | None) -> str:
+def limit_note(api_cpu: float | None, ttft: float | None = None,
+               ttft_at_limit: float | None = None) -> str:
     """What a prediction whose API server is busy ``api_cpu`` cores a process (the twin's own
-    figure) says of itself: past ``twin.frontend.LIMIT_CPU`` its TTFT is least sure."""
+    figure) says of itself: past ``twin.frontend.LIMIT_CPU`` its TTFT is least sure, and where
+    it was also predicted at the API server's limit, the two TTFT p50s (seconds) bound it."""
     from vllm_lab.twin.frontend import LIMIT_CPU
 
     if api_cpu is None or not api_cpu >= LIMIT_CPU:
         return ""
     return (f"the twin's API server at {api_cpu:.2f} of a core, near its limit: its TTFT is least "
-            f"sure here (make bench NAME=twin ARGS=fidelity reads it by that load)")
+            f"sure here" + (f"; {ttft_band(ttft, ttft_at_limit)}" if ttft_at_limit else ""))
+
+
+def ttft_band(ttft: float | None, ttft_at_limit: float) -> str:
+    """The TTFT p50 a run near the API server's limit may settle at, in words (seconds in)."""
+    low = f"{ttft * 1e3:,.0f} ms at the engine's limit, " if ttft is not None else ""
+    return f"TTFT p50 {low}up to {ttft_at_limit * 1e3:,.0f} ms at the API server's"
 
 
 def _float(v: Any) -> float:

@@ -16,7 +16,7 @@ def make_backend(settings: Settings, experiment: str = "", hooks: RunHooks = QUI
     """The backend that measures the points: the predictor, or live servers (provisioned first)
     that tell ``hooks`` (the command's progress) the phases and figures of each run."""
     if settings.backend == "predict":
-        return PredictBackend()
+        return PredictBackend(band=True)
     serving.check_inventory(settings.inventory)  # a bad inventory is refused before anything runs
     # Idempotent: on a provisioned host this changes nothing and takes a few seconds. It claims
     # the instances first: another lab process's are refused (InstanceBusy) before any change.

@@ -27,6 +27,7 @@ from vllm_lab.analysis.points import (
     point_table,
     ranked_label,
     same_value,
+    ttft_band,
     with_effects,
     with_twin_predictions,
     within_noise,
@@ -290,12 +291,15 @@ def twin_limit_notes(table: pd.DataFrame, params: list[str], backend: str) -> li
     near = table[table["server_api_cpu"] >= LIMIT_CPU]
     if near.empty:
         return []
-    where = "; ".join(f"{point_name(row, params) or 'this configuration'} "
-                      f"({row['server_api_cpu']:.2f})" for _, row in near.iterrows())
-    return [(f"the twin has vLLM's API server busy {LIMIT_CPU:g} of a core or more at {where}: "
-             f"near that limit real vLLM settles at it or at its engine's by chance, so the TTFT "
-             f"simulated there is the least sure (make bench NAME=twin ARGS=fidelity reads the "
-             f"twin's error by that load)")]
+    def said(row: pd.Series) -> str:
+        band = row.get("ttft_p50_api_limit")
+        return (f"{point_name(row, params) or 'this configuration'} ({row['server_api_cpu']:.2f}"
+                + (f"; {ttft_band(row['ttft_p50'], band)}" if pd.notna(band) else "") + ")")
+
+    return [(f"the twin has vLLM's API server busy {LIMIT_CPU:g} of a core or more at "
+             f"{'; '.join(said(row) for _, row in near.iterrows())}: near that limit real vLLM "
+             f"settles at it or at its engine's by chance, so the TTFT simulated there is the least "
+             f"sure (make bench NAME=twin ARGS=fidelity reads the twin's error by that load)")]
 
 
 def point_notes(table: pd.DataFrame, params: list[str], ctx: Context) -> list[str]:

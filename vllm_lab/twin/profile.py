@@ -159,6 +159,25 @@ def on_host(profile: Profile, cpu_scale: float) -> Profile:
     return profile.model_copy(update={"coefficients": scaled})
 
 
+# vLLM's API server at its own limit, as one H200 host measured it (reference/README.md, "Where the
+# API server holds a request": one process carried 12,500 streamed tokens a second at most, about
+# 80 µs a token and 2 ms a request). A run the twin has near that limit (frontend.LIMIT_CPU) may
+# settle there, where the profile's fitted costs keep it at the engine's limit.
+API_LIMIT_TOKEN_S, API_LIMIT_REQUEST_S = 80e-6, 2e-3
+
+
+def at_api_limit(profile: Profile) -> Profile:
+    """The profile with its API server's costs as they are at the server's own limit
+    (``API_LIMIT_*``, the larger of those and its own), a chat request's total cost kept."""
+    co = profile.coefficients
+    request = max(co.frontend_request_s, API_LIMIT_REQUEST_S)
+    limit = co.model_copy(update={
+        "frontend_token_s": max(co.frontend_token_s, API_LIMIT_TOKEN_S),
+        "frontend_request_s": request,
+        "frontend_chat_s": max(0.0, co.frontend_chat_s - (request - co.frontend_request_s))})
+    return profile.model_copy(update={"coefficients": limit})
+
+
 def available_profiles() -> list[str]:
     """Names of the profiles shipped with the twin."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))

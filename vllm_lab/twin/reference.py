@@ -283,6 +283,31 @@ def by_api_load(errs: pd.DataFrame, metric: str = "p50_ttft_ms") -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
+def api_limit_band(errs: pd.DataFrame, folders: tuple[Path, ...], profile, model) -> pd.DataFrame:
+    """The held-out runs past ``frontend.LIMIT_CPU`` (``errs``: ``held_out_errors`` of
+    ``folders``), each with its measured TTFT p50, the twin's (the engine's limit) and the twin's
+    at the API server's own limit (``profile.at_api_limit``: all the excess waiting for
+    admission), and whether the measured one lies between them, 10% either side allowed."""
+    from vllm_lab.twin.fit import predicted_metrics, replay
+    from vllm_lab.twin.frontend import LIMIT_CPU
+    from vllm_lab.twin.profile import at_api_limit
+
+    limit, rows = at_api_limit(profile), []
+    for folder in folders:
+        ttft = errs[(errs["folder"] == folder.name) & (errs["metric"] == "p50_ttft_ms")]
+        points = held_out_set((folder,))
+        assert len(points) == len(ttft), folder  # one row a point, in the set's order
+        for pt, (_, row) in zip(points, ttft.iterrows()):
+            if row["twin_api_cpu"] >= LIMIT_CPU:
+                high = predicted_metrics(replay(pt, limit, model))["p50_ttft_ms"]
+                low, top = min(row["predicted"], high), max(row["predicted"], high)
+                rows.append({"folder": folder.name, "point": pt.name, "kind": pt.kind,
+                             "measured": row["measured"], "engine": row["predicted"],
+                             "api_limit": high,
+                             "inside": 0.9 * low <= row["measured"] <= 1.1 * top})
+    return pd.DataFrame(rows)
+
+
 def held_out_errors(folders: tuple[Path, ...], profile, model) -> pd.DataFrame:
     """``errors`` of each folder's held-out runs, the folder named: a point's repeats are its
     runs of one name in one folder (one host, one server start or a few)."""
