@@ -489,7 +489,7 @@ class PredictBackend:
 
     def __init__(self, band: bool = False):
         # band: where the twin has vLLM's API server near its limit, predict the run once more at
-        # that limit (``ttft_p50_api_limit``): what a user reads; a search's many probes skip it.
+        # that limit (``ttft_p50_api_limit``): what a user reads; autotune's ranking probes skip it.
         self.band = band
 
     @classmethod

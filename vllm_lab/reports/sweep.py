@@ -291,6 +291,7 @@ def twin_limit_notes(table: pd.DataFrame, params: list[str], backend: str) -> li
     near = table[table["server_api_cpu"] >= LIMIT_CPU]
     if near.empty:
         return []
+
     def said(row: pd.Series) -> str:
         band = row.get("ttft_p50_api_limit")
         return (f"{point_name(row, params) or 'this configuration'} ({row['server_api_cpu']:.2f}"
