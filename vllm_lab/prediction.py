@@ -59,7 +59,7 @@ def replayed_prompts(scenario: Scenario, lengths: list[int]) -> tuple[list, bool
     chat = w.api == "chat"
     template = chat_template_tokens(scenario) if chat else 0
     shared = shared_prefix_length(w.shared_prefix_ratio, lin.mean) if lin is not None else 0
-    return shared_prefix_prompts([n + template for n in lengths], shared, w.prefix_groups), chat
+    return shared_prefix_prompts(lengths, shared, w.prefix_groups, template), chat
 
 
 def predicted_requests(scenario: Scenario, count: int):
@@ -96,8 +96,7 @@ def _requests(drawn: list[tuple[int, int]], shared: int, groups: int, chat: bool
     prompts = np.array([n_in for n_in, _ in drawn], dtype=int)
     if shared:  # the user's text is one token at least, however short the drawn length
         prompts = np.maximum(prompts, shared + 1)
-    prompts = prompts + template  # the server prefills a message in its chat template
-    tokens = shared_prefix_prompts(prompts, shared, groups)
+    tokens = shared_prefix_prompts(prompts, shared, groups, template)  # in its chat template
     return [PredictRequest(p, int(n_out), chat) for p, (_n_in, n_out) in zip(tokens, drawn)]
 
 

@@ -217,10 +217,10 @@ def _api_server_bound(row) -> bool:
 
 
 def _api_server(row, flags) -> Finding | None:
-    if not _api_server_bound(row) or _host_starved(row):
-        return None
     ttft, queue, prefill = _ttft_parts(row)
     hold = ttft - queue - prefill
+    if not api_server_sets_ttft(hold, ttft) or _host_starved(row):
+        return None
     processes = int(flags.get("api-server-count") or 1)
     cpu = _num(row, "server_api_cpu")
     return Finding(

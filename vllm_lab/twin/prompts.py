@@ -9,18 +9,20 @@ from __future__ import annotations
 from functools import lru_cache
 
 
-def shared_prefix_prompts(prompts, shared: int, groups: int) -> list:
-    """Prompts of these lengths as the predictor takes them: request i opening with prefix
-    i mod ``groups`` of ``shared`` tokens, as the live workload builds them
-    (`WorkloadGenerator._turn`: the drawn length is the whole prompt, prefix included, the user's
-    text the rest, at least one token); plain lengths where nothing is shared."""
+def shared_prefix_prompts(prompts, shared: int, groups: int, template: int = 0) -> list:
+    """Prompts of these lengths as the predictor takes them, each ``template`` tokens longer (the
+    chat template the server wraps a message in): request i opening with prefix i mod ``groups``
+    of ``shared`` tokens, as the live workload builds them (`WorkloadGenerator._turn`: the drawn
+    length is the whole prompt, prefix included, the user's text the rest, at least one token);
+    plain lengths where nothing is shared."""
+    prompts = [int(p) + template for p in prompts]
     if not shared:
-        return [int(p) for p in prompts]
+        return prompts
     # Token ids only matter for prefix caching: a common system prompt, then unique tokens.
     prefix = [list(range(1_000_000 * (g + 1), 1_000_000 * (g + 1) + shared)) for g in range(groups)]
     out = []
     for i, p in enumerate(prompts):
-        rest = max(1, int(p) - shared)
+        rest = max(1, p - shared)
         out.append(prefix[i % groups]
                    + list(range(10_000_000 + i * 100_000, 10_000_000 + i * 100_000 + rest)))
     return out

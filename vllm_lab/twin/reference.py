@@ -208,7 +208,7 @@ def scenario_prompts(name: str, lengths: list[int]) -> tuple[list, bool]:
 
     shared, groups, chat, model = SCENARIO_PROMPTS[name]
     template = template_tokens(model, None, shared > 0) if chat else 0
-    return shared_prefix_prompts([n + template for n in lengths], shared, groups), chat
+    return shared_prefix_prompts(lengths, shared, groups, template), chat
 
 
 def fit_set() -> list[BenchPoint]:
