@@ -90,16 +90,36 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGTERM an sshd we started, its process group and every descendant (open sessions included)."""
+def _running(started: dict[int, str]) -> list[int]:
+    """Those of the processes (pid: its start time, /proc stat's field 22) that still run: not a
+    zombie, and not another process that took a pid since."""
+    table = process_table()
+    return [pid for pid, start in started.items()
+            if pid in table and table[pid][0] != "Z" and table[pid][19] == start]
+
+
+def _kill_tree(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
+    """SIGTERM an sshd we started, its process group and every descendant (open sessions included);
+    SIGKILL what is left of the descendants after ``grace_s``.
+
+    A session's shell gets its SIGTERM first: this machine's root shell runs ``pyenv rehash``
+    at every login, and a rehash killed outright keeps pyenv's lock (its shims'
+    ``.pyenv-shim``), so every later login on any host waited 60 s for it and the next playbook
+    ran past the test's timeout (CI, 2026-12-06). Given SIGTERM, its EXIT trap gives the lock back."""
     if proc.poll() is not None:
         return
-    victims = _descendants(proc.pid)
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    table = process_table()
+    started = {pid: table[pid][19] for pid in _descendants(proc.pid) if pid in table}
+    victims = list(started)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (victims := _running(started)):
+            time.sleep(0.05)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=5)
