@@ -55,9 +55,13 @@ def print_compared(rows: list[dict], width: int) -> None:
 
 # GPUs other than the H200, each with its own profile, fitted by make calibrate to a committed
 # example's store: (profile, store, the calibration's experiment, experiments held out of it).
+# The H100's held-out staircases are those of the hosts whose CPU is the profile's (the first,
+# and `-h`, whose defaults measured where the profile put them); `-b` and `-g` were other CPUs.
 EXAMPLES = Path(__file__).resolve().parents[1] / "reports/examples"
 OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate",
-               ("h100-baseline-repeats", *(f"autotune-realtime-chat-h100-{c}" for c in ("defaults", "c1", "c2")))),)
+               ("h100-baseline-repeats",
+                *(f"autotune-realtime-chat-h100{host}-{c}" for host in ("", "-h")
+                  for c in ("defaults", "c1", "c2")))),)
 
 
 def other_gpus(model) -> None:
