@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from vllm_lab.analysis import findings
+from vllm_lab.store import Store
 
 
 def _row(serve: dict | None = None, load: dict | None = None, **figures) -> dict:
@@ -148,3 +150,20 @@ def test_a_ttft_that_vllm_puts_in_its_api_server_asks_for_more_api_server_proces
     # A host whose quota stalled the run is short of cores: more processes would starve it more.
     starved = {"client_host_cpus": 16.0, "client_host_throttled_s": 1.8, "send_span_s": 30.0}
     assert kinds(_row(summary={**held, **starved})) == ["starved-host"]
+
+
+def test_the_api_server_finding_named_the_pick_an_h100_then_measured():
+    """`make autotune` on the fourth H100 host (`reports/examples/h100`, `-h`): at the level that
+    broke vLLM's defaults (31.4 req/s of chat), vLLM's own histograms put 121 of a 151-ms mean TTFT
+    outside its engine, and the finding asks for two API-server processes. The pick the search
+    made, fp8 with two processes, then held 48.1 req/s (+55%), and its staircase has no finding."""
+    db = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
+    exp = "autotune-realtime-chat-h100-h"
+    with Store(db) as store:
+        said = {c: [(row["point"]["load.shape.level"], f)
+                    for row in store.runs(f"{exp}-{c}").to_dict("records")
+                    for f in findings.findings(row)] for c in ("defaults", "c1")}
+    [(level, f)] = said["defaults"]
+    assert level == 31.401 and f.kind == "api-server" and f.flags == {"api-server-count": 2}
+    assert "121 ms of its 151 ms mean TTFT" in f.evidence
+    assert said["c1"] == []
