@@ -74,9 +74,7 @@ def other_gpus(model) -> None:
         profile = load_profile(name)
         with Store(store_path) as store:
             sets = [("fitted", calibrate.bench_points(store, fitted_exp))]
-            sets += [("held out", [calibrate.replayed(store, exp, run, f"{exp} #{i + 1}")
-                                   for i, (_, run) in enumerate(store.runs(exp).sort_values("started").iterrows())])
-                     for exp in held_exps]
+            sets += [("held out", calibrate.replayed_runs(store, exp, exp)) for exp in held_exps]
         for label, points in sets:
             print(f"\n## Fidelity on {profile.hardware.name}, {label}: {name} vs {store_path.parent.name}")
             print_compared(compare(points, profile, model), 26)

@@ -105,8 +105,7 @@ def test_the_h100_profile_predicts_the_h100_runs_it_was_not_fitted_to():
     with Store(store_path) as store:
         fitted = [p.name for p in calibrate.bench_points(store, "h100-calibrate")]
         runs = store.runs("h100-baseline-repeats")
-        held_out = [calibrate.replayed(store, "h100-baseline-repeats", run, f"repeat{i + 1}")
-                    for i, (_, run) in enumerate(runs.iterrows())]
+        held_out = calibrate.replayed_runs(store, "h100-baseline-repeats", "repeat")
     assert fitted == profile.provenance.fitted_on and profile.hardware.bandwidth_gbs == 3350
     # The saturating loops of identical requests hold no steady window, yet are fitted: read
     # whole, as vllm bench serve reads a run (the plan's only saturated engine).

@@ -714,6 +714,7 @@ def test_the_third_h100_hosts_defaults_name_its_host_and_c1_is_found_there(tmp_p
     c1, c2 = host.predicted_on_host(base, flags, scale, seen, plan.step_s, tmp_path)
     assert 52 <= c1 <= 57 and c2 >= c1 * 0.98, (c1, c2)
 
+
 @pytest.mark.fidelity  # 14 staircase levels replayed, ~3 s
 def test_the_fourth_h100_hosts_staircases_are_held_out_within_a_few_percent_but_ttft():
     """`-h` (reports/examples/h100), a host whose CPU is the profile's: its 14 staircase levels of
@@ -729,10 +730,8 @@ def test_the_fourth_h100_hosts_staircases_are_held_out_within_a_few_percent_but_
     model = load_model_shape(profile.model)
     db = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
     with Store(db) as store:
-        points = [calibrate.replayed(store, exp, run, f"{c} #{i + 1}")
-                  for c in ("defaults", "c1", "c2")
-                  for exp in [f"autotune-realtime-chat-h100-h-{c}"]
-                  for i, (_, run) in enumerate(store.runs(exp).sort_values("started").iterrows())]
+        points = [p for c in ("defaults", "c1", "c2")
+                  for p in calibrate.replayed_runs(store, f"autotune-realtime-chat-h100-h-{c}", c)]
     rows = compare(points, profile, model)
     err = {m: [r["error"] for r in rows if r["metric"] == m]
            for m in ("output_throughput", "p50_tpot_ms", "p50_ttft_ms")}

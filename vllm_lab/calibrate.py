@@ -145,6 +145,13 @@ def replayed(store: Store, experiment_id: str, run, name: str | None = None) -> 
             else "closed variable"))
 
 
+def replayed_runs(store: Store, experiment_id: str, label: str) -> list[BenchPoint]:
+    """Every run of an experiment in the order started (a staircase's levels, a baseline's
+    repeats), each ``replayed`` and named "<label> #<i>": runs held out of a fit, to read it on."""
+    return [replayed(store, experiment_id, run, f"{label} #{i + 1}")
+            for i, (_, run) in enumerate(store.runs(experiment_id).iterrows())]
+
+
 # What a calibration fits: every coefficient the plan pins ("all"), or the host's CPU scale alone
 # ("host": the profile's GPU on another host, fit.fit_host_scale).
 FITS = ("all", "host")
