@@ -28,7 +28,7 @@ from vllm_lab.twin.predictor import (
     predict,
     sharegpt_like,
 )
-from vllm_lab.twin.profile import load_profile
+from vllm_lab.twin.profile import load_profile, on_host
 
 # The measurements the H200 profile is fitted to (vllm bench serve result files, kept with the twin).
 REFERENCE = Path(__file__).resolve().parents[1] / "vllm_lab/twin/reference/h200-vllm0.26"
@@ -62,6 +62,11 @@ OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate",
                ("h100-baseline-repeats",
                 *(f"autotune-realtime-chat-h100{host}-{c}" for host in ("", "-h")
                   for c in ("defaults", "c1", "c2")))),)
+# Autotunes on other hosts of those GPUs, whose defaults' staircase read the host's CPU scale
+# (summary.json's host_scale): their other candidates' staircases, held out of that reading, are
+# predicted on the profile moved to the host, as autotune aimed them.
+HOSTS_READ = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db",
+               ("autotune-realtime-chat-h100-g", "autotune-realtime-chat-h100-i")),)
 
 
 def other_gpus(model) -> None:
@@ -78,6 +83,14 @@ def other_gpus(model) -> None:
         for label, points in sets:
             print(f"\n## Fidelity on {profile.hardware.name}, {label}: {name} vs {store_path.parent.name}")
             print_compared(compare(points, profile, model), 26)
+    for name, store_path, autotunes in HOSTS_READ:
+        for exp in autotunes:
+            scale = json.loads((store_path.parent / exp / "summary.json").read_text())["host_scale"]
+            with Store(store_path) as store:
+                points = [p for c in ("c1", "c2") for p in calibrate.replayed_runs(store, f"{exp}-{c}", f"{exp}-{c}")]
+            print(f"\n## Fidelity on another host, held out: {name} on the host {exp}'s defaults read "
+                  f"(CPU x{scale})")
+            print_compared(compare(points, on_host(load_profile(name), scale), model), 32)
 
 
 # Closed-loop runs on the same H200, held out of the fit: file -> the flags over vLLM's defaults.
