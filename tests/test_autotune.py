@@ -505,6 +505,13 @@ def test_the_h100_autotune_rebuilds_from_its_store(tmp_path):
     assert summary["prediction_error"] > 0.2
 
 
+def _api_cpu_us_per_token(store, exp: str) -> list[float]:
+    """Microseconds of the API-server process's CPU a streamed token, each level of the
+    autotune ``exp``'s defaults (vLLM's process_cpu_seconds_total over its output)."""
+    return [json.loads(r.summary_json)["server_api_cpu"] / r.output_throughput * 1e6
+            for r in store.runs(f"{exp}-defaults").itertuples()]
+
+
 def test_the_second_h100_host_rebuilds_and_its_api_server_took_half_the_cpu(tmp_path):
     """reports/examples/h100, `-b`: `make autotune` on a second H100 host. vLLM's defaults carried
     49.36 req/s there against the first host's 32.38 and the predictor's 31.40 (the H100 profile,
@@ -518,8 +525,7 @@ def test_the_second_h100_host_rebuilds_and_its_api_server_took_half_the_cpu(tmp_
     assert summary["predicted_defaults_capacity"] / summary["defaults_capacity"] - 1 < -0.35
     assert summary["lab_share"] <= 0.05 and summary["gpu_minutes"] <= 20
     with Store(db) as store:
-        per_token = {host: [json.loads(r.summary_json)["server_api_cpu"] / r.output_throughput * 1e6
-                            for r in store.runs(f"{e}-defaults").itertuples()]
+        per_token = {host: _api_cpu_us_per_token(store, e)
                      for host, e in (("first", "autotune-realtime-chat-h100"), ("second", exp))}
     assert all(57 <= us <= 65 for us in per_token["first"]), per_token
     assert all(30 <= us <= 37 for us in per_token["second"]), per_token
@@ -574,7 +580,6 @@ def test_the_fourth_h100_host_is_the_profiles_and_the_unpared_pick_cost_nine_per
     assert c2["predicted"] > 1.15 * c2["measured"]
 
 
-
 def test_the_fifth_h100_host_read_its_cpu_from_the_defaults_and_held_the_pick_within_its_interval(tmp_path):
     """reports/examples/h100, `-i`: `make autotune` on a fifth H100 host, in one phase. The defaults
     measured 34.87 … 37.84 req/s against 31.40 predicted (a host at 0.862 of the profile's CPU
@@ -596,8 +601,7 @@ def test_the_fifth_h100_host_read_its_cpu_from_the_defaults_and_held_the_pick_wi
     assert abs(c1["predicted"] / c1["measured"] - 1) <= 0.05
     assert c2["measured"] == c1["measured"] and c2["flags"]["api-server-count"] == 4
     with Store(tmp_path / "lab.db") as store:
-        per_token = [json.loads(r.summary_json)["server_api_cpu"] / r.output_throughput * 1e6
-                     for r in store.runs(f"{exp}-defaults").itertuples()]
+        per_token = _api_cpu_us_per_token(store, exp)
         served = {n: {r.point["load.shape.level"]: r.goodput
                       for r in store.runs(f"{exp}-{n}").itertuples() if r.summary["meets_slo"]}
                   for n in ("c1", "c2")}

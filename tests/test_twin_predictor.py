@@ -715,33 +715,44 @@ def test_the_third_h100_hosts_defaults_name_its_host_and_c1_is_found_there(tmp_p
     assert 52 <= c1 <= 57 and c2 >= c1 * 0.98, (c1, c2)
 
 
+H100_EXAMPLE = Path(__file__).resolve().parents[1] / "reports/examples/h100"
+
+
+def _h100_staircases_compared(profile, exp: str, candidates: tuple[str, ...]) -> list[dict]:
+    """``fit.compare``'s rows for the staircases of an H100 autotune's ``candidates``, each level
+    replayed request for request on ``profile`` and named "<candidate> #<level>"."""
+    from vllm_lab import calibrate
+    from vllm_lab.store import Store
+
+    with Store(H100_EXAMPLE / "lab.db") as store:
+        points = [p for c in candidates for p in calibrate.replayed_runs(store, f"{exp}-{c}", c)]
+    return compare(points, profile, load_model_shape(profile.model))
+
+
+def _errors(rows: list[dict], metric: str) -> list[float]:
+    return [r["error"] for r in rows if r["metric"] == metric]
+
+
+def _median_abs(rows: list[dict], metric: str) -> float:
+    import statistics
+
+    return statistics.median(abs(e) for e in _errors(rows, metric))
+
+
 @pytest.mark.fidelity  # 14 staircase levels replayed, ~3 s
 def test_the_fourth_h100_hosts_staircases_are_held_out_within_a_few_percent_but_ttft():
     """`-h` (reports/examples/h100), a host whose CPU is the profile's: its 14 staircase levels of
     Poisson chat, replayed request for request on the H100 profile (never fitted to them), read
     throughput and TPOT p50 within a few percent. TTFT p50 reads high at each candidate's lowest
     level, the API server's constant hold the README names (vLLM's engine part is right there)."""
-    import statistics
-
-    from vllm_lab import calibrate
-    from vllm_lab.store import Store
-
-    profile = load_profile("h100-llama-3-8b")
-    model = load_model_shape(profile.model)
-    db = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
-    with Store(db) as store:
-        points = [p for c in ("defaults", "c1", "c2")
-                  for p in calibrate.replayed_runs(store, f"autotune-realtime-chat-h100-h-{c}", c)]
-    rows = compare(points, profile, model)
-    err = {m: [r["error"] for r in rows if r["metric"] == m]
-           for m in ("output_throughput", "p50_tpot_ms", "p50_ttft_ms")}
-    assert len(err["output_throughput"]) == 14
-    assert statistics.median(map(abs, err["output_throughput"])) <= 0.02
-    assert statistics.median(map(abs, err["p50_tpot_ms"])) <= 0.05
+    rows = _h100_staircases_compared(load_profile("h100-llama-3-8b"), "autotune-realtime-chat-h100-h",
+                                     ("defaults", "c1", "c2"))
+    assert len(_errors(rows, "output_throughput")) == 14
+    assert _median_abs(rows, "output_throughput") <= 0.02
+    assert _median_abs(rows, "p50_tpot_ms") <= 0.05
     lowest = {r["point"]: r["error"] for r in rows
               if r["metric"] == "p50_ttft_ms" and r["point"].endswith("#1")}
     assert all(0.15 <= e <= 0.4 for e in lowest.values()), lowest
-
 
 
 @pytest.mark.fidelity  # 10 staircase levels replayed, ~3 s
@@ -750,24 +761,14 @@ def test_the_fifth_h100_hosts_picks_read_right_on_the_host_its_defaults_named_bu
     CPU time. On the profile moved there, as autotune aimed them, the picks' ten levels (held out
     of that reading) read throughput and TPOT p50 within 1-2%; TTFT p50 reads high by about the
     same 13-18 ms at every level, the constant hold the README names, not a share of the load."""
-    import statistics
-
-    from vllm_lab import calibrate
-    from vllm_lab.store import Store
     from vllm_lab.twin.profile import on_host
 
-    example = Path(__file__).resolve().parents[1] / "reports/examples/h100"
     exp = "autotune-realtime-chat-h100-i"
-    scale = json.loads((example / exp / "summary.json").read_text())["host_scale"]
-    profile = on_host(load_profile("h100-llama-3-8b"), scale)
-    with Store(example / "lab.db") as store:
-        points = [p for c in ("c1", "c2") for p in calibrate.replayed_runs(store, f"{exp}-{c}", c)]
-    rows = compare(points, profile, load_model_shape(profile.model))
-    err = {m: [r["error"] for r in rows if r["metric"] == m]
-           for m in ("output_throughput", "p50_tpot_ms")}
-    assert len(err["output_throughput"]) == 10
-    assert statistics.median(map(abs, err["output_throughput"])) <= 0.01
-    assert statistics.median(map(abs, err["p50_tpot_ms"])) <= 0.02
+    scale = json.loads((H100_EXAMPLE / exp / "summary.json").read_text())["host_scale"]
+    rows = _h100_staircases_compared(on_host(load_profile("h100-llama-3-8b"), scale), exp, ("c1", "c2"))
+    assert len(_errors(rows, "output_throughput")) == 10
+    assert _median_abs(rows, "output_throughput") <= 0.01
+    assert _median_abs(rows, "p50_tpot_ms") <= 0.02
     excess_ms = [r["predicted"] - r["measured"] for r in rows if r["metric"] == "p50_ttft_ms"]
     assert all(12 <= ms <= 18 for ms in excess_ms), excess_ms
 
