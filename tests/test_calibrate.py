@@ -116,3 +116,57 @@ def test_the_h100_profile_predicts_the_h100_runs_it_was_not_fitted_to():
             assert abs(got[key] / pt.measured[key] - 1) < 0.03, (pt.name, key, got[key], pt.measured[key])
     cv = runs[["output_throughput", "ttft_p50"]].std() / runs[["output_throughput", "ttft_p50"]].mean()
     assert len(runs) == 5 and cv["output_throughput"] < 0.02 and cv["ttft_p50"] < 0.05
+
+
+def test_a_fit_moves_the_eager_launch_cost_with_the_compiled_launches_it_fits():
+    """No calibration plan runs an eager server: the fitted compiled launches (the same CPU work,
+    a layer's kernels dispatched one by one) carry the host's eager cost, at the base's ratio."""
+    from vllm_lab.twin.fit import with_eager_launches
+
+    base = load_profile("h100-llama-3-8b")
+    co = base.coefficients
+
+    def launches(compiled: float):
+        return base.model_copy(update={"coefficients": co.model_copy(
+            update={"compiled_layer_launch_s": compiled})})
+
+    half = with_eager_launches(launches(co.compiled_layer_launch_s / 2), base).coefficients
+    assert abs(half.eager_layer_overhead_s / co.eager_layer_overhead_s - 0.5) < 1e-9
+    assert with_eager_launches(launches(co.compiled_layer_launch_s), base) == base
+
+
+def test_a_hosts_calibration_predicts_its_eager_staircase_and_its_defaults():
+    """reports/examples/h100, the sixth host: make calibrate's plan (h100-calibrate-b), then vLLM's
+    defaults five times in 60-s runs (h100-baseline-60s) and the guide's realtime-chat template
+    (--enforce-eager, 48 sequences) in a staircase of 12, 24 and 36 req/s (h100-chat-stairs-b), both
+    held out. The host's fit read its compiled launches at 0.47 of the profile's. With its eager
+    term carried unchanged (0.8 ms a layer, the H200's) it predicts the eager staircase at half
+    the throughput and twice the TPOT; moved with the compiled launches, within 11%."""
+    from pathlib import Path
+
+    from vllm_lab.twin.fit import with_eager_launches
+
+    example = Path(__file__).resolve().parents[1] / "reports/examples/h100"
+    base, model = load_profile("h100-llama-3-8b"), load_model_shape("llama-3-8b")
+    fitted = load_profile(example / "h100-calibrate-b/h100-llama-3-8b.yaml")
+    with Store(example / "lab.db") as store:
+        fitted_on = [p.name for p in calibrate.bench_points(store, "h100-calibrate-b")]
+        stairs = calibrate.replayed_runs(store, "h100-chat-stairs-b", "stairs")
+        defaults = calibrate.replayed_runs(store, "h100-baseline-60s", "repeat")
+    assert fitted.provenance.fitted_on == fitted_on and len(stairs) == 3 and len(defaults) == 5
+    assert fitted.coefficients.eager_layer_overhead_s == base.coefficients.eager_layer_overhead_s
+    moved = with_eager_launches(fitted, base)
+    assert 0.35e-3 < moved.coefficients.eager_layer_overhead_s < 0.4e-3
+
+    def errors(profile, points):
+        rows = compare(points, profile, model)
+        return {m: [r["error"] for r in rows if r["metric"] == m]
+                for m in ("output_throughput", "p50_tpot_ms", "p50_ttft_ms")}
+
+    carried, eager = errors(fitted, stairs), errors(moved, stairs)
+    assert all(e < -0.45 for e in carried["output_throughput"])
+    assert all(e > 0.85 for e in carried["p50_tpot_ms"])
+    assert all(abs(e) < 0.11 for m in ("output_throughput", "p50_tpot_ms") for e in eager[m]), eager
+    held = errors(moved, defaults)
+    assert all(abs(e) < 0.02 for m in ("output_throughput", "p50_tpot_ms") for e in held[m]), held
+    assert all(abs(e) < 0.05 for e in held["p50_ttft_ms"]), held

@@ -116,6 +116,23 @@ def test_predictor_staircase_finds_the_capacity(tmp_path):
     assert (index.parent / "stress.png").exists() and "Knee at" in index.read_text()
 
 
+def test_a_staircase_broken_from_its_first_level_names_no_knee_at_zero():
+    """The guide's realtime-chat template on an H100 (reports/examples/h100, h100-chat-stairs-b):
+    the SLO broken at every level, the server serving 10.9 req/s from 24 on. The knee lies below
+    the lowest level; the headline says so instead of 'Knee at 0 req/s'."""
+    from vllm_lab.reports.stress import _staircase_headline
+
+    t = pd.DataFrame({"level": [12.0, 24.0, 36.0], "offered": [12.2, 24.4, 37.6], "ok": True,
+                      "unbounded": [False, True, True], "meets_slo": False,
+                      "capacity_estimate": [math.nan, 10.9, 10.9]})
+    knee = find_knee(t)
+    assert knee["knee"] == 0 and knee["knee_slo"] == 0 and knee["max_sustainable"] is None
+    assert _staircase_headline(knee) == (
+        "Knee below the lowest level asked; past 12.2 req/s the server serves less than it is "
+        "sent: its work in flight grows; the SLO is broken from the lowest level on; no level was "
+        "sustainable under the SLO.")
+
+
 def synthetic_run(spike: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
     """A run of 60 s: base TTFT 50 ms, 200 ms during a spike at 20-30 s that drains by 36 s."""
     t = np.arange(0, 60, 0.1)

@@ -176,13 +176,18 @@ def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
 
 
 def _staircase_headline(knee: dict) -> str:
+    # A knee of 0 is one below the lowest level asked: the staircase never saw it.
     parts = []
-    if knee["knee"] is not None:
+    if knee["knee"] == 0:
+        parts.append("Knee below the lowest level asked")
+    elif knee["knee"] is not None:
         parts.append(f"Knee at {knee['knee']:.3g} req/s offered")
     if knee["knee_unbounded"] is not None:
         parts.append(f"past {knee['knee_unbounded']:.3g} req/s the server serves less than it is "
                      f"sent: its work in flight grows")
-    if knee["knee_slo"] is not None:
+    if knee["knee_slo"] == 0:
+        parts.append("the SLO is broken from the lowest level on")
+    elif knee["knee_slo"] is not None:
         parts.append(f"the SLO breaks past {knee['knee_slo']:.3g} req/s")
     parts.append(f"max sustainable load (served as sent, SLO met): "
                  f"{knee['max_sustainable']:.3g} req/s" if knee["max_sustainable"] is not None

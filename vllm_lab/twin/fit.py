@@ -178,7 +178,7 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
     from scipy.optimize import least_squares  # here: ~0.35 s to import, for a fit alone
     sol = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
                         diff_step=0.02, max_nfev=max_evals)
-    fitted = _with(base_profile, sol.x, params)
+    fitted = with_eager_launches(_with(base_profile, sol.x, params), base_profile)
     prov = fitted.provenance.model_copy(update={
         "fitted_on": [p.name for p in points],
         "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -187,6 +187,21 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
         "errors": median_errors(points, fitted, model),
     })
     return fitted.model_copy(update={"provenance": prov})
+
+
+def with_eager_launches(fitted: Profile, base: Profile) -> Profile:
+    """``fitted`` with its eager launch cost moved by the factor its compiled launches moved from
+    ``base``'s. Both are the CPU dispatching a layer's kernels from Python, one by one: under
+    --enforce-eager every op, past the largest CUDA graph Inductor's fused kernels (on the H200
+    0.8 and 0.75 ms a layer). No calibration plan runs an eager server, so the fit of the
+    compiled term is the host's only reading of that cost: on the sixth H100 host
+    (reports/examples/h100) it fitted 0.47 of the profile's, and its eager staircase measured
+    TPOT 13 ms where the eager term carried unchanged predicted 26."""
+    bc, fc = base.coefficients, fitted.coefficients
+    if bc.compiled_layer_launch_s <= 0 or fc.compiled_layer_launch_s == bc.compiled_layer_launch_s:
+        return fitted
+    eager = bc.eager_layer_overhead_s * fc.compiled_layer_launch_s / bc.compiled_layer_launch_s
+    return fitted.model_copy(update={"coefficients": fc.model_copy(update={"eager_layer_overhead_s": eager})})
 
 
 def median_errors(points: list[BenchPoint], profile: Profile, model) -> dict[str, float]:
