@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vllm_lab.models import load_model_shape
 from vllm_lab.scenarios import Scenario
-from vllm_lab.twin.fit import compare, load_point, with_eager_launches
+from vllm_lab.twin.fit import compare, load_point
 from vllm_lab.twin.predictor import (
     CLIENT_TURNAROUND_S,
     Closed,
@@ -67,9 +67,9 @@ OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate",
 # predicted on the profile moved to the host, as autotune aimed them.
 HOSTS_READ = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db",
                ("autotune-realtime-chat-h100-g", "autotune-realtime-chat-h100-i")),)
-# Hosts calibrated on themselves (make calibrate's profile of the host, its eager launch cost
-# moved with its compiled launches as make calibrate now writes it), and runs held out of it.
-CALIBRATED_HOSTS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db",
+# Hosts calibrated on themselves (the profile make calibrate wrote for the host) and runs held
+# out of that calibration.
+CALIBRATED_HOSTS = ((EXAMPLES / "h100/lab.db",
                      EXAMPLES / "h100/h100-calibrate-b/h100-llama-3-8b.yaml",
                      ("h100-baseline-60s", "h100-chat-stairs-b")),)
 
@@ -96,8 +96,8 @@ def other_gpus(model) -> None:
             print(f"\n## Fidelity on another host, held out: {name} on the host {exp}'s defaults read "
                   f"(CPU x{scale})")
             print_compared(compare(points, on_host(load_profile(name), scale), model), 32)
-    for name, store_path, fitted_path, held_exps in CALIBRATED_HOSTS:
-        profile = with_eager_launches(load_profile(fitted_path), load_profile(name))
+    for store_path, fitted_path, held_exps in CALIBRATED_HOSTS:
+        profile = load_profile(fitted_path)
         with Store(store_path) as store:
             points = [p for exp in held_exps for p in calibrate.replayed_runs(store, exp, exp)]
         print(f"\n## Fidelity on a host calibrated on itself, held out: {fitted_path.parent.name}'s "

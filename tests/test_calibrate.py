@@ -139,12 +139,11 @@ def test_a_hosts_calibration_predicts_its_eager_staircase_and_its_defaults():
     """reports/examples/h100, the sixth host: make calibrate's plan (h100-calibrate-b), then vLLM's
     defaults five times in 60-s runs (h100-baseline-60s) and the guide's realtime-chat template
     (--enforce-eager, 48 sequences) in a staircase of 12, 24 and 36 req/s (h100-chat-stairs-b), both
-    held out. The host's fit read its compiled launches at 0.47 of the profile's. With its eager
-    term carried unchanged (0.8 ms a layer, the H200's) it predicts the eager staircase at half
-    the throughput and twice the TPOT; moved with the compiled launches, within 11%."""
+    held out. The host's profile is `make calibrate FIT_ONLY=1` over the plan (three starts). It
+    read the compiled launches at half the profile's, and the eager term moved with them (0.40 ms
+    a layer; the staircase's decode steps measured 0.41) predicts the staircase within 5% on
+    throughput and TPOT; the H200's 0.8 carried, it predicted half the throughput."""
     from pathlib import Path
-
-    from vllm_lab.twin.fit import with_eager_launches
 
     example = Path(__file__).resolve().parents[1] / "reports/examples/h100"
     base, model = load_profile("h100-llama-3-8b"), load_model_shape("llama-3-8b")
@@ -154,19 +153,20 @@ def test_a_hosts_calibration_predicts_its_eager_staircase_and_its_defaults():
         stairs = calibrate.replayed_runs(store, "h100-chat-stairs-b", "stairs")
         defaults = calibrate.replayed_runs(store, "h100-baseline-60s", "repeat")
     assert fitted.provenance.fitted_on == fitted_on and len(stairs) == 3 and len(defaults) == 5
-    assert fitted.coefficients.eager_layer_overhead_s == base.coefficients.eager_layer_overhead_s
-    moved = with_eager_launches(fitted, base)
-    assert 0.35e-3 < moved.coefficients.eager_layer_overhead_s < 0.4e-3
+    assert "3 start(s)" in fitted.provenance.method
+    assert 0.38e-3 < fitted.coefficients.eager_layer_overhead_s < 0.42e-3
+    carried = fitted.model_copy(update={"coefficients": fitted.coefficients.model_copy(
+        update={"eager_layer_overhead_s": base.coefficients.eager_layer_overhead_s})})
 
     def errors(profile, points):
         rows = compare(points, profile, model)
         return {m: [r["error"] for r in rows if r["metric"] == m]
                 for m in ("output_throughput", "p50_tpot_ms", "p50_ttft_ms")}
 
-    carried, eager = errors(fitted, stairs), errors(moved, stairs)
-    assert all(e < -0.45 for e in carried["output_throughput"])
-    assert all(e > 0.85 for e in carried["p50_tpot_ms"])
-    assert all(abs(e) < 0.11 for m in ("output_throughput", "p50_tpot_ms") for e in eager[m]), eager
-    held = errors(moved, defaults)
+    eager, was = errors(fitted, stairs), errors(carried, stairs)
+    assert all(e < -0.45 for e in was["output_throughput"])
+    assert all(e > 0.85 for e in was["p50_tpot_ms"])
+    assert all(abs(e) < 0.05 for m in ("output_throughput", "p50_tpot_ms") for e in eager[m]), eager
+    held = errors(fitted, defaults)
     assert all(abs(e) < 0.02 for m in ("output_throughput", "p50_tpot_ms") for e in held[m]), held
-    assert all(abs(e) < 0.05 for e in held["p50_ttft_ms"]), held
+    assert all(abs(e) < 0.10 for e in held["p50_ttft_ms"]), held

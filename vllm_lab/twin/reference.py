@@ -417,7 +417,7 @@ def fit_frontend(profile_name: str = "h200-llama-3-8b", max_evals: int = 200):
     base = base.model_copy(update={"coefficients": base.coefficients.model_copy(
         update=FRONTEND_START)})
     return fit_profile(frontend_fit_set(), base, load_model_shape(base.model), max_evals=max_evals,
-                       params=FRONTEND_PARAMS)
+                       params=FRONTEND_PARAMS, starts=(1.0,))
 
 
 if __name__ == "__main__":  # python -m vllm_lab.twin.reference PROFILE_OUT.yaml
