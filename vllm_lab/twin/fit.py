@@ -212,8 +212,8 @@ def with_eager_launches(fitted: Profile, base: Profile) -> Profile:
     --enforce-eager every op, past the largest CUDA graph Inductor's fused kernels (on the H200
     0.8 and 0.75 ms a layer). No calibration plan runs an eager server, so the fit of the
     compiled term is the host's only reading of that cost: on the sixth H100 host
-    (reports/examples/h100) it fitted 0.47 of the profile's, and its eager staircase measured
-    TPOT 13 ms where the eager term carried unchanged predicted 26."""
+    (reports/examples/h100) it fitted half the profile's, and its eager staircase measured TPOT
+    13 ms where the eager term carried unchanged predicted 26."""
     bc, fc = base.coefficients, fitted.coefficients
     if bc.compiled_layer_launch_s <= 0 or fc.compiled_layer_launch_s == bc.compiled_layer_launch_s:
         return fitted
@@ -239,7 +239,6 @@ def host_log_errors(points: list[BenchPoint], profile: Profile, model,
                     scales: tuple[float, ...] = HOST_SCALES) -> np.ndarray:
     """log(predicted / measured) of HOST_METRICS for each scale (rows) and point (columns), the
     profile moved to each scale's host (``profile.on_host``)."""
-
     return np.stack([host_logs(points, [predicted_metrics(replay(pt, on_host(profile, s), model))
                                         for pt in points]) for s in scales])
 
