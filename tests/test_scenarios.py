@@ -96,3 +96,14 @@ def test_missing_file_and_bad_override(folder):
 def test_override_error_names_the_override(folder):
     with pytest.raises(ScenarioError, match=r"override 'load.shape.levl=3': unknown key load.shape.levl"):
         scenarios.resolve("chat", overrides=["load.shape.levl=3"], folder=folder)
+
+
+def test_a_flag_given_no_value_is_vllms_default(folder):
+    # The way back from a template's flags to vLLM's own, e.g. make stress on realtime-chat's
+    # traffic with SET="serve.enforce-eager= serve.max-num-seqs=": the flag is not passed at all.
+    s = scenarios.resolve("chat", "small", ["serve.max-num-batched-tokens=", "serve.dtype=null"],
+                          folder=folder)
+    assert "max-num-batched-tokens" not in s.serve and "dtype" not in s.serve
+    assert s.serve["model"] == "llama-3-8b"
+    with pytest.raises(ScenarioError, match="serve.model is required"):
+        scenarios.resolve("chat", overrides=["serve.model="], folder=folder)

@@ -68,6 +68,9 @@ def test_loadgen_hosts_run_the_provisioned_venv(tmp_path):
     cmd = _worker_cmd(w["load-1"], "10.0.0.9", 5557, "/srv/lab/traffic/r/traffic_config.json", 1)
     assert cmd[:2] == ["ssh", "-o"] and "lab@10.0.0.31" in cmd and cmd[cmd.index("-p") + 1] == "2222"
     assert "exec /srv/lab/venv/bin/python -m locust" in cmd[-1] and "python3 " not in cmd[-1]
+    # The lab deals each host its first share of an open loop's schedule (ssh passes no environment).
+    assert "VLLM_LAB_FIRST_SHARE=0 " in cmd[-1]
+    assert "VLLM_LAB_FIRST_SHARE=4 " in _worker_cmd(w["load-1"], "10.0.0.9", 5557, "c", 2, 4)[-1]
     # The container inventory: the lab is not installed there, its one load generator is here.
     (box,) = loadgen_workers(REPO / "inventory/container.yml")
     assert box.local and _worker_cmd(box, "127.0.0.1", 1, "c", 1)[0] == sys.executable

@@ -188,16 +188,14 @@ _SHARES = multiprocessing.Value("i", 0)
 
 
 def _share(runner) -> int:
-    """This process's share of the schedule (``arrivals.dealt``): the next free one where Locust
-    forked the processes here (they share memory), else the index the master gave this worker
-    (a worker on another host), 0 for a single process."""
+    """This process's share of the schedule (``arrivals.dealt``): the next free one among the
+    processes Locust forked here (they share memory), from the first share the lab dealt this
+    worker host (runner.FIRST_SHARE_ENV); 0 for a single process."""
     if not isinstance(runner, WorkerRunner):
         return 0
-    if _CFG.get("shared_pool", True):
-        with _SHARES.get_lock():
-            share, _SHARES.value = _SHARES.value, _SHARES.value + 1
-        return share
-    return runner.worker_index
+    with _SHARES.get_lock():
+        share, _SHARES.value = _SHARES.value, _SHARES.value + 1
+    return int(os.environ.get("VLLM_LAB_FIRST_SHARE", "0")) + share
 
 
 @events.init.add_listener

@@ -49,6 +49,9 @@ from vllm_lab.traffic.workloads import PromptBuilder
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 # How a local Locust process gets the server's API key (environment, not argv or the config file).
 API_KEY_ENV = "VLLM_LAB_API_KEY"
+# The first share of an open loop's schedule a worker host's processes send (the lab deals them by
+# the host's place in the list; the locustfile reads the same name).
+FIRST_SHARE_ENV = "VLLM_LAB_FIRST_SHARE"
 _LOCAL = {"127.0.0.1", "localhost", "::1"}
 # The lab_host role's defaults (playbooks/roles/lab_host/defaults/main.yml), for hosts that set none.
 LAB_HOST_ROOT_DEFAULT = "/opt/vllm-lab"
@@ -261,8 +264,10 @@ _FIND_LOCUSTFILE = ("import os, vllm_lab; "
 
 
 def _worker_cmd(host: str | WorkerHost, master: str, port: int, cfg: Path | str,
-                processes: int) -> list[str]:
-    """The command that starts a host's Locust worker(s); cfg is the config's path on that host."""
+                processes: int, first_share: int = 0) -> list[str]:
+    """The command that starts a host's Locust worker(s); cfg is the config's path on that host,
+    first_share the first share of the schedule its processes send (a local worker has it in the
+    environment _run_locust gives it; ssh does not pass the environment on)."""
     h = WorkerHost.of(host)
     args = ["--worker", "--master-host", master, "--master-port", str(port)]
     if processes > 1:
@@ -274,7 +279,8 @@ def _worker_cmd(host: str | WorkerHost, master: str, port: int, cfg: Path | str,
     py = shlex.quote(h.python)
     remote = (f"LF=$({py} -c {shlex.quote(_FIND_LOCUSTFILE)}) && "
               f"cd {shlex.quote(str(PurePosixPath(str(cfg)).parent))} && "
-              f"VLLM_LAB_TRAFFIC_CONFIG={shlex.quote(str(cfg))} PYTHONUNBUFFERED=1 "
+              f"VLLM_LAB_TRAFFIC_CONFIG={shlex.quote(str(cfg))} {FIRST_SHARE_ENV}={int(first_share)} "
+              f"PYTHONUNBUFFERED=1 "
               f"exec {py} -m locust -f \"$LF\" {shlex.join(args)}")
     return h.ssh(remote)
 
@@ -403,8 +409,8 @@ def run_load(
         # through ssh's command line it would show in ps on both ends.
         _copy_to_remote(hosts, {**config, "api_key": api_key}, run_tag)
     scraper = Scraper(base_url, scrape_interval_s).start() if scrape_metrics else None
-    rc, tail = _run_locust(cmd, env, out_dir, load, hosts,
-                           lambda h: _worker_popen_args(h, cfg, run_tag, port, processes),
+    rc, tail = _run_locust(cmd, env, out_dir, load, hosts, processes,
+                           lambda h, first: _worker_popen_args(h, cfg, run_tag, port, processes, first),
                            on_progress)
     metrics = scraper.stop() if scraper else frame([])
     _fetch_remote_samples(hosts, out_dir, run_tag)
@@ -485,25 +491,31 @@ def _distribution(hosts: list[WorkerHost], processes: int, num_workers: int, por
     return []
 
 
-def _worker_popen_args(h: WorkerHost, cfg: Path, run_tag: str, port: int, processes: int) -> list[str]:
+def _worker_popen_args(h: WorkerHost, cfg: Path, run_tag: str, port: int, processes: int,
+                       first_share: int) -> list[str]:
     where = cfg if h.local else PurePosixPath(_remote_dir(h, run_tag), cfg.name)
-    return _worker_cmd(h, _master_address(h), port, where, processes)
+    return _worker_cmd(h, _master_address(h), port, where, processes, first_share)
 
 
 def _run_locust(cmd: list[str], env: dict, out_dir: Path, load: Load, hosts: list[WorkerHost],
-                worker_cmd: Callable[[WorkerHost], list[str]],
+                processes: int, worker_cmd: Callable[[WorkerHost, int], list[str]],
                 on_progress: Callable[..., None] | None) -> tuple[int, str]:
     """Locust (and its workers on hosts) from start to stop, each in its own process group; its
-    exit code and the end of its output (read from the lab's own file, not the name again)."""
+    exit code and the end of its output (read from the lab's own file, not the name again).
+
+    Each worker host's processes send the shares of an open loop's schedule from its place in
+    ``hosts`` on, dealt here: not by the index Locust's master acknowledges a worker with, which
+    a worker reads as 0 until the acknowledgement arrives."""
     worker_procs: list[subprocess.Popen] = []
     with os.fdopen(_create(out_dir / "locust.stdout"), "w+b") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            for h in hosts:
+            for place, h in enumerate(hosts):
+                first = place * processes
                 worker_procs.append(subprocess.Popen(
-                    worker_cmd(h), env=env, stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True))
+                    worker_cmd(h, first), env={**env, FIRST_SHARE_ENV: str(first)}, stdout=log,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
             # The shape stops the run, and Locust's graceful stop gives the requests in flight up
             # to the request timeout (--stop-timeout); this limit only catches a hung Locust.
             rc = _wait(proc, load.stop.duration_s + load.request_timeout_s + 60,
