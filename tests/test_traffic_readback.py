@@ -141,7 +141,7 @@ def test_locust_output_is_shown_by_its_end_read_from_the_labs_own_file(tmp_path)
     noisy = "import sys; print('x' * 100_000); print('the last words'); sys.exit(3)"
     load = Load(stop={"duration_s": 1}, request_timeout_s=1)
     rc, tail = finishes(runner._run_locust, [sys.executable, "-c", noisy], dict(os.environ), out,
-                        load, [], lambda h: [], None)
+                        load, [], 1, lambda h, first: [], None)
     assert rc == 3 and tail.endswith("the last words\n") and len(tail) == runner.TAIL_BYTES
     (out / "locust.stdout").unlink()
     os.mkfifo(out / "locust.stdout")  # read by name, this would wait for a writer
