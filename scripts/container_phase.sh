@@ -26,7 +26,10 @@
 #        stress (make stress SHAPE=step, default, at LEVELS req/s on SCENARIO, default realtime-chat:
 #        one configuration's staircase, e.g. an autotune candidate's flags given in SET; EXPERIMENT
 #        names it, default stress-<SHAPE>).
-# SET (optional) adds overrides to the phase's own, e.g. SET="serve.api-server-count=2".
+# SET (optional) adds overrides to the phase's own, e.g. SET="serve.api-server-count=2"; a flag
+# given no value is vLLM's default, so the stress phase takes realtime-chat's traffic at vLLM's
+# defaults with SET="serve.enforce-eager= serve.max-num-seqs= serve.max-num-batched-tokens=
+# serve.gpu-memory-utilization= serve.block-size=".
 # MODEL (required) is the model folder; with SET's load-format=dummy only its config and tokenizer
 # are read. HARDWARE is the lab's preset of the host's GPU (default h200; h100-80g for an H100).
 # VLLM_VENV and LAB_ROOT go to the inventory (see inventory/container.yml). STORE (default
