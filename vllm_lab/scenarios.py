@@ -94,9 +94,10 @@ class Scenario(Strict):
 
     @field_validator("serve")
     @classmethod
-    def _serve_has_model(cls, serve: dict[str, Any]) -> dict[str, Any]:
-        # A flag given no value (`serve.enforce-eager=`, or `null` in a file) is vLLM's default:
-        # it undoes a layer below, e.g. a template's flags, without naming the default's value.
+    def _serve_flags_given_with_model(cls, serve: dict[str, Any]) -> dict[str, Any]:
+        """The flags given a value, a model among them. A flag given none (`serve.enforce-eager=`,
+        or `null` in a file) is vLLM's default: it undoes a layer below, e.g. a template's flags,
+        without naming the default's value."""
         serve = {k: v for k, v in serve.items() if v is not None}
         if not serve.get("model"):
             raise ValueError("serve.model is required (a model name or folder)")
