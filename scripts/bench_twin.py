@@ -68,10 +68,14 @@ OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate",
 HOSTS_READ = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db",
                ("autotune-realtime-chat-h100-g", "autotune-realtime-chat-h100-i")),)
 # Hosts calibrated on themselves (the profile make calibrate wrote for the host) and runs held
-# out of that calibration.
-CALIBRATED_HOSTS = ((EXAMPLES / "h100/lab.db",
+# out of that calibration, each read on that profile and on the shipped one (which never saw the
+# host): (shipped profile, store, the host's profile, held-out experiments).
+CALIBRATED_HOSTS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db",
                      EXAMPLES / "h100/h100-calibrate-b/h100-llama-3-8b.yaml",
-                     ("h100-baseline-60s", "h100-chat-stairs-b")),)
+                     ("h100-baseline-60s", "h100-chat-stairs-b")),
+                    ("h100-llama-3-8b", EXAMPLES / "h100/lab.db",
+                     EXAMPLES / "h100/h100-calibrate-c/h100-llama-3-8b.yaml",
+                     ("h100-chat-defaults-c",)))
 
 
 def other_gpus(model) -> None:
@@ -96,13 +100,14 @@ def other_gpus(model) -> None:
             print(f"\n## Fidelity on another host, held out: {name} on the host {exp}'s defaults read "
                   f"(CPU x{scale})")
             print_compared(compare(points, on_host(load_profile(name), scale), model), 32)
-    for store_path, fitted_path, held_exps in CALIBRATED_HOSTS:
-        profile = load_profile(fitted_path)
+    for shipped, store_path, fitted_path, held_exps in CALIBRATED_HOSTS:
         with Store(store_path) as store:
             points = [p for exp in held_exps for p in calibrate.replayed_runs(store, exp, exp)]
-        print(f"\n## Fidelity on a host calibrated on itself, held out: {fitted_path.parent.name}'s "
-              f"profile on {', '.join(held_exps)}")
-        print_compared(compare(points, profile, model), 26)
+        for label, profile in ((f"{fitted_path.parent.name}'s profile", load_profile(fitted_path)),
+                               (f"the shipped {shipped}", load_profile(shipped))):
+            print(f"\n## Fidelity on a host calibrated on itself, held out: {label} on "
+                  f"{', '.join(held_exps)}")
+            print_compared(compare(points, profile, model), 26)
 
 
 # Closed-loop runs on the same H200, held out of the fit: file -> the flags over vLLM's defaults.

@@ -170,3 +170,35 @@ def test_a_hosts_calibration_predicts_its_eager_staircase_and_its_defaults():
     held = errors(fitted, defaults)
     assert all(abs(e) < 0.02 for m in ("output_throughput", "p50_tpot_ms") for e in held[m]), held
     assert all(abs(e) < 0.10 for e in held["p50_ttft_ms"]), held
+
+
+def test_the_h100_profile_reads_a_new_hosts_chat_staircase_at_vllms_defaults():
+    """reports/examples/h100, the seventh host: the realtime-chat traffic at vLLM's own defaults
+    (every template flag given no value) in a staircase of 15-55 req/s (h100-chat-defaults-c),
+    which no profile was fitted to. The shipped H100 profile names the same SLO verdict at every
+    level and the same ceiling (the most the server served, within 5%); replayed request for
+    request, it reads output throughput within 4% at every level and TPOT p50 within 11% below
+    the engine's limit. Its TTFT p50 at the light levels reads 33-55% high: the API server's part
+    (reports/examples/h100/README.md, "A seventh host")."""
+    import json
+    from pathlib import Path
+
+    from vllm_lab.scenarios import Scenario
+
+    store_path = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
+    profile, model = load_profile("h100-llama-3-8b"), load_model_shape("llama-3-8b")
+    with Store(store_path) as store:
+        runs = store.runs("h100-chat-defaults-c").sort_values("started")
+        stairs = calibrate.replayed_runs(store, "h100-chat-defaults-c", "level")
+    assert len(runs) == 5 and set(runs["status"]) == {"ok"}
+    scenarios_run = [Scenario.model_validate(json.loads(s)) for s in runs["scenario_json"]]
+    assert all(set(s.serve) == {"model", "dtype", "load-format"} for s in scenarios_run)
+    predicted = [PredictBackend().measure(s, None, Path(".")).summary for s in scenarios_run]
+    assert [bool(s["meets_slo"]) for s in runs["summary"]] == [p["meets_slo"] for p in predicted]
+    assert [p["meets_slo"] for p in predicted] == [True, True, False, False, False]
+    ceiling = max(p["request_throughput"] for p in predicted) / runs["request_throughput"].max()
+    assert abs(ceiling - 1) < 0.05, ceiling
+    rows = compare(stairs, profile, model)
+    assert all(abs(r["error"]) < 0.04 for r in rows if r["metric"] == "output_throughput"), rows
+    tpot = [r["error"] for r in rows if r["metric"] == "p50_tpot_ms"]
+    assert all(abs(e) < 0.11 for e in tpot[:4]), tpot
