@@ -156,6 +156,40 @@ def test_timing_uses_measured_starts_and_runs(tmp_path):
     assert fresh.expected("h", warmed, start=True) == scenario.run.start_timeout_s + 3 * (5 + RUN_OVERHEAD_S)
 
 
+def test_a_refused_point_says_what_it_needed_and_what_was_left():
+    """A phase given 4 minutes on a host where this experiment never started a server: the
+    start counts as the start timeout, so the point is refused, and the stop says so in numbers
+    (the H100's eager staircase was refused four times without a word of why). Once a start is
+    measured, the same minutes hold the point."""
+    from vllm_lab.backends import Measurement
+    from vllm_lab.deadline import STOP_MARGIN_S, DeadlineGuard, DeadlineReached
+    from vllm_lab.store import RunStatus
+
+    class Recorded:
+        name, calls = "vllm", 0
+
+        def measure(self, scenario, host, workdir):
+            Recorded.calls += 1
+            return Measurement(status=RunStatus.OK, started=0.0, ended=1.0)
+
+    scenario = SOURCE.resolve_checked()
+    at = time.time() + 240
+    guard = DeadlineGuard(Recorded(), Deadline(at, "4m"), Timing(live=True))
+    with pytest.raises(DeadlineReached) as refused:
+        guard.measure(scenario, "gpu0", Path("."))
+    need = scenario.run.start_timeout_s + 5 + RUN_OVERHEAD_S + STOP_MARGIN_S
+    why = refused.value.why
+    assert why.startswith(
+        f"the next run needs about {need:.0f} s, its server's start counted as run.start_timeout_s="
+        f"{scenario.run.start_timeout_s:g} until one is measured in this experiment, and "), why
+    assert re.search(r", and 2[34]\d s were left$", why), why
+    assert Recorded.calls == 0
+    measured = Timing(live=True)
+    measured.add("gpu0", True, 90.0)
+    DeadlineGuard(Recorded(), Deadline(at, "4m"), measured).measure(scenario, "gpu0", Path("."))
+    assert Recorded.calls == 1
+
+
 def test_a_request_bounded_run_is_expected_to_last_what_its_requests_take():
     """make calibrate's runs end at a number of requests, under a 600-s cap: the guard expects
     each from the twin's prediction of its requests, not from the cap (a calibration given a

@@ -91,7 +91,12 @@ class Deadline:
 
 
 class DeadlineReached(Exception):
-    """The next point would end past the deadline: nothing more is started."""
+    """The next point would end past the deadline: nothing more is started. ``why`` says what the
+    point was expected to take against what was left ("" where a run was cut short instead)."""
+
+    def __init__(self, host: str, why: str = ""):
+        super().__init__(host)
+        self.why = why
 
 
 # A live backend stops its servers through a playbook after the last run: this much time is kept
@@ -134,6 +139,10 @@ class Timing:
     def add(self, host: str, started: bool, seconds: float) -> None:
         """Record one measured point: its seconds, and whether it started a server."""
         (self.starts if started else self.runs).setdefault(host, []).append(max(0.0, seconds))
+
+    def start_measured(self, host: str) -> bool:
+        """Whether a server start of this experiment was measured (on ``host``, else anywhere)."""
+        return bool(self.starts.get(host) or any(self.starts.values()))
 
     def expected(self, host: str, scenario: Scenario, start: bool) -> float:
         """Seconds the next point on ``host`` is expected to take (the worst seen, else the plan's)."""
@@ -190,10 +199,11 @@ class DeadlineGuard:
         serve = json.dumps(scenario.serve, sort_keys=True, default=str)
         start = self.timing.live and self._serving.get(host) != serve
         where = host or ""
-        if self.timing.expected(where, scenario, start) + self.margin > self.deadline.left():
+        need, left = self.timing.expected(where, scenario, start) + self.margin, self.deadline.left()
+        if need > left:
             self.stopped = True
             self.on_stop()  # the servers' stop that follows must not be interrupted
-            raise DeadlineReached(where)
+            raise DeadlineReached(where, self._why(where, scenario, start, need, left))
         began = time.time()
         m = self.backend.measure(scenario, host, workdir)
         self.timing.add(where, start, time.time() - began)
@@ -202,6 +212,16 @@ class DeadlineGuard:
         else:
             self._serving.pop(host, None)  # a failed start or a crash: the next point starts again
         return m
+
+    def _why(self, host: str, scenario: Scenario, start: bool, need: float, left: float) -> str:
+        """What the point was expected to take, and how, against the seconds left."""
+        counted = ""
+        if start and not self.timing.start_measured(host):
+            counted = (f", its server's start counted as run.start_timeout_s="
+                       f"{scenario.run.start_timeout_s:g} until one is measured in this experiment")
+        elif start:
+            counted = ", its server's start included"
+        return f"the next run needs about {need:.0f} s{counted}, and {max(0.0, left):.0f} s were left"
 
     def close(self, host: str | None) -> None:
         """Stop the host's server (the backend's own close)."""

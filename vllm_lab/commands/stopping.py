@@ -98,8 +98,9 @@ def take(settings: Settings, exp_id: str, shown: Progress, work: Callable[[Backe
             backend = guarded_backend(settings, exp_id, shown)
             with watched(settings.deadline, backend):
                 return work(backend)
-    except DeadlineReached:
-        _say(f"stopped for DEADLINE={settings.deadline}", settings, exp_id, account())
+    except DeadlineReached as reached:
+        why = f" ({reached.why})" if reached.why else ""
+        _say(f"stopped for DEADLINE={settings.deadline}{why}", settings, exp_id, account())
         raise Stopped(EXIT_DEADLINE) from None
     except KeyboardInterrupt as stop:
         _say(shutdown.stop_words(stop), settings, exp_id, account())
