@@ -180,7 +180,8 @@ def test_a_refused_point_says_what_it_needed_and_what_was_left():
     need = scenario.run.start_timeout_s + 5 + RUN_OVERHEAD_S + STOP_MARGIN_S
     why = refused.value.why
     assert why.startswith(
-        f"the next run needs about {need:.0f} s, its server's start counted as run.start_timeout_s="
+        f"the next run needs about {need:.0f} s with the servers' stop, its server's start counted "
+        f"as run.start_timeout_s="
         f"{scenario.run.start_timeout_s:g} until one is measured in this experiment, and "), why
     assert re.search(r", and 2[34]\d s were left$", why), why
     assert Recorded.calls == 0

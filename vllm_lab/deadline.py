@@ -221,7 +221,9 @@ class DeadlineGuard:
                        f"{scenario.run.start_timeout_s:g} until one is measured in this experiment")
         elif start:
             counted = ", its server's start included"
-        return f"the next run needs about {need:.0f} s{counted}, and {max(0.0, left):.0f} s were left"
+        stop = " with the servers' stop" if self.margin else ""
+        return (f"the next run needs about {need:.0f} s{stop}{counted}, and {max(0.0, left):.0f} s "
+                f"were left")
 
     def close(self, host: str | None) -> None:
         """Stop the host's server (the backend's own close)."""
