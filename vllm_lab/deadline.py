@@ -140,16 +140,18 @@ class Timing:
         """Record one measured point: its seconds, and whether it started a server."""
         (self.starts if started else self.runs).setdefault(host, []).append(max(0.0, seconds))
 
+    @staticmethod
+    def _seen(table: dict[str, list[float]], host: str) -> list[float]:
+        """The seconds ``table`` holds for ``host``, else for every host."""
+        return table.get(host) or [v for values in table.values() for v in values]
+
     def start_measured(self, host: str) -> bool:
         """Whether a server start of this experiment was measured (on ``host``, else anywhere)."""
-        return bool(self.starts.get(host) or any(self.starts.values()))
+        return bool(self._seen(self.starts, host))
 
     def expected(self, host: str, scenario: Scenario, start: bool) -> float:
         """Seconds the next point on ``host`` is expected to take (the worst seen, else the plan's)."""
-        def seen(table: dict[str, list[float]]) -> list[float]:
-            return table.get(host) or [v for values in table.values() for v in values]
-
-        runs = seen(self.runs)
+        runs = self._seen(self.runs, host)
         if not self.live:
             run_s = max(runs) if runs else PREDICTED_RUN_S
         elif scenario.load.stop.max_requests is not None:
@@ -161,7 +163,7 @@ class Timing:
         if not start:
             return run_s
         # A start measured here includes the runs discarded after it (run.warmup_runs).
-        starts = [total - run_s for total in seen(self.starts)]
+        starts = [total - run_s for total in self._seen(self.starts, host)]
         start_s = max(starts) if starts else (scenario.run.start_timeout_s
                                               + scenario.run.warmup_runs * run_s)
         return max(0.0, start_s) + run_s
