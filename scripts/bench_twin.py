@@ -56,12 +56,14 @@ def print_compared(rows: list[dict], width: int) -> None:
 # GPUs other than the H200, each with its own profile, fitted by make calibrate to a committed
 # example's store: (profile, store, the calibration's experiment, experiments held out of it).
 # The H100's held-out staircases are those of the hosts whose CPU is the profile's (the first,
-# and `-h`, whose defaults measured where the profile put them); `-b` and `-g` were other CPUs.
+# `-h`, whose defaults measured where the profile put them, and `-d`, whose API server spent the
+# profile host's CPU a token); `-b` and `-g` were other CPUs.
 EXAMPLES = Path(__file__).resolve().parents[1] / "reports/examples"
 OTHER_GPUS = (("h100-llama-3-8b", EXAMPLES / "h100/lab.db", "h100-calibrate",
                ("h100-baseline-repeats",
                 *(f"autotune-realtime-chat-h100{host}-{c}" for host in ("", "-h")
-                  for c in ("defaults", "c1", "c2")))),)
+                  for c in ("defaults", "c1", "c2")),
+                "h100-chat-eager-d", "h100-chat-defaults-d")),)
 # Autotunes on other hosts of those GPUs, whose defaults' staircase read the host's CPU scale
 # (summary.json's host_scale): their other candidates' staircases, held out of that reading, are
 # predicted on the profile moved to the host, as autotune aimed them.

@@ -8,9 +8,10 @@ covers the step, and two all-reduces per layer under tensor parallelism.
 Launches without a CUDA graph: the CPU issues each kernel while the GPU runs the ones before it,
 so a step without a graph takes max(GPU time, the CPU's launch time), never their sum. Under
 --enforce-eager vLLM runs neither torch.compile nor CUDA graphs: PyTorch's eager dispatch issues every
-op of every layer (``eager_layer_overhead_s`` per layer, measured on the H200 from the pure-decode
-steps of a closed loop: 26 ms a step at 64 sequences where the graphed step takes 5 ms; a host's
-calibration moves it with the compiled launches it fits, fit.with_eager_launches). Small
+op of every layer (``eager_layer_overhead_s`` per layer, measured where a profile's GPU served
+with --enforce-eager: on the H200's host 26 ms a pure-decode step at 64 sequences where the graphed
+step takes 5 ms, on an H100's 15.3 ms at the chat traffic's lightest level; it is the host's CPU,
+and no calibration plan reads it). Small
 steps (decodes) are then bound by the CPU, while a step with a prefill chunk of thousands of tokens
 keeps the GPU busy longer than its launches and costs what it costs with graphs. A compiled step
 larger than the largest captured graph (vLLM captures up to min(2 x max-num-seqs, 512) tokens)
