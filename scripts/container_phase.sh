@@ -18,9 +18,10 @@
 #        baseline (make baseline: vLLM's defaults on the default scenario, REPEATS runs, default 5, of
 #        DURATION s, default 30, after a discarded one: the run-to-run spread of one configuration;
 #        EXPERIMENT names it, default h200-baseline-repeats),
-#        calibrate (make calibrate's plan on vLLM's defaults in one server start, then the profile
-#        fitted to it; EXPERIMENT names it, default h200-calibrate; `wait` copies the store as soon
-#        as the runs are in, so the host may be let go while the fit still runs),
+#        calibrate (make calibrate's plan on vLLM's defaults in one server start and its eager run
+#        in a second, then the profile fitted to it; EXPERIMENT names it, default h200-calibrate;
+#        `wait` copies the store as soon as the runs are in, so the host may be let go while the
+#        fit still runs),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200),
 #        stress (make stress SHAPE=step, default, at LEVELS req/s on SCENARIO, default realtime-chat:

@@ -4,7 +4,7 @@
 from vllm_lab import calibrate, scenarios
 from vllm_lab.backends import PredictBackend
 from vllm_lab.models import load_model_shape
-from vllm_lab.plans import Plan, execute
+from vllm_lab.plans import Plan, execute, group_by_server
 from vllm_lab.store import Store
 from vllm_lab.twin.fit import compare
 from vllm_lab.twin.profile import load_profile
@@ -19,6 +19,9 @@ def test_the_plan_covers_realistic_traffic_and_the_fit_replays_it(tmp_path):
     assert short[0].mean == 64 and short[1].mean == kinds["v256"].workload.lengths()[1].mean
     assert kinds["o50"].load.mode == "open" and kinds["v64"].workload.source == "sharegpt-like"
     assert kinds["chat64"].workload.api == "chat" and kinds["chat64"].workload.shared_prefix_ratio > 0
+    # The eager launch cost on a server start of its own, after the rest.
+    assert points[-1].values["point"] == "eager32" and kinds["eager32"].serve["enforce-eager"] is True
+    assert [len(g) for g in group_by_server(points)] == [len(points) - 1, 1]
     # Open loops at shares of the predicted capacity of 512/128 requests on this GPU.
     assert kinds["o80"].load.shape.level > kinds["o50"].load.shape.level > 0
     # Measured on the predictor and read back: each realistic run is replayed request for request,
@@ -118,19 +121,27 @@ def test_the_h100_profile_predicts_the_h100_runs_it_was_not_fitted_to():
     assert len(runs) == 5 and cv["output_throughput"] < 0.02 and cv["ttft_p50"] < 0.05
 
 
-def test_a_fit_keeps_the_base_profiles_eager_launch_cost():
-    """No calibration plan runs an eager server, and the compiled launches a fit reads do not
-    carry the eager cost (reports/examples/h100, "An eighth host"): a fit whose compiled launches
-    moved to half leaves the base's measured eager term as it was."""
-    from vllm_lab.twin.fit import fit_profile, load_point
-    from vllm_lab.twin.reference import ROOT
+def test_a_fit_reads_the_eager_launch_cost_from_the_eager_run_and_keeps_the_bases_without_one():
+    """The compiled launches a fit reads do not carry the eager cost (reports/examples/h100, "An
+    eighth host"): the plan's eager run alone sets it, and a fit without one keeps the base's
+    measured term even where the compiled launches moved to half."""
+    from vllm_lab.twin.fit import FIT_PARAMS, BenchPoint, fit_profile, predicted_metrics, replay
 
-    base = load_profile("h100-llama-3-8b")
-    fitted = fit_profile([load_point(ROOT / "bench-c8.json")], base, starts=(0.5,), max_evals=3,
-                         params=[("compiled_layer_launch_s", 1e-5, 5e-3), ("step_overhead_s", 1e-5, 0.02)])
-    co, was = fitted.coefficients, base.coefficients
-    assert co.compiled_layer_launch_s < 0.6 * was.compiled_layer_launch_s
-    assert co.eager_layer_overhead_s == was.eager_layer_overhead_s
+    base, model = load_profile("h100-llama-3-8b"), load_model_shape("llama-3-8b")
+    co = base.coefficients
+    host = base.model_copy(update={"coefficients": co.model_copy(update={"eager_layer_overhead_s": 3e-4})})
+    points = []
+    for name, flags in (("c8", {}), ("eager32", {"enforce-eager": True})):
+        _, lin, lout, users, n = next(p for p in (*calibrate.PLAN, calibrate.EAGER) if p[0] == name)
+        pt = BenchPoint(name, n, lin, lout, users, float("inf"), 1.0, measured={}, flags=flags)
+        pt.measured = predicted_metrics(replay(pt, host, model))
+        points.append(pt)
+    eager_only = [p for p in FIT_PARAMS if p[0] == "eager_layer_overhead_s"]
+    fitted = fit_profile(points, base, model, params=eager_only, starts=(1.0,), max_evals=20)
+    assert abs(fitted.coefficients.eager_layer_overhead_s / 3e-4 - 1) < 0.02
+    without = fit_profile(points[:1], base, model, starts=(0.5,), max_evals=3).coefficients
+    assert without.compiled_layer_launch_s < 0.6 * co.compiled_layer_launch_s
+    assert without.eager_layer_overhead_s == co.eager_layer_overhead_s
 
 
 def test_a_hosts_calibration_predicts_its_eager_staircase_and_its_defaults():

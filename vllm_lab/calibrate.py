@@ -7,7 +7,8 @@ traffic users tune for (`REALISTIC`): variable lengths at 64 and 256 users (and 
 short fixed prompts), Poisson arrivals at
 half and four fifths of the predicted capacity (where prefill chunks and decodes share steps all
 the time), and chat with a shared system prompt. All of it on one server start, since only the load
-changes. The fit then moves the profile's coefficients until the twin's predictor reproduces those
+changes; then one closed loop with ``--enforce-eager`` on a second (``EAGER``): the CPU's launch
+cost of an eager step, which no other run reads. The fit then moves the profile's coefficients until the twin's predictor reproduces those
 runs (``vllm_lab.twin.fit``), each run replayed request for request (``FIT_STATUSES``: an unsteady
 fixed-length loop too, read over all its requests as vllm bench serve reads a run).
 """
@@ -48,9 +49,17 @@ REALISTIC = [
 ]
 
 
+# Short prompts and long replies from 32 users with --enforce-eager, on a second server start:
+# nearly every step a batch of decodes the CPU launches op by op, so the run's TPOT is the host's
+# eager launch cost (the twin's eager_layer_overhead_s). On the H200's host and an H100's it was
+# 0.8 and 0.48 ms a layer, and it does not follow the compiled launches the other runs read.
+EAGER = ("eager32", 64, 256, 32, 96)
+
+
 # The runs of the plan that ``FIT=host`` measures: loads where the host's CPU sets the latencies
 # (single requests, small closed loops, variable lengths at 64 users, Poisson at half the capacity,
-# chat), none at an API server's limit, where a run's state is chance. Seven of the fourteen.
+# chat), none at an API server's limit, where a run's state is chance. Seven of the fifteen; not the
+# eager run, whose server start the host's CPU scale does not need.
 HOST_PLAN = ("p2048", "c1", "c8", "c32", "v64", "o50", "chat64")
 
 
@@ -59,13 +68,23 @@ def host_points(points: list[Point]) -> list[Point]:
     return [p for p in points if p.values["point"] in HOST_PLAN]
 
 
-def calibration_points(base: Scenario, plan=PLAN, realistic=REALISTIC) -> list[Point]:
+def calibration_points(base: Scenario, plan=PLAN, realistic=REALISTIC, eager=EAGER) -> list[Point]:
     """The calibration runs on ``base``'s serve flags: fixed lengths and closed loops, then the
-    realistic traffic (variable lengths, Poisson arrivals, chat), every run counted."""
-    points = _fixed_points(base, plan)
+    realistic traffic (variable lengths, Poisson arrivals, chat), every run counted; then
+    ``eager`` (None: none) with --enforce-eager, a server start of its own."""
+    points = _fixed_points(base, plan) + _realistic_points(base, realistic)
+    if eager:
+        points += _fixed_points(base.with_serve(**{"enforce-eager": True}), [eager])
+    return points
+
+
+def _realistic_points(base: Scenario, realistic) -> list[Point]:
+    """The traffic users tune for, its open loops at shares of the predicted capacity."""
     if not realistic:
-        return points
+        return []
     from vllm_lab import stress
+
+    points = []
 
     tok = base.workload.tokenizer and str(base.workload.tokenizer)
     capacity = stress.predicted_capacity(apply_value(base, "workload", {**FIXED_512, "tokenizer": tok}))

@@ -1,6 +1,6 @@
-"""make calibrate: the calibration plan measured on the backend (single requests, closed loops and
-a saturating load on one server start), then a twin profile fitted to it (FIT_ONLY: from the
-store alone)."""
+"""make calibrate: the calibration plan measured on the backend (single requests, closed loops, a
+saturating load and the traffic users tune for on one server start, an eager run on a second), then
+a twin profile fitted to it (FIT_ONLY: from the store alone)."""
 
 from __future__ import annotations
 

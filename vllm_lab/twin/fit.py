@@ -37,6 +37,10 @@ FIT_PARAMS = [
     # layer that open loops meet all the time (a prefill beside a few decodes), closed loops of
     # identical requests rarely (their prefills come in waves of thousands of tokens).
     ("compiled_layer_launch_s", 1e-4, 2e-3),
+    # Under --enforce-eager the CPU launches every op of every layer: fitted only where a run was
+    # served eager (the calibration plan's eager32), since no other run reads it and it follows no
+    # other term (reports/examples/h100, "An eighth host").
+    ("eager_layer_overhead_s", 5e-5, 3e-3),
 ]
 # The API server's terms alone, fitted where it is the bottleneck (ShareGPT-like streams at
 # hundreds of users, open loops near its limit) with the engine's terms held: the physics the
@@ -172,6 +176,7 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
     from vllm_lab.models import load_model_shape
 
     model = model or load_model_shape(points[0].model or base_profile.model)
+    params = [p for p in params if p[0] != "eager_layer_overhead_s" or any(eager_points(points))]
     lo = np.log([p[1] for p in params])
     hi = np.log([p[2] for p in params])
 
@@ -193,9 +198,6 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
                             diff_step=0.02, max_nfev=max_evals)
         if best is None or sol.cost < best.cost:
             best = sol
-    # The eager launch cost stays the base's: no plan runs an eager server, and the compiled
-    # launches a fit reads do not carry it (reports/examples/h100, "An eighth host": hosts of one
-    # CPU fitted 0.68-0.75 ms a layer for those and measured 0.48 eager, a faster CPU 0.34 and 0.41).
     fitted = _with(base_profile, best.x, params)
     prov = fitted.provenance.model_copy(update={
         "fitted_on": [p.name for p in points],
@@ -206,6 +208,14 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
         "errors": median_errors(points, fitted, model),
     })
     return fitted.model_copy(update={"provenance": prov})
+
+
+def eager_points(points: list[BenchPoint]) -> list[bool]:
+    """Which points were served with --enforce-eager: the only runs that read its launch cost.
+    Without one a fit keeps the base's, since the compiled launches it reads do not carry it
+    (reports/examples/h100, "An eighth host": on one CPU fits put those at 0.68-0.75 ms a layer
+    and the eager cost measured 0.48; on a faster one 0.34 and 0.41)."""
+    return [bool(pt.flags.get("enforce-eager")) for pt in points]
 
 
 def median_errors(points: list[BenchPoint], profile: Profile, model) -> dict[str, float]:
