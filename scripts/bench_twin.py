@@ -1,12 +1,14 @@
 """The twin's benchmarks: fidelity against real vLLM, direction of each knob, predictor speed.
 
-    .venv/bin/python scripts/bench_twin.py [fidelity|hosts|shape|direction|speed ...] [--reference DIR]
+    .venv/bin/python scripts/bench_twin.py [fidelity|hosts|shape|direction|speed|steps ...] [--reference DIR]
 
 ``hosts`` (not in the default set: about 70 s) re-reads the held-out runs with each host calibrated
 as ``make calibrate FIT=host`` would, from its other runs. ``shape`` (not in the default set) shows
 what the medians by kind do not: the part of a TTFT after vLLM's own first-token stamp, and the
 spread of the twin's TTFT against vLLM's and the client's on open loops. ``fidelity`` ends with
 the other GPUs' profiles against their own calibration and the runs held out of it (``OTHER_GPUS``).
+``steps`` (not in the default set) prices each step vLLM's engine ran alone
+(scripts/bench_step_times.py, ``STEP_FILES``) and sets it beside the twin's step.
 """
 
 from __future__ import annotations
@@ -404,11 +406,49 @@ def speed(profile, model, n: int = 10_000) -> None:
           f"({p.duration_s:.0f} s simulated, {p.duration_s / cpu:.0f}x real time, target < 5 s)")
 
 
+# vLLM's engine stepped alone on a GPU (scripts/bench_step_times.py: no API server, no async
+# scheduling), with the profile of that GPU.
+STEP_FILES = (("h200-llama-3-8b", REFERENCE / "traffic-2026-12-01/steps.jsonl"),
+              ("h100-llama-3-8b", EXAMPLES / "h100/steps-h100-d.jsonl"))
+
+
+def steps() -> None:
+    """Each composition's step, measured and the twin's, by kind (decodes, a prompt chunk beside
+    them, a prompt alone); then what the engine run synchronously adds to a decode batch: the
+    scheduling and sampling the served engine overlaps with the GPU (a fixed part and a part a
+    sequence, fitted over the batches)."""
+    import numpy as np
+    import pandas as pd
+
+    from vllm_lab.twin.engine import Engine
+
+    for name, path in STEP_FILES:
+        profile = load_profile(name)
+        stm = Engine.from_flags({}, profile, load_model_shape(profile.model)).stm
+        rows = []
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            pairs = sum(n * c + n * (n + 1) / 2 for n, c in r["chunks"]) + r["decode_context"]
+            kv = sum(n + c for n, c in r["chunks"]) + r["decode_context"]
+            twin = float(stm.step_time(r["tokens"], r["seqs"], r["seqs"], pairs, kv, prefills=len(r["chunks"])))
+            rows.append({"kind": r["kind"], "batch": r["batch"], "prompt": r["prefill"],
+                         "measured_ms": r["step_s"] * 1e3, "twin_ms": twin * 1e3})
+        df = pd.DataFrame(rows).groupby(["kind", "batch", "prompt"]).median()
+        df["error"] = df.twin_ms / df.measured_ms - 1
+        print(f"\n## The engine stepped alone: {name} vs {path.relative_to(EXAMPLES.parents[1])} (medians)")
+        print(df.to_string(float_format=lambda v: f"{v:.2f}"))
+        print("median |error| by kind: " + ", ".join(
+            f"{k} {v:.1%}" for k, v in df.error.abs().groupby(level=0).median().items()))
+        dec = df.loc["decode"].reset_index()
+        slope, fixed = np.polyfit(dec.batch, dec.measured_ms - dec.twin_ms, 1)
+        print(f"the synchronous engine adds to a decode batch {fixed:.2f} ms and {slope * 1e3:.1f} µs a sequence")
+
+
 def main(argv=None) -> int:
     """Run the chosen benchmarks (all by default)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("which", nargs="*", default=["fidelity", "direction", "speed"],
-                    choices=["fidelity", "hosts", "shape", "direction", "speed"])
+                    choices=["fidelity", "hosts", "shape", "direction", "speed", "steps"])
     ap.add_argument("--reference", type=Path, default=REFERENCE)
     ap.add_argument("--profile", default="h200-llama-3-8b")
     args = ap.parse_args(argv)
@@ -435,6 +475,8 @@ def main(argv=None) -> int:
         direction(profile, model)
     if "speed" in args.which:
         speed(profile, model)
+    if "steps" in args.which:
+        steps()
     return 0
 
 
