@@ -182,6 +182,20 @@ def test_a_hosts_calibration_predicts_its_eager_staircase_and_its_defaults():
     assert all(abs(e) < 0.10 for e in held["p50_ttft_ms"]), held
 
 
+def _scenarios(runs):
+    """The scenario each stored run was measured with."""
+    from vllm_lab.scenarios import Scenario
+
+    return [Scenario.model_validate_json(text) for text in runs["scenario_json"]]
+
+
+def _predicted(runs):
+    """The predictor's summary of each stored run's scenario (a staircase's levels, in order)."""
+    from pathlib import Path
+
+    return [PredictBackend().measure(s, None, Path(".")).summary for s in _scenarios(runs)]
+
+
 def test_the_h100_profile_reads_a_new_hosts_chat_staircase_at_vllms_defaults():
     """reports/examples/h100, the seventh host: the realtime-chat traffic at vLLM's own defaults
     (every template flag given no value) in a staircase of 15-55 req/s (h100-chat-defaults-c),
@@ -190,10 +204,7 @@ def test_the_h100_profile_reads_a_new_hosts_chat_staircase_at_vllms_defaults():
     request, it reads output throughput within 4% at every level and TPOT p50 within 11% below
     the engine's limit. Its TTFT p50 at the light levels reads 33-55% high: the API server's part
     (reports/examples/h100/README.md, "A seventh host")."""
-    import json
     from pathlib import Path
-
-    from vllm_lab.scenarios import Scenario
 
     store_path = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
     profile, model = load_profile("h100-llama-3-8b"), load_model_shape("llama-3-8b")
@@ -201,9 +212,8 @@ def test_the_h100_profile_reads_a_new_hosts_chat_staircase_at_vllms_defaults():
         runs = store.runs("h100-chat-defaults-c").sort_values("started")
         stairs = calibrate.replayed_runs(store, "h100-chat-defaults-c", "level")
     assert len(runs) == 5 and set(runs["status"]) == {"ok"}
-    scenarios_run = [Scenario.model_validate(json.loads(s)) for s in runs["scenario_json"]]
-    assert all(set(s.serve) == {"model", "dtype", "load-format"} for s in scenarios_run)
-    predicted = [PredictBackend().measure(s, None, Path(".")).summary for s in scenarios_run]
+    assert all(set(s.serve) == {"model", "dtype", "load-format"} for s in _scenarios(runs))
+    predicted = _predicted(runs)
     assert [bool(s["meets_slo"]) for s in runs["summary"]] == [p["meets_slo"] for p in predicted]
     assert [p["meets_slo"] for p in predicted] == [True, True, False, False, False]
     ceiling = max(p["request_throughput"] for p in predicted) / runs["request_throughput"].max()
@@ -222,10 +232,7 @@ def test_the_h100_profile_reads_an_eager_staircase_with_the_launch_cost_measured
     server's limit it reads output throughput within 8% and TPOT p50 within 15%, where the H200
     host's 0.8 ms a layer read a quarter less throughput. Without eager the same host repeats the
     seventh's staircase, and the profile names the same SLO verdict at every level."""
-    import json
     from pathlib import Path
-
-    from vllm_lab.scenarios import Scenario
 
     store_path = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
     profile, model = load_profile("h100-llama-3-8b"), load_model_shape("llama-3-8b")
@@ -244,6 +251,5 @@ def test_the_h100_profile_reads_an_eager_staircase_with_the_launch_cost_measured
     assert all(abs(e) < 0.08 for e in errors(profile, "output_throughput"))
     assert all(abs(e) < 0.15 for e in errors(profile, "p50_tpot_ms"))
     assert all(e < -0.19 for e in errors(was, "output_throughput"))
-    scenarios_run = [Scenario.model_validate(json.loads(s)) for s in runs["scenario_json"]]
-    predicted = [PredictBackend().measure(s, None, Path(".")).summary for s in scenarios_run]
+    predicted = _predicted(runs)
     assert [bool(s["meets_slo"]) for s in runs["summary"]] == [p["meets_slo"] for p in predicted]

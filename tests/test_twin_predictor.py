@@ -295,16 +295,21 @@ def test_a_clients_turnaround_keeps_identical_users_out_of_lockstep():
     assert 0.001 < gaps.mean() < 0.002 and (gaps >= 0).all()
 
 
-def test_held_out_h200_runs_are_predicted_within_the_goals(capsys):
-    # Closed loops of 64-512 users with and without --enforce-eager, never fitted on: median
-    # |error| <= 10% and worst <= 25% on output throughput, TTFT p50 and TPOT p50.
+def _bench_twin():
+    """scripts/bench_twin.py as a module (a script, not part of the package)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts/bench_twin.py"
     spec = importlib.util.spec_from_file_location("bench_twin", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    errs = bench.held_out(H200, MODEL)
+    return bench
+
+
+def test_held_out_h200_runs_are_predicted_within_the_goals(capsys):
+    # Closed loops of 64-512 users with and without --enforce-eager, never fitted on: median
+    # |error| <= 10% and worst <= 25% on output throughput, TTFT p50 and TPOT p50.
+    errs = _bench_twin().held_out(H200, MODEL)
     for metric in ("output_throughput", "ttft_p50", "tpot_p50"):
         assert len(errs[metric]) == 12
         assert np.median(errs[metric]) <= 0.10 and max(errs[metric]) <= 0.25, (metric, errs[metric])
@@ -784,14 +789,9 @@ def test_the_engine_stepped_alone_is_set_beside_the_twins_step(capsys):
     (scripts/bench_step_times.py) beside the twin's step. A prompt alone reads within a tenth
     (median); a decode batch reads short by what the synchronous loop adds and the served engine
     overlaps, the same on both hosts (about 1.7 ms and 20-25 µs a sequence)."""
-    import importlib.util
     import re
 
-    path = Path(__file__).resolve().parents[1] / "scripts/bench_twin.py"
-    spec = importlib.util.spec_from_file_location("bench_twin", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.steps()
+    _bench_twin().steps()
     out = capsys.readouterr().out
     prefill = [float(v) for v in re.findall(r"prefill (\d+\.\d)%", out)]
     added = [(float(a), float(b)) for a, b in re.findall(r"adds to a decode batch (\S+) ms and (\S+) µs", out)]

@@ -8,9 +8,10 @@ short fixed prompts), Poisson arrivals at
 half and four fifths of the predicted capacity (where prefill chunks and decodes share steps all
 the time), and chat with a shared system prompt. All of it on one server start, since only the load
 changes; then one closed loop with ``--enforce-eager`` on a second (``EAGER``): the CPU's launch
-cost of an eager step, which no other run reads. The fit then moves the profile's coefficients until the twin's predictor reproduces those
-runs (``vllm_lab.twin.fit``), each run replayed request for request (``FIT_STATUSES``: an unsteady
-fixed-length loop too, read over all its requests as vllm bench serve reads a run).
+cost of an eager step, which no other run reads. The fit then moves the profile's coefficients
+until the twin's predictor reproduces those runs (``vllm_lab.twin.fit``), each run replayed
+request for request (``FIT_STATUSES``: an unsteady fixed-length loop too, read over all its
+requests as vllm bench serve reads a run).
 """
 
 from __future__ import annotations

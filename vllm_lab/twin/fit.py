@@ -176,7 +176,7 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
     from vllm_lab.models import load_model_shape
 
     model = model or load_model_shape(points[0].model or base_profile.model)
-    params = [p for p in params if p[0] != "eager_layer_overhead_s" or any(eager_points(points))]
+    params = [p for p in params if p[0] != "eager_layer_overhead_s" or served_eager(points)]
     lo = np.log([p[1] for p in params])
     hi = np.log([p[2] for p in params])
 
@@ -210,12 +210,12 @@ def fit_profile(points: list[BenchPoint], base_profile: Profile, model=None,
     return fitted.model_copy(update={"provenance": prov})
 
 
-def eager_points(points: list[BenchPoint]) -> list[bool]:
-    """Which points were served with --enforce-eager: the only runs that read its launch cost.
+def served_eager(points: list[BenchPoint]) -> bool:
+    """Whether any point was served with --enforce-eager: the only runs that read its launch cost.
     Without one a fit keeps the base's, since the compiled launches it reads do not carry it
     (reports/examples/h100, "An eighth host": on one CPU fits put those at 0.68-0.75 ms a layer
     and the eager cost measured 0.48; on a faster one 0.34 and 0.41)."""
-    return [bool(pt.flags.get("enforce-eager")) for pt in points]
+    return any(pt.flags.get("enforce-eager") for pt in points)
 
 
 def median_errors(points: list[BenchPoint], profile: Profile, model) -> dict[str, float]:

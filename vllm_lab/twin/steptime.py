@@ -11,7 +11,7 @@ so a step without a graph takes max(GPU time, the CPU's launch time), never thei
 op of every layer (``eager_layer_overhead_s`` per layer, measured where a profile's GPU served
 with --enforce-eager: on the H200's host 26 ms a pure-decode step at 64 sequences where the graphed
 step takes 5 ms, on an H100's 15.3 ms at the chat traffic's lightest level; it is the host's CPU,
-and no calibration plan reads it). Small
+and of make calibrate's runs only its eager one reads it). Small
 steps (decodes) are then bound by the CPU, while a step with a prefill chunk of thousands of tokens
 keeps the GPU busy longer than its launches and costs what it costs with graphs. A compiled step
 larger than the largest captured graph (vLLM captures up to min(2 x max-num-seqs, 512) tokens)
