@@ -50,7 +50,7 @@ CLAIMS    ?=                          # claim numbers, e.g. 1,3,5-8 (default: al
 PROFILE_OUT ?=                        # where the fitted twin profile goes
 FIT_ONLY  ?=                          # FIT_ONLY=1 EXPERIMENT=...: refit from the store, measure nothing
 REFERENCE ?=                          # vllm bench serve result files of the same machine, fitted too
-FIT       ?=                          # all (default): every coefficient | host: the host's CPU scale alone
+FIT       ?=                          # all (default): every coefficient | host: the host's CPU scale alone | none: measure only
 #= make report
 PERIOD    ?=                          # a quarter, e.g. 2026Q4: the quarterly report
 PDF       ?=                          # with PERIOD: PDF=0 skips the PDF (it needs Chromium)

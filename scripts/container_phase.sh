@@ -21,7 +21,8 @@
 #        calibrate (make calibrate's plan on vLLM's defaults in one server start and its eager run
 #        in a second, then the profile fitted to it; EXPERIMENT names it, default h200-calibrate;
 #        `wait` copies the store as soon as the runs are in, so the host may be let go while the
-#        fit still runs),
+#        fit still runs; FIT=none measures only, and the next phase starts without waiting for
+#        the fit, which `make calibrate FIT_ONLY=1` does later off the host),
 #        autotune (make autotune on the realtime-chat traffic and SLO, one GPU: GPU_MINUTES, default
 #        20, over as many phases as it takes; EXPERIMENT names it, default autotune-realtime-chat-h200),
 #        stress (make stress SHAPE=step, default, at LEVELS req/s on SCENARIO, default realtime-chat:
@@ -128,7 +129,8 @@ PY
             common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
             sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # Every run of the plan has its own size (requests or seconds of arrivals): DURATION plays no part.
-  calibrate) args=(calibrate HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml EXPERIMENT="${EXPERIMENT:-h200-calibrate}")
+  calibrate) args=(calibrate HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml EXPERIMENT="${EXPERIMENT:-h200-calibrate}"
+                   ${FIT:+FIT="$FIT"})
              sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
   # The staircase's levels last DURATION (30 s unless set); the search runs on the predictor for
   # the H200 preset, then the defaults and the best candidates are measured here.

@@ -1,7 +1,7 @@
 """The calibration plan: fixed lengths, then the traffic users tune for, replayed by the fit."""
 
 
-from vllm_lab import calibrate, scenarios
+from vllm_lab import calibrate, cli, scenarios
 from vllm_lab.backends import PredictBackend
 from vllm_lab.models import load_model_shape
 from vllm_lab.plans import Plan, execute, group_by_server
@@ -119,6 +119,29 @@ def test_the_h100_profile_predicts_the_h100_runs_it_was_not_fitted_to():
             assert abs(got[key] / pt.measured[key] - 1) < 0.03, (pt.name, key, got[key], pt.measured[key])
     cv = runs[["output_throughput", "ttft_p50"]].std() / runs[["output_throughput", "ttft_p50"]].mean()
     assert len(runs) == 5 and cv["output_throughput"] < 0.02 and cv["ttft_p50"] < 0.05
+
+
+def test_a_calibration_measures_on_the_gpu_host_and_leaves_the_fit_for_later(tmp_path, capsys, monkeypatch):
+    """FIT=none: the plan measured and kept, no profile written, and the line that fits it later;
+    with FIT_ONLY=1 it contradicts itself and is refused in one sentence, the store untouched."""
+    out = tmp_path / "out"
+    for name, value in {"BACKEND": "predict", "HARDWARE": "cpu-demo", "FIT": "none", "OUT": str(out),
+                        "EXPERIMENT": "cal-host"}.items():
+        monkeypatch.setenv(f"LAB_MAKE_{name}", value)
+    assert cli.main(["make", "calibrate"]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said == (f"measured cal-host into {out / 'lab.db'}; fit it with: "
+                    f"make calibrate FIT_ONLY=1 EXPERIMENT=cal-host OUT={out}")
+    with Store(out / "lab.db") as store:
+        assert len(store.runs("cal-host")) == len(calibrate.calibration_points(
+            scenarios.resolve("default", hardware="cpu-demo")))
+    assert not list(out.rglob("*.yaml"))
+    before = (out / "lab.db").read_bytes()
+    monkeypatch.setenv("LAB_MAKE_FIT_ONLY", "1")
+    assert cli.main(["make", "calibrate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "FIT_ONLY=1 fits without measuring and FIT=none" in err
+    assert (out / "lab.db").read_bytes() == before
 
 
 def test_a_fit_reads_the_eager_launch_cost_from_the_eager_run_and_keeps_the_bases_without_one():

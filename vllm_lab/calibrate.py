@@ -173,8 +173,10 @@ def replayed_runs(store: Store, experiment_id: str, label: str) -> list[BenchPoi
 
 
 # What a calibration fits: every coefficient the plan pins ("all"), or the host's CPU scale alone
-# ("host": the profile's GPU on another host, fit.fit_host_scale).
-FITS = ("all", "host")
+# ("host": the profile's GPU on another host, fit.fit_host_scale), or nothing ("none": the plan
+# measured and the fit left to FIT_ONLY on another machine, so a GPU host is not kept for minutes
+# of CPU work).
+FITS = ("all", "host", "none")
 
 
 def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,

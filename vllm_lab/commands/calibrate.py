@@ -1,6 +1,6 @@
 """make calibrate: the calibration plan measured on the backend (single requests, closed loops, a
 saturating load and the traffic users tune for on one server start, an eager run on a second), then
-a twin profile fitted to it (FIT_ONLY: from the store alone)."""
+a twin profile fitted to it (FIT_ONLY: from the store alone; FIT=none: no fit, the runs kept for one)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_lab import calibrate as calibration
-from vllm_lab.commands.arguments import add_run_arguments
+from vllm_lab.commands.arguments import UsageError, add_run_arguments
 from vllm_lab.commands.experiment import Experiment
 from vllm_lab.commands.naming import experiment_id
 from vllm_lab.commands.settings import Settings, Source
@@ -40,7 +40,8 @@ class CalibrateArgs:
                        help="vllm bench serve result files from the same machine, fitted too")
         p.add_argument("--fit", choices=calibration.FITS, default="all",
                        help="all: every coefficient the plan pins; host: the host's CPU scale alone "
-                            "(the profile's GPU on another host)")
+                            "(the profile's GPU on another host); none: measure only, fit later "
+                            "with --fit-only")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> CalibrateArgs:
@@ -54,6 +55,9 @@ def calibrate(settings: Settings, source: Source, fit_only: bool = False,
     """Run the calibration plan on the backend, then fit a twin profile to it."""
     from vllm_lab.models import load_model_shape
 
+    if fit_only and fit == "none":
+        raise UsageError("calibrate: FIT_ONLY=1 fits without measuring and FIT=none measures "
+                         "without fitting; give one of them")
     scenario = source.resolve_checked()
     if not fit_only:
         points = calibration.calibration_points(scenario)
@@ -62,6 +66,12 @@ def calibrate(settings: Settings, source: Source, fit_only: bool = False,
         Experiment.build(settings, "calibrate", scenario, points, {"params": ["point"]},
                          "calibrate").run()
     exp_id = experiment_id(dataclasses.replace(settings, resume=True), "calibrate", scenario, "calibrate")
+    if fit == "none":
+        # The store and its samples folder are all the fit reads: they may travel (Store.export).
+        where = f" OUT={settings.out}" if settings.store is None else ""
+        print(f"measured {exp_id} into {settings.store_path}; fit it with: make calibrate FIT_ONLY=1 "
+              f"EXPERIMENT={exp_id}{where}")
+        return 0
     if fit_only:
         scenario = Scenario.model_validate_json(_first_run_scenario(settings.store_path, exp_id))
     model = load_model_shape(str(scenario.serve["model"]))
