@@ -231,7 +231,11 @@ def test_second_lab_process_is_refused_with_the_holders_experiment_and_pid(share
         if first.poll() is None:
             os.killpg(first.pid, 9)
     assert first.returncode == 0, out
-    assert set(Store(tmp / "reports-a/lab.db").runs("lab-a")["status"]) == {"ok"}
+    # Both runs measured: whether the client kept up with them is this machine's load (the audit's
+    # client-limited verdict, which two other live tests beside this one on 2 cores once drew),
+    # not the lock's.
+    runs = Store(tmp / "reports-a/lab.db").runs("lab-a")
+    assert len(runs) == 2 and set(runs["status"]) <= {"ok", "client-limited"}, runs[["status", "error"]]
     assert holder_of(tmp) == {}  # released at the end of the run
 
 

@@ -23,9 +23,12 @@ def lab(tmp_path_factory):
     return private_lab(tmp_path_factory)
 
 
+@pytest.mark.timing
 def test_sweep_report_matches_the_store(lab):
     # The scenario's own max-num-seqs (8) is the sweep's reference, among the values: no third point.
     # Four users: at one sequence three wait, a drain of about 7 s, so 16 s of load is steady.
+    # Timing: both runs must be ok, and the audit calls a run whose client read its streams 3%
+    # (5 ms) late client-limited; beside two other live tests on 2 cores both runs once were.
     out = subprocess.run(lab_cmd(lab, "--set", "serve.max-num-seqs=8", "--values", "1,8",
                                  "--set", "load.shape.level=4", "--set", "load.stop.duration_s=16",
                                  "--experiment", "e2e-sweep"), check=False,
@@ -35,7 +38,7 @@ def test_sweep_report_matches_the_store(lab):
     assert f"report: {index}" in out.stdout and index.is_file()
     store = Store(lab / "reports/lab.db")
     runs = runs_by_value(store, "e2e-sweep")
-    assert set(runs["status"]) == {"ok"} and list(runs.index) == [1, 8]
+    assert set(runs["status"]) == {"ok"} and list(runs.index) == [1, 8], runs[["status", "error"]]
     table = pd.read_csv(lab / "reports/e2e-sweep/summary.csv").set_index("max-num-seqs")
     for value, run in runs.iterrows():
         # The report shows what the store holds ...
