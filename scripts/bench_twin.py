@@ -31,6 +31,7 @@ from vllm_lab.twin.predictor import (
     sharegpt_like,
 )
 from vllm_lab.twin.profile import load_profile, on_host
+from vllm_lab.twin.steptime import chunk_pairs
 
 # The measurements the H200 profile is fitted to (vllm bench serve result files, kept with the twin).
 REFERENCE = Path(__file__).resolve().parents[1] / "vllm_lab/twin/reference/h200-vllm0.26"
@@ -428,7 +429,7 @@ def steps() -> None:
         rows = []
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            pairs = sum(n * c + n * (n + 1) / 2 for n, c in r["chunks"]) + r["decode_context"]
+            pairs = sum(chunk_pairs(n, c) for n, c in r["chunks"]) + r["decode_context"]
             kv = sum(n + c for n, c in r["chunks"]) + r["decode_context"]
             twin = float(stm.step_time(r["tokens"], r["seqs"], r["seqs"], pairs, kv, prefills=len(r["chunks"])))
             rows.append({"kind": r["kind"], "batch": r["batch"], "prompt": r["prefill"],

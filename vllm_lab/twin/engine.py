@@ -41,7 +41,7 @@ from vllm_lab.twin.engine_io import (
 from vllm_lab.twin.kvcache import KVCache, block_hashes
 from vllm_lab.twin.power import PowerModel
 from vllm_lab.twin.profile import Profile
-from vllm_lab.twin.steptime import StepTimeModel
+from vllm_lab.twin.steptime import StepTimeModel, chunk_pairs
 
 # The engine's API is this module's: its configuration (engine_config) and its inputs and outputs
 # (engine_io) are imported from here by the predictor, the server and the tests.
@@ -414,7 +414,7 @@ class Engine:
         tokens, pairs, kv_tokens, sampled = B, float(S), S, B
         for r, q, c in chunks:
             tokens += q
-            pairs += q * (c + (q + 1) / 2)
+            pairs += chunk_pairs(q, c)
             kv_tokens += c + q
             if c + q == r.num_tokens:
                 sampled += 1

@@ -27,6 +27,12 @@ from vllm_lab.twin.profile import Profile
 DTYPE_PEAK_KEY = {4: "fp32", 2: "bf16", 1: "fp8"}
 
 
+def chunk_pairs(tokens: int, cached: int) -> float:
+    """Attention pairs of a prompt chunk of ``tokens`` after ``cached`` tokens in the cache: each
+    token attends over the cache and, causally, over the chunk's tokens up to itself."""
+    return tokens * (cached + (tokens + 1) / 2)
+
+
 class StepTimeModel:
     """Prices one step from its batch composition."""
 
