@@ -86,7 +86,6 @@ def _realistic_points(base: Scenario, realistic) -> list[Point]:
     from vllm_lab import stress
 
     points = []
-
     tok = base.workload.tokenizer and str(base.workload.tokenizer)
     capacity = stress.predicted_capacity(apply_value(base, "workload", {**FIXED_512, "tokenizer": tok}))
     for name, workload, arrival, level, size in realistic:
