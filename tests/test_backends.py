@@ -136,8 +136,11 @@ def test_warm_up_runs_follow_each_start_and_only_a_start(tmp_path, health, monke
     assert len(starts) == 1 and len(b.calls) == 3 and m.status == "ok"
     assert [p for p in phases if p.startswith("warm-up")] == [
         "warm-up run 1 of 2 (discarded)", "warm-up run 2 of 2 (discarded)"]
-    b.measure(s, None, tmp_path)
+    # What came before the run is its host time, apart from the run's own span.
+    assert m.summary.server_start_s >= 0 and m.summary.warmup_runs_s >= 0
+    reused = b.measure(s, None, tmp_path)
     assert len(starts) == 1 and len(b.calls) == 4  # the same flags: the server is reused
+    assert reused.summary.server_start_s is None and reused.summary.warmup_runs_s is None
     b.measure(s.with_serve(**{"max-num-seqs": 8}), None, tmp_path)
     assert len(starts) == 2 and len(b.calls) == 7  # a new start: its own warm-up runs
     b.measure(scenarios.resolve("default", overrides=["load.shape.level=64"]), None, tmp_path)
@@ -159,7 +162,8 @@ def test_a_failed_start_is_recorded_with_the_stores_status(tmp_path, monkeypatch
     m = b.measure(scenarios.resolve("default"), "gpu-1", tmp_path)
     assert m.status == status and m.host == "gpu-1"
     assert m.error.startswith(f"{cause}: ") and "the last line" in m.error
-    assert m.samples is None and m.summary == {}
+    assert m.samples is None and set(m.summary) == {"server_start_s"}  # its host time: the start's
+    assert 0 <= m.summary.server_start_s == pytest.approx(m.ended - m.started)
 
 
 def test_every_start_status_is_one_the_store_knows():

@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.processes import private_inventory
 from vllm_lab import cli, serving
+from vllm_lab.analysis import host_time
 from vllm_lab.commands.autotune import AutotuneOptions, autotune
 from vllm_lab.commands.naming import experiment_id
 from vllm_lab.commands.settings import Settings, Source
@@ -238,6 +239,17 @@ def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_pat
     runs = Store(out / "lab.db").runs("dl-twin").set_index("run_key")
     assert len(runs) == 4 and set(runs["status"]) == {"ok"}
     assert (runs.loc[first.index, "started"] == first).all()
+    # Both commands kept their span, the stopped one too: its server's start and stop, the
+    # resume's, and the four windows are accounted for on the page.
+    with Store(out / "lab.db") as store:
+        spans = store.experiment("dl-twin")["meta"]["host_time"]
+        spent = host_time.account({"host_time": spans}, store.runs("dl-twin"))
+    assert len(spans) == 2 and all(s["ended"] > s["began"] + s["provisioned_s"] for s in spans)
+    assert spent.commands == 2 and spent.hosts == 1
+    assert spent.total_s == pytest.approx(sum(s["ended"] - s["began"] for s in spans))
+    assert spent.parts["measuring"] == pytest.approx(runs["duration_s"].sum())
+    assert spent.parts["starts"] > sum(s["stops_s"] for s in spans) > 0
+    assert "## Time on the hosts" in next(out.glob("dl-twin*/report.md")).read_text()
 
 
 def test_watchdog_stops_a_run_that_outlasts_its_estimate():

@@ -164,6 +164,7 @@ class LiveBackend:
         self._starting: set[str | None] = set()
         self._workers: list | None = None  # the inventory's remote load generators, read once
         self.live_host = live_host  # LIVE=1: Locust's web UI on this address for each run
+        self.stops_s = 0.0  # seconds this backend spent stopping servers (analysis.host_time)
         # Instances claimed (provisioning claims them all) and not yet given back by a stop of
         # every host: given back at exit, whatever ended the command.
         self.holding = False
@@ -263,9 +264,11 @@ class LiveBackend:
         started = self._running.pop(host, None) is not None
         if started or host in self._starting:
             self._starting.discard(host)
+            began = time.time()
             with shutdown.shielded():  # a signal now waits until the server is stopped
                 serving.stop(self.inventory, limit=host, experiment=self.experiment,
                              release=release)
+            self.stops_s += time.time() - began
             if release and host is None:
                 self.holding = False  # every host's instances are given back
 
@@ -287,12 +290,20 @@ class LiveBackend:
             self._running.pop(host, None)
             # Still marked as starting: the next start or close() stops whatever is left (a start
             # interrupted by Ctrl-C, a server still loading when the wait gave up).
+            ended = time.time()
             return self._with_prediction(scenario, Measurement(
-                status=START_STATUS.get(e.cause, RunStatus.FAILED_START), started=started, ended=time.time(),
-                host=e.host or host or "", error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}"))
-        if self._running.get(host) is not before:  # a server started for this run
+                status=START_STATUS.get(e.cause, RunStatus.FAILED_START), started=started, ended=ended,
+                host=e.host or host or "", error=f"{e.cause}: {_evidence(e.log_tail)}\n{e.log_tail[-2000:]}",
+                summary=RunSummary(server_start_s=ended - started)))
+        # What came before the run on a server started for it: the host time a report accounts
+        # for as starts and warm-up (analysis.host_time), not as the lab's own.
+        before_run = {}
+        if self._running.get(host) is not before:
+            warm = time.time()
             self._warm_up_runs(scenario, instance, workdir)
+            before_run = {"server_start_s": warm - started, "warmup_runs_s": time.time() - warm}
         m = self.measure_on(scenario, instance, workdir)
+        m.summary.update(before_run)
         if m.status == RunStatus.CRASHED:
             self._running.pop(host, None)
         return self._with_prediction(scenario, m)

@@ -118,6 +118,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("window_share", "share", "steady window's share of the run", NEITHER),
     Metric("send_span_s", "s", "first send to last send", NEITHER),
     Metric("window_requests", "count", "requests finished inside the steady window", NEITHER),
+    # What a run's host spent before it on a server started for it (analysis.host_time).
+    Metric("server_start_s", "s", "server start before the run (the last one's stop included)", NEITHER),
+    Metric("warmup_runs_s", "s", "discarded warm-up runs after the server's start", NEITHER),
     Metric("output_throughput_rel_ci", "share", "output tokens/s 95% half-width (batch means)", LOWER),
     # A closed loop's client turnaround: each user's wait between a reply's end and its next send.
     *[Metric(f"turnaround_{s}", "s", f"client turnaround {s}", LOWER) for s in ("mean", "p50", "p90")],

@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm_lab import lint as lint_mod
 from vllm_lab import outdir, plans
+from vllm_lab.analysis import host_time
 from vllm_lab.backends import Backend, PredictBackend
 from vllm_lab.commands import stopping
 from vllm_lab.commands.naming import experiment_id
@@ -98,10 +99,15 @@ class Experiment:
         has, and where the page is (0)."""
         from vllm_lab import reports
         from vllm_lab.reports.console import results
+        from vllm_lab.reports.host_time import sentence
         s = self.settings
         index = reports.build(s.store_path, self.id, s.out)
         say(f"runs taken now: {counted(counts)}")
         closing_table(results(s.store_path, self.id))
+        with Store(s.store_path) as store:
+            spent = host_time.account(store.experiment(self.id)["meta"], store.runs(self.id))
+        if spent is not None:
+            say(sentence(spent))
         say(f"report: {index}")
         return 0
 

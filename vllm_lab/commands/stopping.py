@@ -12,7 +12,9 @@ stop, since the stop leaves the command.
 from __future__ import annotations
 
 import functools
+import sqlite3
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from vllm_lab.commands.backend import guarded_backend
 from vllm_lab.commands.settings import Settings
 from vllm_lab.deadline import EXIT_DEADLINE, Deadline, DeadlineGuard, DeadlineReached, Watchdog
 from vllm_lab.progress import Progress, tracking
+from vllm_lab.store import Store, StoreError
 
 EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 T = TypeVar("T")
@@ -93,11 +96,16 @@ def take(settings: Settings, exp_id: str, shown: Progress, work: Callable[[Backe
     on the deadline, Ctrl-C, SIGTERM or SIGHUP, the command's ``account()`` said in one sentence,
     then ``Stopped``. The progress is finished however it ends (provisioning included), so the
     heartbeat never says "running" for a command that is gone."""
+    began, backend = time.time(), None
     try:
         with tracking(shown):
             backend = guarded_backend(settings, exp_id, shown)
-            with watched(settings.deadline, backend):
-                return work(backend)
+            provisioned = time.time()
+            try:
+                with watched(settings.deadline, backend):
+                    return work(backend)
+            finally:
+                keep_host_time(settings, exp_id, backend, began, provisioned)
     except DeadlineReached as reached:
         why = f" ({reached.why})" if reached.why else ""
         _say(f"stopped for DEADLINE={settings.deadline}{why}", settings, exp_id, account())
@@ -113,3 +121,25 @@ def _say(why: str, settings: Settings, exp_id: str, done: Account) -> None:
     kept = f"; {done.kept}" if done.kept else ""
     print(f"lab: {why}: {done.done}{servers}{kept}; resume with: "
           f"{settings.resume_with(exp_id, **done.changes)}", file=sys.stderr)
+
+
+def keep_host_time(settings: Settings, exp_id: str, backend: Backend, began: float,
+                   provisioned: float) -> None:
+    """Add this command's span on its hosts to the experiment's meta (``host_time``): when it
+    began, how long provisioning took, when its last server had stopped and how long its stops
+    took. With the runs' own parts it tells where the hosts' time went (``analysis.host_time``).
+    The predictor has no hosts; an experiment that recorded no run has nothing to account for."""
+    if settings.backend == "predict":
+        return
+    inner = getattr(backend, "backend", backend)  # a DeadlineGuard's backend
+    span = {"began": began, "provisioned_s": provisioned - began, "ended": time.time(),
+            "stops_s": float(getattr(inner, "stops_s", 0.0))}
+    try:
+        with Store(settings.store_path) as store:
+            kept = store.experiment(exp_id)["meta"].get("host_time") or []
+            store.update_meta(exp_id, host_time=[*kept, span])
+    except StoreError:
+        pass  # no run recorded, so no experiment: nothing spent on it to account for
+    except sqlite3.Error as e:  # the runs are kept; only this account of their time is not
+        print(f"lab: {settings.store_path}: this command's host time was not kept: {e}",
+              file=sys.stderr)

@@ -17,7 +17,7 @@ from vllm_lab import claims
 from vllm_lab.analysis.claims import Judged, judge_experiment
 from vllm_lab.analysis.points import TWIN_METRICS
 from vllm_lab.claim_evidence import OK_STATUSES
-from vllm_lab.reports import page
+from vllm_lab.reports import host_time, page
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block
 from vllm_lab.scenarios import Scenario
@@ -107,7 +107,7 @@ def build_claims(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
     arms = arm_table(judged.measured, judged.predicted, claims.arm_keys(base))
     arms.to_csv(folder / "arms.csv", index=False)
     fig = effects_figure(judged.verdicts, judged.twin, ctx.caption, folder)
-    return page.write_page(claims_page(exp, ctx, table, arms, fig, judged.unpredicted), folder)
+    return page.write_page(claims_page(exp, ctx, table, arms, fig, judged.unpredicted, runs), folder)
 
 
 def verdicts_frame(judged: Judged) -> pd.DataFrame:
@@ -139,8 +139,8 @@ def unmeasured_claims(exp: dict, table: pd.DataFrame) -> list[int]:
 
 
 def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | None,
-                unpredicted: int = 0) -> page.Page:
-    """The claims page: the verdicts, the effects figure, the arms."""
+                unpredicted: int = 0, runs: pd.DataFrame | None = None) -> page.Page:
+    """The claims page: the verdicts, the effects figure, the arms, where the hosts' time went."""
     e = html.escape
     line = verdict_line(table)
     blocks = [
@@ -166,7 +166,8 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
     ]
     if fig:
         blocks.append(Block(md=["", *page.md_img(fig)]))
-    blocks += [Block(md=[""]), page.footer(f"make report EXPERIMENT={exp['id']}", md=True)]
+    blocks += [Block(md=[""]), *(host_time.section(exp, runs) if runs is not None else []),
+               page.footer(f"make report EXPERIMENT={exp['id']}", md=True)]
     return page.Page(exp["id"], blocks, CSS)
 
 

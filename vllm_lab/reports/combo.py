@@ -197,7 +197,7 @@ def build_combo(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pa
                                                  _yaml_section(best_path),
                                                  sweep.column_groups(shown, params),
                                                  rule=best_rule(figure),
-                                                 tables=sweep.tables(table, params)), folder)
+                                                 tables=sweep.tables(table, params), runs=runs), folder)
 
 
 def _outside_grid(table: pd.DataFrame, exp: dict) -> bool:
@@ -289,7 +289,7 @@ def build_tune(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Pat
     return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures, extra,
                                                  sweep.column_groups(shown, params),
                                                  rule=best_rule(figure),
-                                                 tables=sweep.tables(table, params)), folder)
+                                                 tables=sweep.tables(table, params), runs=runs), folder)
 
 
 def _tune_headline(trials: pd.DataFrame, table: pd.DataFrame, best: pd.Series | None,

@@ -172,7 +172,7 @@ def build_stress(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> P
         shown.to_csv(folder / "summary.csv", index=False)
     figures = [f for f in [*figures, traffic.trace_figure(runs, folder, ctx.caption)] if f]
     return page.write_page(sweep.experiment_page(exp, ctx, headline, shown, notes, figures,
-                                                 rule=None), folder)
+                                                 rule=None, runs=runs), folder)
 
 
 def _staircase_headline(knee: dict) -> str:

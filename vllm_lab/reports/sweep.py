@@ -32,7 +32,7 @@ from vllm_lab.analysis.points import (
     with_twin_predictions,
     within_noise,
 )
-from vllm_lab.reports import page, traffic
+from vllm_lab.reports import host_time, page, traffic
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block, Context
 from vllm_lab.store import LEFT_OUT, Store
@@ -459,10 +459,11 @@ def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None,
 def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, notes: list[str],
                     figures: list[Path], extra: list[Block] = (),
                     groups: list[str] | None = None, rule: str | None = BEST_RULE,
-                    tables: list[tuple[str, pd.DataFrame]] = ()) -> page.Page:
+                    tables: list[tuple[str, pd.DataFrame]] = (),
+                    runs: pd.DataFrame | None = None) -> page.Page:
     """An experiment's page: headline, context, table, notes (the statistic its figures are and,
-    where it names a best, the ``rule`` that named it), figures, further ``tables``, then
-    ``extra`` sections."""
+    where it names a best, the ``rule`` that named it), figures, further ``tables``, where the
+    hosts' time went (from its ``runs``), then ``extra`` sections."""
     e = html.escape
     step = f"Step: {exp['step']} · scenario: {exp['scenario_name']}"
     slo = ctx.slo_text
@@ -482,6 +483,7 @@ def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, not
         Block(md=[""]),
         Block("".join(page.img(f) for f in figures) + "\n", [line for f in figures for line in page.md_img(f)]),
         *[b for title, frame in tables for b in (page.heading(title), page.table(frame), Block(md=[""]))],
+        *(host_time.section(exp, runs) if runs is not None else []),
         page.footer(f"make report EXPERIMENT={exp['id']}"),
         *extra,
     ]
@@ -535,4 +537,4 @@ def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
     return page.write_page(experiment_page(exp, ctx, said, shown,
                                            notes, figures, groups=column_groups(shown, params),
                                            rule=BEST_RULE if params else None,
-                                           tables=tables(table, params)), folder)
+                                           tables=tables(table, params), runs=runs), folder)
