@@ -245,7 +245,7 @@ def test_twin_stops_at_the_deadline_servers_stopped_and_resume_completes(tmp_pat
         spans = store.experiment("dl-twin")["meta"]["host_time"]
         spent = host_time.account({"host_time": spans}, store.runs("dl-twin"))
     assert len(spans) == 2 and all(s["ended"] > s["began"] + s["provisioned_s"] for s in spans)
-    assert spent.commands == 2 and spent.hosts == 1
+    assert spent.spans == 2 and spent.hosts == 1
     assert spent.total_s == pytest.approx(sum(s["ended"] - s["began"] for s in spans))
     assert spent.parts["measuring"] == pytest.approx(runs["duration_s"].sum())
     assert spent.parts["starts"] > sum(s["stops_s"] for s in spans) > 0

@@ -29,7 +29,7 @@ def test_a_commands_span_is_split_into_its_runs_parts_and_the_labs_own():
     spent = host_time.account(meta, runs)
     assert spent.parts == {"starts": 65.0, "warmup": 5.0, "measuring": 60.0, "drain": 7.0,
                            "provisioning": 10.0, "lab": 53.0}
-    assert spent.total_s == 200.0 and (spent.commands, spent.hosts) == (1, 1)
+    assert spent.total_s == 200.0 and (spent.spans, spent.hosts) == (1, 1)
     assert spent.share("measuring") == pytest.approx(0.30)
     assert spent.overhead_share == pytest.approx(63 / 200)
     table = spent.table()
@@ -58,6 +58,6 @@ def test_the_section_reads_the_parts_as_minutes_and_shares():
     blocks = section.section({"meta": meta}, runs)
     md = "\n".join(line for b in blocks for line in b.md)
     assert "## Time on the hosts" in md and "| steady windows (the figures) | 7.00 | 70% |" in md
-    assert ("10.0 host minutes over 1 command on 1 host: the steady windows, the only part the "
+    assert ("10.0 host minutes on 1 host: the steady windows, the only part the "
             "figures come from, took 70%, server starts and stops 16%, warm-up 0%, and the lab's "
             "own (provisioning and between runs) 13%.") in md

@@ -37,7 +37,7 @@ class HostTime:
     """Seconds of host time by part (``PARTS``), over every command that took the runs."""
 
     parts: dict[str, float]
-    commands: int
+    spans: int  # the commands' spans (a ramp's rounds are one each, a resume one more)
     hosts: int
 
     @property

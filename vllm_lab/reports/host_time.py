@@ -27,9 +27,8 @@ def section(exp: dict, runs: pd.DataFrame) -> list[Block]:
 
 def sentence(spent: host_time.HostTime) -> str:
     """The section's reading in one sentence."""
-    where = (f"{spent.commands} command{'s' if spent.commands > 1 else ''} on "
-             f"{spent.hosts} host{'s' if spent.hosts > 1 else ''}")
-    return (f"{spent.total_s / 60:.1f} host minutes over {where}: the steady windows, the only "
+    hosts = f"{spent.hosts} host{'s' if spent.hosts > 1 else ''}"
+    return (f"{spent.total_s / 60:.1f} host minutes on {hosts}: the steady windows, the only "
             f"part the figures come from, took {spent.share('measuring'):.0%}, server starts and "
             f"stops {spent.share('starts'):.0%}, warm-up {spent.share('warmup'):.0%}, and the "
             f"lab's own (provisioning and between runs) {spent.overhead_share:.0%}.")
