@@ -381,7 +381,9 @@ def test_live_twin_autotune(tmp_path):
     assert summary["backend"] == "twin" and summary["defaults_capacity"] is not None
     assert summary["gpu_minutes_starts"] > 0 and 0 < summary["gpu_minutes"] <= 3, out.stdout
     assert summary["predicted_defaults_capacity"] > 0
-    assert (tmp_path / "reports/live-at/report.md").exists()
+    # Its command's span over every candidate's staircase: starts, windows and the lab's own.
+    report = (tmp_path / "reports/live-at/report.md").read_text()
+    assert "## Time on the hosts" in report and "| steady windows (the figures) |" in report
 
 
 def _rebuilt(tmp_path, example, exp, same=True):

@@ -89,9 +89,13 @@ def autotune(settings: Settings, source: Source, options: AutotuneOptions) -> in
         return stopping.Account(f"{spent:.1f} of GPU_MINUTES={options.gpu_minutes:g} spent",
                                 kept="what was measured is kept and reported")
 
-    summary = stopping.take(settings, exp_id, shown,
-                            lambda backend: run(scenario, space, backend, tuned, progress=shown),
-                            account)
+    stopping.take(settings, exp_id, shown,
+                  lambda backend: tuning.search_and_measure(scenario, space, backend, tuned,
+                                                            progress=shown),
+                  account)
+    # Reported once the command's span is kept, so its page says where the hosts' time went.
+    from vllm_lab.reports.autotune import build_report
+    summary = build_report(settings.store_path, exp_id, settings.out, storage)
     print(f"autotune: {summary['verdict']}")
     print(f"report: {experiment_dir(settings.out, exp_id) / 'index.html'}")
     return 0

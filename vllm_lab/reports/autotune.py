@@ -21,10 +21,10 @@ from vllm_lab import search
 from vllm_lab.analysis.autotune import Outcome, Row, outcome
 from vllm_lab.analysis.stress import levels_table, offered_axis
 from vllm_lab.autotune.space import MEASURE_ONLY
-from vllm_lab.reports import page
+from vllm_lab.reports import host_time, page
 from vllm_lab.reports.figures import save
 from vllm_lab.reports.page import Block
-from vllm_lab.store import Store, experiment_dir
+from vllm_lab.store import Store, StoreError, experiment_dir
 
 
 def build(store: Store, exp: dict, runs: pd.DataFrame, folder: Path) -> Path:
@@ -49,9 +49,20 @@ def build_report(store_path: Path, experiment_id: str, out: Path, storage: str) 
     with Store(store_path) as store:
         staircases = {r.candidate.name: staircase(store, f"{experiment_id}-{r.candidate.name}")
                       for r in found.rows}
+        spent = _host_time(store, experiment_id)
     figure = capacity_figure(found, staircases, _caption(plan), folder)
-    page.write_page(autotune_page(summary, found, figure), folder)
+    page.write_page(autotune_page(summary, found, figure, spent), folder)
     return summary
+
+
+def _host_time(store: Store, experiment_id: str) -> list[Block]:
+    """Where the hosts' time went over the candidates' staircases (``reports.host_time``); none
+    for an autotune from before its experiment was recorded."""
+    try:
+        meta = store.experiment(experiment_id)["meta"]
+    except StoreError:
+        return []
+    return host_time.section({"meta": meta}, store.runs(experiment_id, family=True))
 
 
 def staircase(store: Store, experiment_id: str) -> pd.DataFrame:
@@ -198,9 +209,10 @@ def _num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} req/s"
 
 
-def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path) -> page.Page:
+def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path,
+                  spent: list[Block] = ()) -> page.Page:
     """The autotune's page: the verdict, what was measured how, the candidates, the figure, the
-    minutes spent and the winner's file."""
+    minutes spent and the winner's file, then where the hosts' time went (``spent``)."""
     plan = found.record.plan
     sc = plan.scenario
     slo = ", ".join(f"{m} p{v['percentile']:g} ≤ {v['threshold_ms']:g} ms"
@@ -228,7 +240,7 @@ def autotune_page(summary: dict[str, Any], found: Outcome, figure: Path) -> page
               page.table(candidates_frame(summary, found), "text"), Block(md=[""]),
               Block(page.img(figure) + "\n", page.md_img(figure)),
               page.notes(_host_lines(found) + _minutes_lines(summary, summary["gpu_minutes_budget"], found)
-                         + _winner_lines(summary)), Block(md=[""]),
+                         + _winner_lines(summary)), Block(md=[""]), *spent,
               page.footer(f"make report EXPERIMENT={summary['experiment']}", md=True)]
     return page.Page(title, blocks)
 
