@@ -76,6 +76,12 @@ def store_path(tmp_path_factory) -> Path:
             regression=False)
     _record(store, "watch-a", "watch", Q4 + 800, 4, point={"role": "probe"}, host="http://a:8000",
             regression=True, output_throughput=500.0)
+    # A claims experiment on a GPU host that kept its command's span: 10 minutes, of which its
+    # run's window 6, its server's start 2 (and a 30-s stop), provisioning 1.
+    _record(store, "claims-q4", "claims", Q4 + 1000, duration_s=360.0, server_start_s=120.0,
+            warmup_s=20.0, drain_s=10.0)
+    store.update_meta("claims-q4", host_time=[{"began": Q4 + 880, "provisioned_s": 60.0,
+                                               "ended": Q4 + 1480, "stops_s": 30.0}])
     store.close()
     return path
 
@@ -120,6 +126,12 @@ def test_analyses_on_known_data(store_path):
     assert figures.loc[long_run, "prompt_p99"].iloc[0] > 3000
     kinds = {f.kind for f in quarterly.all_findings(now.join(figures))}
     assert kinds == {"oom", "long-prefill"}
+    hours = quarterly.host_time_summary(store_path, p.start, p.end)
+    assert list(hours["experiment_id"]) == ["claims-q4"]  # the predictor's keep none
+    row = hours.iloc[0]
+    assert row["host_minutes"] == pytest.approx(10.0) and row["measuring"] == pytest.approx(0.6)
+    assert row["starts"] == pytest.approx(0.25) and row["lab"] == pytest.approx(1 - 0.6 - 0.25 - 0.05)
+    assert quarterly.host_time_summary(store_path, Q3, p.start).empty  # not in the period before
 
 
 def test_report_files_and_recommended_scenario(report):
@@ -129,6 +141,8 @@ def test_report_files_and_recommended_scenario(report):
         assert (folder / name).stat().st_size > 0, name
     md = (folder / "report.md").read_text()
     assert "2026Q3" in md and "faster" in md and "Out of memory" in md and "long-prefill" in md
+    assert ("10.0 host minutes over 1 experiment(s): the steady windows, the only part the figures "
+            "come from, 60%") in md
     [rec] = sorted((folder / "recommended").glob("*.yaml"))
     scenario = scenarios.resolve(rec)  # a ready scenario file: it validates as one
     assert scenario.serve["max-num-seqs"] == 128 and scenario.hardware.gpu == "h200"

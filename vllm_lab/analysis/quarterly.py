@@ -16,6 +16,7 @@ import pandas as pd
 
 from vllm_lab import search, stats
 from vllm_lab.analysis import findings as findings_mod
+from vllm_lab.analysis import host_time
 from vllm_lab.analysis.autotune import STEP as AUTOTUNE
 from vllm_lab.analysis.autotune import load_record, outcome
 from vllm_lab.analysis.points import (
@@ -264,6 +265,30 @@ def autotune_summary(store_path: Path, runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["experiment_id", "label", "objective", "backend", "best",
                                        "best_flags", "best_capacity", "defaults_capacity", "gain",
                                        "rule", "verdict"])
+
+
+def host_time_summary(store_path: Path, start: float, end: float) -> pd.DataFrame:
+    """Per experiment that kept its commands' spans on real hosts in [start, end): its host
+    minutes and where they went (``analysis.host_time``; an autotune's over its candidates'
+    staircases), most minutes first."""
+    rows = []
+    with Store(store_path) as store:
+        exps = store.experiments()
+        for e in exps.itertuples():
+            meta = json.loads(e.meta_json)
+            spans = [s for s in meta.get("host_time") or [] if start <= s["began"] < end]
+            if not spans:
+                continue
+            runs = store.runs(e.id, family=e.step == AUTOTUNE)  # an autotune's are its candidates'
+            spent = host_time.account({"host_time": spans}, runs)
+            rows.append({"experiment_id": e.id, "step": e.step, "host_minutes": spent.total_s / 60,
+                         "measuring": spent.share("measuring"), "starts": spent.share("starts"),
+                         "warmup": spent.share("warmup"), "drain": spent.share("drain"),
+                         "lab": spent.overhead_share, **{f"{k}_s": v for k, v in spent.parts.items()}})
+    columns = ["experiment_id", "step", "host_minutes", "measuring", "starts", "warmup", "drain",
+               "lab", *(f"{k}_s" for k in host_time.PARTS)]
+    return pd.DataFrame(rows, columns=columns).sort_values("host_minutes", ascending=False,
+                                                           ignore_index=True)
 
 
 def watch_summary(runs: pd.DataFrame) -> pd.DataFrame:

@@ -20,7 +20,7 @@ def section(exp: dict, runs: pd.DataFrame) -> list[Block]:
         return []
     shown = spent.table()
     shown["minutes"] = shown["minutes"].map(lambda m: f"{m:.2f}")
-    shown["share"] = shown["share"].map(lambda s: f"{s:.0%}")
+    shown["share"] = shown["share"].map(lambda s: page.fmt(s, "share"))
     return [page.heading(TITLE), page.table(shown, "text"), Block(md=[""]),
             page.notes([sentence(spent)]), Block(md=[""])]
 

@@ -52,6 +52,7 @@ def fmt(v: Any, style: str = "sig") -> str:
 
     Styles: ``sig`` three significant digits, never an exponent (thousands whole, with
     separators), a missing value "–"; ``fixed`` whole numbers from 100 up, two decimals below; ``pct`` a signed percentage;
+    ``share`` a part of a whole, in whole percent;
     ``ms`` seconds as whole milliseconds; ``p`` a p-value; ``text`` the value as written, a missing
     one empty. A mapping reads ``k=v, ...`` ("defaults" when empty).
     """
@@ -62,6 +63,8 @@ def fmt(v: Any, style: str = "sig") -> str:
         return "–"
     if style == "pct":
         return f"{v:+.1%}"
+    if style == "share":
+        return f"{v:.0%}"
     if style == "ms":
         return f"{v * 1000:.0f}"
     if style == "p":

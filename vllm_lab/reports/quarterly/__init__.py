@@ -2,7 +2,8 @@
 
 It compares the baseline now with the previous period, names per scenario and GPU the best
 configuration found and its margin, summarises the sweeps, combinations and stress tests, names
-each autotune's best (by ``analysis.autotune.outcome``, as its own report does), the monitoring probes (regression watch), the troubleshooting findings, and writes the recommended
+each autotune's best (by ``analysis.autotune.outcome``, as its own report does), where the hosts'
+time went, the monitoring probes (regression watch), the troubleshooting findings, and writes the recommended
 flag changes as ready scenario files. Output: ``index.html`` (figures embedded), ``report.md``,
 ``report.pdf`` (headless Chromium prints the HTML) and ``recommended/*.yaml`` beside them.
 
@@ -25,6 +26,7 @@ from vllm_lab.analysis.quarterly import (
     baseline_comparison,
     best_configurations,
     findings_table,
+    host_time_summary,
     point_means,
     stress_summary,
     sweep_rollup,
@@ -48,7 +50,7 @@ from vllm_lab.reports.quarterly.period import Period, parse_period
 from vllm_lab.reports.quarterly.recommended import recommendations
 
 __all__ = ["Period", "ReportError", "all_findings", "autotune_summary", "baseline_comparison",
-           "best_configurations", "build", "chromium", "findings_table", "load_runs", "parse_period",
+           "best_configurations", "build", "chromium", "findings_table", "host_time_summary", "load_runs", "parse_period",
            "point_means", "print_pdf", "recommendations", "sample_figures", "stress_summary",
            "sweep_rollup", "sweep_summary", "watch_summary"]
 
@@ -80,6 +82,7 @@ def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True,
     best = best_configurations(now)
     sweeps, stress, watch = sweep_summary(now), stress_summary(store_path, now), watch_summary(now)
     autotunes = autotune_summary(store_path, now)
+    hours = host_time_summary(store_path, period.start, period.end)
     found = findings_table(all_findings(now), now)
     recs = recommendations(best, now, folder / "recommended")
     figures = {"baseline": figure_baseline(cmp, folder, text),
@@ -90,7 +93,7 @@ def build(store_path: Path, period_text: str, out_root: Path, pdf: bool = True,
                "watch": figure_watch(now, folder, text)}
     say(f"{period.name}: analyses done, {sum(f is not None for f in figures.values())} figures drawn")
     parts = sections(period, now, cmp, best, sweeps, stress, watch, found, recs, figures, points,
-                     autotunes)
+                     autotunes, hours)
     index = page.write_page(quarterly_page(period, parts, text), folder)
     best.drop(columns=["serve", "base_serve"], errors="ignore").to_csv(folder / "best.csv", index=False)
     if pdf:

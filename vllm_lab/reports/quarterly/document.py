@@ -54,11 +54,11 @@ def section_table(df: pd.DataFrame, columns: list[tuple[str, str, str]], limit: 
 def sections(period: Period, runs: pd.DataFrame, cmp: pd.DataFrame, best: pd.DataFrame,
              sweeps: pd.DataFrame, stress: pd.DataFrame, watch: pd.DataFrame,
              found: pd.DataFrame, recs: pd.DataFrame, figures: dict[str, Path | None],
-             points: pd.DataFrame, autotunes: pd.DataFrame) -> list[Section]:
+             points: pd.DataFrame, autotunes: pd.DataFrame, hours: pd.DataFrame) -> list[Section]:
     """The report's sections in order, from the period's analyses and figures."""
     return [_overview(runs), _baseline(period, cmp, figures), _best(best, figures),
-            _tuning(sweeps, stress, points, figures), _autotune(autotunes), _watch(watch, figures),
-            _findings(found), _recommended(recs)]
+            _tuning(sweeps, stress, points, figures), _autotune(autotunes), _host_time(hours),
+            _watch(watch, figures), _findings(found), _recommended(recs)]
 
 
 def _figures(figures: dict[str, Path | None], *names: str) -> list[Path]:
@@ -154,6 +154,29 @@ def _autotune(autotunes: pd.DataFrame) -> Section:
                                    ("gain", "gain", "pct"), ("verdict", "verdict", "text"),
                                    ("backend", "measured on", ""),
                                    ("experiment_id", "experiment", "")])] if len(autotunes) else [],
+        [], [])
+
+
+def _host_time(hours: pd.DataFrame) -> Section:
+    if not len(hours):
+        return Section("Host time", "No experiment of this period kept its time on real hosts "
+                       "(the predictor's have none).", [], [], [])
+    total = hours["host_minutes"].sum() * 60
+
+    def share(part: str) -> float:
+        return hours[f"{part}_s"].sum() / total if total else 0.0
+    return Section(
+        "Host time: where the hosts' minutes went",
+        (f"{total / 60:,.1f} host minutes over {len(hours)} experiment(s): the steady windows, the "
+         f"only part the figures come from, {share('measuring'):.0%}; server starts and stops "
+         f"{share('starts'):.0%}; warm-up {share('warmup'):.0%}; the load after each window "
+         f"{share('drain'):.0%}; the lab's own (provisioning and between runs) "
+         f"{share('lab') + share('provisioning'):.0%}."),
+        [section_table(hours, [("experiment_id", "experiment", ""), ("step", "step", ""),
+                               ("host_minutes", "host minutes", ""),
+                               ("measuring", "windows", "share"), ("starts", "starts", "share"),
+                               ("warmup", "warm-up", "share"), ("drain", "drain", "share"),
+                               ("lab", "lab's own", "share")])],
         [], [])
 
 
