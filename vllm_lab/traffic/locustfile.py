@@ -182,20 +182,27 @@ class WorkerPool(Pool):
 
 # Made at import, which Locust does before it forks: its forked processes share this one.
 POOL: Pool = Pool(LOAD.stop.max_requests)
-# The next share of an open loop's schedule for a process Locust forks here, likewise shared:
-# each forked process takes its own when it starts, with no message to depend on.
-_SHARES = multiprocessing.Value("i", 0)
-
-
 def _share(runner) -> int:
-    """This process's share of the schedule (``arrivals.dealt``): the next free one among the
-    processes Locust forked here (they share memory), from the first share the lab dealt this
-    worker host (runner.FIRST_SHARE_ENV); 0 for a single process."""
+    """This process's share of the schedule (``arrivals.dealt``): the lowest free one among the
+    processes Locust forked on this host, from the first share the lab dealt the host
+    (runner.FIRST_SHARE_ENV); 0 for a single process.
+
+    A process claims its share by creating the share's file in the run's fresh samples folder,
+    an exclusive create being atomic across processes with no message to depend on. (A counter
+    in memory shared by the forked processes handed two of them the same share, twice in CI.)
+    Shares are named as dealt, not from 0, so two worker hosts on one machine, whose processes
+    write into one folder, claim their own. The files' names start with a dot: no reader of the
+    samples, nor a remote host's copy back, takes them."""
     if not isinstance(runner, WorkerRunner):
         return 0
-    with _SHARES.get_lock():
-        share, _SHARES.value = _SHARES.value, _SHARES.value + 1
-    return int(os.environ.get("VLLM_LAB_FIRST_SHARE", "0")) + share
+    share = int(os.environ.get("VLLM_LAB_FIRST_SHARE", "0"))
+    while True:
+        try:
+            os.close(os.open(OUT / "samples" / f".share-{share}",
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return share
+        except FileExistsError:
+            share += 1
 
 
 @events.init.add_listener
