@@ -84,7 +84,7 @@ def account(meta: Mapping[str, Any], runs: pd.DataFrame) -> HostTime | None:
     for span in spans:
         began, ended = float(span["began"]), float(span["ended"])
         inside = runs[(runs["started"] >= began) & (runs["started"] <= ended)]
-        hosts = max(1, inside["host"].nunique()) if len(inside) else 1
+        hosts = max(1, inside["host"].nunique())
         hosts_seen.update(inside["host"])
         spent = dict.fromkeys(PARTS, 0.0)
         for row in inside.to_dict("records"):

@@ -96,7 +96,7 @@ def take(settings: Settings, exp_id: str, shown: Progress, work: Callable[[Backe
     on the deadline, Ctrl-C, SIGTERM or SIGHUP, the command's ``account()`` said in one sentence,
     then ``Stopped``. The progress is finished however it ends (provisioning included), so the
     heartbeat never says "running" for a command that is gone."""
-    began, backend = time.time(), None
+    began = time.time()
     try:
         with tracking(shown):
             backend = guarded_backend(settings, exp_id, shown)

@@ -139,7 +139,7 @@ def unmeasured_claims(exp: dict, table: pd.DataFrame) -> list[int]:
 
 
 def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | None,
-                unpredicted: int = 0, runs: pd.DataFrame | None = None) -> page.Page:
+                unpredicted: int, runs: pd.DataFrame) -> page.Page:
     """The claims page: the verdicts, the effects figure, the arms, where the hosts' time went."""
     e = html.escape
     line = verdict_line(table)
@@ -166,7 +166,7 @@ def claims_page(exp, ctx, table: pd.DataFrame, arms: pd.DataFrame, fig: Path | N
     ]
     if fig:
         blocks.append(Block(md=["", *page.md_img(fig)]))
-    blocks += [Block(md=[""]), *(host_time.section(exp, runs) if runs is not None else []),
+    blocks += [Block(md=[""]), *host_time.section(exp, runs),
                page.footer(f"make report EXPERIMENT={exp['id']}", md=True)]
     return page.Page(exp["id"], blocks, CSS)
 

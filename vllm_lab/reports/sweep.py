@@ -459,8 +459,8 @@ def _unmeasured(table: pd.DataFrame, params: list[str], ctx: Context | None,
 def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, notes: list[str],
                     figures: list[Path], extra: list[Block] = (),
                     groups: list[str] | None = None, rule: str | None = BEST_RULE,
-                    tables: list[tuple[str, pd.DataFrame]] = (),
-                    runs: pd.DataFrame | None = None) -> page.Page:
+                    tables: list[tuple[str, pd.DataFrame]] = (), *,
+                    runs: pd.DataFrame) -> page.Page:
     """An experiment's page: headline, context, table, notes (the statistic its figures are and,
     where it names a best, the ``rule`` that named it), figures, further ``tables``, where the
     hosts' time went (from its ``runs``), then ``extra`` sections."""
@@ -483,7 +483,7 @@ def experiment_page(exp: dict, ctx: Context, head: str, shown: pd.DataFrame, not
         Block(md=[""]),
         Block("".join(page.img(f) for f in figures) + "\n", [line for f in figures for line in page.md_img(f)]),
         *[b for title, frame in tables for b in (page.heading(title), page.table(frame), Block(md=[""]))],
-        *(host_time.section(exp, runs) if runs is not None else []),
+        *host_time.section(exp, runs),
         page.footer(f"make report EXPERIMENT={exp['id']}"),
         *extra,
     ]

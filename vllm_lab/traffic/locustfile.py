@@ -189,7 +189,7 @@ def _share(runner) -> int:
 
     A process claims its share by creating the share's file in the run's fresh samples folder,
     an exclusive create being atomic across processes with no message to depend on. (A counter
-    in memory shared by the forked processes handed two of them the same share, twice in CI.)
+    in memory shared by the forked processes handed two of them the same share, once in CI.)
     Shares are named as dealt, not from 0, so two worker hosts on one machine, whose processes
     write into one folder, claim their own. The files' names start with a dot: no reader of the
     samples, nor a remote host's copy back, takes them."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from vllm_lab.analysis import host_time
 from vllm_lab.analysis.points import BEST_RULE, STATISTIC
 from vllm_lab.analysis.quarterly import sweep_rollup
 from vllm_lab.reports import page
@@ -161,17 +162,16 @@ def _host_time(hours: pd.DataFrame) -> Section:
     if not len(hours):
         return Section("Host time", "No experiment of this period kept its time on real hosts "
                        "(the predictor's have none).", [], [], [])
-    total = hours["host_minutes"].sum() * 60
-
-    def share(part: str) -> float:
-        return hours[f"{part}_s"].sum() / total if total else 0.0
+    # The period's parts summed, read by the account's own shares (spans and hosts not summed).
+    spent = host_time.HostTime({p: hours[f"{p}_s"].sum() for p in host_time.PARTS},
+                               spans=0, hosts=0)
     return Section(
         "Host time: where the hosts' minutes went",
-        (f"{total / 60:,.1f} host minutes over {len(hours)} experiment(s): the steady windows, the "
-         f"only part the figures come from, {share('measuring'):.0%}; server starts and stops "
-         f"{share('starts'):.0%}; warm-up {share('warmup'):.0%}; the load after each window "
-         f"{share('drain'):.0%}; the lab's own (provisioning and between runs) "
-         f"{share('lab') + share('provisioning'):.0%}."),
+        (f"{spent.total_s / 60:,.1f} host minutes over {len(hours)} experiment(s): the steady "
+         f"windows, the only part the figures come from, {spent.share('measuring'):.0%}; server "
+         f"starts and stops {spent.share('starts'):.0%}; warm-up {spent.share('warmup'):.0%}; the "
+         f"load after each window {spent.share('drain'):.0%}; the lab's own (provisioning and "
+         f"between runs) {spent.overhead_share:.0%}."),
         [section_table(hours, [("experiment_id", "experiment", ""), ("step", "step", ""),
                                ("host_minutes", "host minutes", ""),
                                ("measuring", "windows", "share"), ("starts", "starts", "share"),
