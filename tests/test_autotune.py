@@ -204,9 +204,9 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
     spec = tmp_path / "space.yaml"
     spec.write_text("space:\n  max-num-seqs: {low: 64, high: 1024, log: true}\n"
                     "  max-num-batched-tokens: {low: 2048, high: 16384, log: true}\n"
-                    "measure:\n  max-num-partial-prefills: [2]\n")
+                    "measure:\n  stream-interval: [4]\n")
     space = autotune.load_space(str(spec), scenario)
-    assert space.measure == {"max-num-partial-prefills": [2]}
+    assert space.measure == {"stream-interval": [4]}
     # 10 s levels rather than real vLLM's 60: the plan is what is asserted, not the capacities.
     summary = autotune_command.run(scenario, space, OnVllm(),
                                    settings(tmp_path, minutes=60, trials=3, seed=1, top=2, step_s=10),
@@ -214,12 +214,12 @@ def test_measure_only_flags_are_tried_live_on_the_best_measured(tmp_path):
     names = [c["name"] for c in summary["candidates"]]
     assert names == ["defaults", "m1", "c1", "c2"]
     m1 = summary["candidates"][1]
-    assert m1["predicted"] is None and m1["measure"] == {"max-num-partial-prefills": 2}
+    assert m1["predicted"] is None and m1["measure"] == {"stream-interval": 4}
     # The first variant comes right after the defaults: it is tried on them, from their capacity up.
-    assert m1["base"] == "defaults" and m1["flags"] == {"max-num-partial-prefills": 2}
+    assert m1["base"] == "defaults" and m1["flags"] == {"stream-interval": 4}
     assert m1["centre"] == pytest.approx(summary["defaults_capacity"], rel=0.16)
     md = (tmp_path / "at" / "report.md").read_text()
-    assert "| m1" in md and "not modelled" in md and "max-num-partial-prefills=2 on defaults" in md
+    assert "| m1" in md and "not modelled" in md and "stream-interval=4 on defaults" in md
     twin_plan = autotune_command.run(scenario, space, PredictBackend(), settings(tmp_path, "p", trials=3, seed=1, top=1, step_s=10),
                              lambda _: None)
     assert [c["name"] for c in twin_plan["candidates"]] == ["defaults", "c1"]
@@ -349,15 +349,15 @@ def test_a_capacity_lies_between_the_levels_that_held_and_broke_and_so_does_the_
 def test_measure_section_takes_only_unmodelled_flags_with_valid_values(tmp_path):
     scenario = chat()
     cases = {"measure:\n  max-num-seqs: [64]\n": r"key measure\.max-num-seqs: only flags the twin does not model",
-             "measure:\n  max-num-partial-prefills: [0]\n": r"key measure\.max-num-partial-prefills: 0:",
-             "measure:\n  max-num-partial-prefills: []\n": r"key measure\.max-num-partial-prefills: give at least one value"}
+             "measure:\n  stream-interval: [0]\n": r"key measure\.stream-interval: 0:",
+             "measure:\n  stream-interval: []\n": r"key measure\.stream-interval: give at least one value"}
     for i, (text, message) in enumerate(cases.items()):
         path = tmp_path / f"s{i}.yaml"
         path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\n" + text)
         with pytest.raises(ScenarioError, match=message):
             autotune.load_space(str(path), scenario)
     path = tmp_path / "tune.yaml"
-    path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\nmeasure:\n  max-num-partial-prefills: [2]\n")
+    path.write_text("space:\n  max-num-seqs: {low: 8, high: 64}\nmeasure:\n  stream-interval: [4]\n")
     with pytest.raises(ScenarioError, match="key measure: only make autotune reads it"):
         search.load_space(str(path), scenario)
 

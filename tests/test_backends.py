@@ -251,6 +251,8 @@ def test_the_predictors_shared_prefix_is_part_of_the_prompt():
 @pytest.mark.parametrize("override, status, says", [
     ("serve.gpu-memory-utilization=0.01", "oom", "oom: No available memory for the cache blocks"),
     ("serve.dtype=float8", "failed-start", "refused-flag: argument --dtype: invalid choice: 'float8'"),
+    ("serve.max-num-partial-prefills=2", "failed-start",
+     "refused-flag: NotImplementedError: Concurrent Partial Prefill is not supported"),
 ])
 def test_predict_backend_records_what_vllm_would_refuse(override, status, says):
     m = PredictBackend().measure(_tiny(override), None, Path("unused"))

@@ -61,7 +61,8 @@ def test_latency_swing_with_long_prompts_caps_long_prefills():
     assert f.kind == "long-prefill"
     assert "15.0x" in f.evidence and "3800" in f.evidence
     assert f.flags["long-prefill-token-threshold"] == 2048  # a quarter of the default 8192 budget
-    assert f.flags["max-num-partial-prefills"] == 2
+    # Not V0's max-num-partial-prefills: vLLM's V1 engine refuses to start with it above 1.
+    assert set(f.flags) == {"long-prefill-token-threshold"}
     # A swing without long prompts or a queue has another cause.
     assert kinds(_row(ttft_p50=0.08, ttft_p99=1.2, prompt_p50=150.0, prompt_p99=300.0,
                       queue_len_max=0.0)) == []

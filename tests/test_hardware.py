@@ -36,4 +36,7 @@ def test_on_hardware_takes_the_preset_and_keeps_what_it_leaves_out():
     hw = on_hardware(profile, preset).hardware
     assert hw.memory_gib == preset.memory_gib and hw.gpu_count == preset.gpu_count
     assert hw.interconnect_gbs == profile.hardware.interconnect_gbs
-    assert hw.tflops("fp8") == 1979.0 / 989.0 * 312.0
+    # An A100 has no fp8 tensor cores: no fp8 peak to scale the profile's to.
+    assert hw.tflops("fp8") is None and hw.fp8_compute is False
+    h100 = on_hardware(profile, scenarios.resolve("default", "h100-80g").hardware).hardware
+    assert h100.tflops("fp8") == 1979.0 / 989.0 * h100.tflops_bf16

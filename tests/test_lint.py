@@ -29,6 +29,11 @@ def messages(*overrides: str, **kw) -> str:
     # removed and always-on flags -> what to write instead
     ("serve.swap-space=8", "serve.kv-offloading-size=8", "kv-offloading-size"),
     ("serve.enable-chunked-prefill=true", "serve.max-num-batched-tokens=4096", "always on in the V1 engine"),
+    # V0's concurrent partial prefills: V1 refuses to start with any value but 1
+    ("serve.max-num-partial-prefills=2", "serve.max-num-partial-prefills=1",
+     ("vLLM 0.26.0 refuses to start with any value but 1 (since 0.11.0): its V1 engine has no "
+      "concurrent partial prefills")),
+    ("serve.max-long-partial-prefills=4", "serve.max-long-partial-prefills=1", "long-prefill-token-threshold caps"),
     # attention backends
     ("serve.block-size=8", "serve.block-size=16", "FlashAttention backends (multiples of 16)"),
     # scheduler invariant

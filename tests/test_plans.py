@@ -1,5 +1,7 @@
 """Plan logic: ladders, grouping by serve flags, restarts, resume, failures recorded as data."""
 
+import re
+
 import pandas as pd
 import pytest
 
@@ -51,14 +53,25 @@ def test_every_ladder_holds_vllms_default_on_the_gpu(base):
     assert plans.reference_point(base, ["max-num-seqs", "load.shape.level"]) is None
 
 
-@pytest.mark.parametrize("param, backend", [("max-num-partial-prefills", "predict"),
-                                            ("max-num-partial-prefills", "twin"),
+@pytest.mark.parametrize("param, backend", [("kv-offloading-size", "predict"),
+                                            ("kv-offloading-size", "twin"),
                                             ("stream-interval", "predict")])
 def test_a_flag_the_backend_does_not_model_is_refused(param, backend):
     with pytest.raises(ScenarioError, match=f"PARAM={param}: BACKEND={backend} does not model it"):
         plans.check_modelled(param, backend)
     plans.check_modelled(param, "vllm")
     plans.check_modelled("stream-interval", "twin")  # the twin's server streams at the interval
+
+
+@pytest.mark.parametrize("param, says", [
+    ("max-num-partial-prefills", ("vLLM 0.26.0 refuses to start with any value but 1 (since "
+                                  "0.11.0): its V1 engine has no concurrent partial prefills")),
+    ("swap-space", "was removed in vLLM 0.18.0 (target 0.26.0)"),
+    ("enable-chunked-prefill", "has no effect since vLLM 0.10.0 (target 0.26.0)")])
+def test_a_flag_vllm_changed_is_not_swept(base, param, says):
+    # Each value would stop the start, or read alike: a sweep of it measures nothing.
+    with pytest.raises(ScenarioError, match=re.escape(f"PARAM={param}: {says}")):
+        plans.check_param(param, base)
 
 
 def test_values_are_typed_by_the_flag():

@@ -54,8 +54,20 @@ class Change:
 
     flag: str
     since: str  # the first vLLM version where it applies
-    kind: str  # "removed" | "no-op"
+    kind: str  # "removed" | "no-op" | "refused" (accepted by the parser, any value but the default stops the start)
     advice: str
+
+    def problem(self, version: str, value: Any = None) -> str | None:
+        """What setting the flag to ``value`` does at ``version``, in words (None: a refused flag
+        at its default, which vLLM takes)."""
+        if self.kind == "removed":
+            return f"was removed in vLLM {self.since} (target {version}): {self.advice}"
+        if self.kind == "no-op":
+            return f"has no effect since vLLM {self.since} (target {version}): {self.advice}"
+        if value is not None and value == FLAGS[self.flag].default:
+            return None
+        return (f"vLLM {version} refuses to start with any value but {FLAGS[self.flag].default} "
+                f"(since {self.since}): {self.advice}")
 
 
 def _f(name, kind, default=None, help="", **kw) -> Flag:
@@ -85,10 +97,13 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("enable-chunked-prefill", "bool", True, "Split long prefills over steps (always on in V1).", twin_models=False),
     _f("long-prefill-token-threshold", "int", 0, "Prefill chunk cap per request (0: none).", min=0,
        tuning=True),
-    _f("max-num-partial-prefills", "int", 1, "Concurrent partial prefills.", min=1, tuning=True, twin_models=False),
+    # V0's concurrent partial prefills: vLLM's V1 engine refuses to start with either at any value
+    # but 1 (CHANGES below), and so does the twin.
+    _f("max-num-partial-prefills", "int", 1, "Concurrent partial prefills (V0 only).", min=1),
+    _f("max-long-partial-prefills", "int", 1, "Concurrent long partial prefills (V0 only).", min=1),
     _f("num-gpu-blocks-override", "int", None, "Force the number of KV blocks.", min=1),
-    _f("kv-cache-memory-bytes", "int", None, "KV cache size in bytes (overrides utilization).", min=1, twin_models=False),
-    _f("cpu-offload-gb", "float", 0, "Weights offloaded to CPU per GPU, GiB.", min=0, twin_models=False),
+    _f("kv-cache-memory-bytes", "int", None, "KV cache size in bytes (overrides utilization).", min=1),
+    _f("cpu-offload-gb", "float", 0, "Weights offloaded to CPU per GPU, GiB.", min=0),
     _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True, twin_models=False),
     _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache"), twin_models=False),
     _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True, twin_models=False),
@@ -98,7 +113,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("stream-interval", "int", 1, "Tokens per streamed chunk.", min=1),
     _f("api-server-count", "int", 1, "API-server (frontend) processes in front of the engine.", min=1,
        tuning=True),
-    _f("quantization", "str", None, "Weight quantization method.", twin_models=False),
+    # The twin models fp8 (online, on a 16-bit checkpoint) and refuses the methods that need a
+    # quantized checkpoint's config, as vLLM does on the lab's model folders.
+    _f("quantization", "str", None, "Weight quantization method."),
     _f("seed", "int", 0, "Random seed."),
     # Model loading.
     _f("model", "str", None, "Model name or folder."),
@@ -142,6 +159,10 @@ CHANGES: list[Change] = [
            "multi-step scheduling was a V0 feature; drop the key (async-scheduling overlaps steps in V1)"),
     Change("use-v2-block-manager", "0.7.0", "removed", "the V1 KV cache manager is the only one; drop the key"),
     Change("preemption-mode", "0.10.0", "removed", "V1 always preempts by recompute; drop the key"),
+    *(Change(name, "0.11.0", "refused",
+             "its V1 engine has no concurrent partial prefills (NotImplementedError: Concurrent "
+             "Partial Prefill is not supported); long-prefill-token-threshold caps a long prompt's "
+             "share of a step instead") for name in ("max-num-partial-prefills", "max-long-partial-prefills")),
 ]
 
 
@@ -223,7 +244,6 @@ def engine_defaults(gpu_memory_gib: float, gpu_name: str = "",
 NOT_MODELLED = "not modelled: measured only"
 # Why the twin does not model a flag, where a reason helps (the rest: "not modelled").
 UNMODELLED_WHY = {
-    "max-num-partial-prefills": "the twin's scheduler does not limit concurrent partial prefills",
     "enable-chunked-prefill": "chunked prefill is always on in vLLM's V1 engine",
 }
 # Flags the twin's server honours but its predictor does not model, and why.

@@ -31,6 +31,12 @@ class Hardware(BaseModel):
     tflops_fp16: float = Field(gt=0)
     tflops_fp32: float = Field(gt=0)
     tflops_fp8: float | None = Field(None, gt=0, description="None: the twin scales its profile's by bf16.")
+    fp8_compute: bool | None = Field(None, description=(
+        "Whether its tensor cores multiply in fp8 (Ada, Hopper and later; None: yes). Without, vLLM "
+        "runs an fp8-quantized model's layers on 16-bit arithmetic (weight-only Marlin kernels)."))
+    host_link_gbs: float | None = Field(None, gt=0, description=(
+        "CPU-to-GPU bandwidth one GPU reads host memory at, GB/s (None: the twin's PCIe 5.0 x16 "
+        "figure); --cpu-offload-gb streams the offloaded weights over it every step."))
     interconnect_gbs: float = Field(0, ge=0, description="GPU-to-GPU bandwidth per direction, GB/s; 0: unknown.")
     interconnect_latency_us: float | None = Field(None, ge=0, description="Latency of one all-reduce.")
     twin_profile: str | None = Field(None, description="Twin profile (vllm_lab/twin/profiles/) for this GPU.")

@@ -67,12 +67,11 @@ def hardware_refusal(scenario: Scenario) -> Finding | None:
 
 
 def _check_name_and_value(key, value, names, changes, version, where) -> list[Finding]:
-    if key in changes:
-        change = changes[key]
-        severity = "error" if change.kind == "removed" else "warning"
-        verb = "was removed in" if change.kind == "removed" else "has no effect since"
-        return [Finding(severity, where(key), key, f"{verb} vLLM {change.since} "
-                        f"(target {version}): {change.advice}")]
+    change = changes.get(key)
+    problem = change.problem(version, value) if change else None
+    if problem:
+        severity = "warning" if change.kind == "no-op" else "error"
+        return [Finding(severity, where(key), key, problem)]
     if key not in names:
         kebab = key.replace("_", "-")
         near = [kebab] if kebab in names else difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)

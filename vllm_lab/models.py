@@ -36,13 +36,19 @@ class ModelShape:
     torch_dtype: str = "bfloat16"
 
     @property
-    def num_params(self) -> int:
-        """Parameter count: attention + gated MLP per layer, embeddings and LM head."""
+    def linear_params(self) -> int:
+        """Parameters of the linear layers, all layers (attention projections, gated MLP): what a
+        step multiplies each token by, and what a quantization method stores in fewer bytes."""
         attn = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         attn += self.num_heads * self.head_dim * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count: attention + gated MLP per layer, embeddings and LM head."""
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        return self.linear_params + self.num_layers * 2 * self.hidden_size + embed + self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V cache one token takes across all layers (before tensor parallelism)."""

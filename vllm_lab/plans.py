@@ -92,8 +92,11 @@ def check_param(param: str, scenario: Scenario, variable: str = "PARAM") -> str:
             raise ScenarioError(f"{variable}={param}: not a vLLM flag nor a scenario key; write a "
                                 f"flag (max-num-seqs) or a dotted key (load.shape.level)")
         return param
+    change = flagcat.changes_for(scenario.vllm_version).get(name)
+    if change:  # every value would fail the start, or read alike
+        raise ScenarioError(f"{variable}={param}: {change.problem(scenario.vllm_version)}")
     known = flagcat.real_vllm_flag_names() or set(flagcat.FLAGS)
-    if name in known or name in flagcat.changes_for(scenario.vllm_version):
+    if name in known:
         return param
     near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     hint = f" (did you mean {near[0]}?)" if near else ""
@@ -217,7 +220,6 @@ def default_values(param: str, scenario: Scenario) -> list[Any]:
         "enable-prefix-caching": lambda: [True, False],
         "tensor-parallel-size": lambda: [n for n in (1, 2, 4, 8) if n <= hw.gpu_count],
         "long-prefill-token-threshold": lambda: [0, 256, 1024, 4096],
-        "max-num-partial-prefills": lambda: [1, 2, 4],
         "async-scheduling": lambda: [False, True],
         "load.shape.level": lambda: [1, 4, 16, 64, 128, 256],
     }

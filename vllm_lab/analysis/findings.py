@@ -10,8 +10,9 @@ The four patterns (the guide's "Troubleshooting" list):
   and the finding is the batch cap instead (raise ``max-num-seqs``, the KV cache permitting).
   Where the API server sets TTFT (below), it is what leaves the GPU idle, and neither is said;
 - **long requests block the queue**: TTFT swings (p99 many times p50) while a few long prompts
-  arrive: cap how much of a step one prefill may take (``long-prefill-token-threshold``) and let
-  several prefills share the chunked-prefill budget (``max-num-partial-prefills``);
+  arrive: cap how much of a step one prefill may take (``long-prefill-token-threshold``), so the
+  short prompts behind it get the rest of the budget (the guide's other flag,
+  ``max-num-partial-prefills``, was V0's: vLLM's V1 engine refuses to start with it above 1);
 - **out of memory at high gpu-memory-utilization**: the start (or a run) failed with an OOM while
   ``gpu-memory-utilization`` was 0.9 or more: lower it;
 - **preemption storm**: many preemptions per request with the KV cache full: lower
@@ -59,8 +60,7 @@ KV_FULL = 0.95
 # the batch sizes are those vLLM picks on the large GPUs (70 GiB or more) the lab's presets name.
 VLLM_DEFAULTS = flag_catalog.engine_defaults(
     flag_catalog.LARGE_GPU_GIB, names=("max-num-batched-tokens", "max-num-seqs",
-                                       "gpu-memory-utilization", "long-prefill-token-threshold",
-                                       "max-num-partial-prefills"))
+                                       "gpu-memory-utilization", "long-prefill-token-threshold"))
 
 
 @dataclass(frozen=True)
@@ -165,10 +165,9 @@ def _long_prefill(row, flags) -> Finding | None:
         "long-prefill", "Latency swings: long requests block the queue",
         f"TTFT p99 {p99 * 1000:.0f} ms is {p99 / p50:.1f}x p50 {p50 * 1000:.0f} ms{prompts}"
         + _clause("; up to {v:.0f} requests waiting", _num(row, "queue_len_max")),
-        "long prefills take whole steps: cap them with long-prefill-token-threshold and let "
-        "several prefills share the chunked-prefill budget",
-        {"long-prefill-token-threshold": suggested,
-         "max-num-partial-prefills": max(2, int(flags.get("max-num-partial-prefills") or 1))})
+        "long prefills take whole steps: cap each one's chunk with long-prefill-token-threshold, "
+        "so the short prompts behind it share the step's budget",
+        {"long-prefill-token-threshold": suggested})
 
 
 def _oom(row, flags) -> Finding | None:

@@ -18,8 +18,7 @@ MODELLED = ("max-num-seqs", "max-num-batched-tokens", "long-prefill-token-thresh
             "enforce-eager", "api-server-count", "async-scheduling")
 # Serving flags of vLLM 0.26 the twin does not model, and why: a ranking on the predictor would
 # call every value equal, so they are left to a live sweep.
-MEASURE_ONLY = {**{k: flagcat.UNMODELLED_WHY[k] for k in ("max-num-partial-prefills",)},
-                **flagcat.PREDICTOR_IGNORES,
+MEASURE_ONLY = {**flagcat.PREDICTOR_IGNORES,
                 **{k: flagcat.UNMODELLED_WHY[k] for k in ("enable-chunked-prefill",)}}
 DEFAULT_SPACE = "autotune"
 

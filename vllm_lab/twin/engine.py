@@ -23,6 +23,7 @@ import numpy as np
 
 from vllm_lab.twin.engine_config import (
     ENGINE_FLAGS,
+    ONLINE_QUANTIZATION,
     EngineConfig,
     EngineStartError,
     MemoryPlan,
@@ -93,7 +94,8 @@ class Engine:
         graph_max = min(profile.coefficients.cuda_graph_max_tokens, 2 * cfg.max_num_seqs)
         self.stm = StepTimeModel(profile, model, cfg.weight_bytes, cfg.kv_bytes,
                                  cfg.tensor_parallel_size, cfg.enforce_eager, bs, graph_max,
-                                 cfg.peak_key)
+                                 cfg.peak_key, fp8_linear=cfg.quantization == ONLINE_QUANTIZATION,
+                                 offload_bytes=cfg.cpu_offload_bytes)
         self.running: list[_Req] = []
         self.waiting: deque[_Req] = deque()
         self.partials: list[_Req] = []          # running requests still prefilling, in order

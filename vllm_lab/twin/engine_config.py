@@ -23,8 +23,13 @@ ENGINE_FLAGS = frozenset({
     "max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "block-size",
     "max-model-len", "enforce-eager", "dtype", "kv-cache-dtype", "tensor-parallel-size",
     "enable-prefix-caching", "long-prefill-token-threshold", "num-gpu-blocks-override",
-    "async-scheduling",
+    "async-scheduling", "max-num-partial-prefills", "max-long-partial-prefills", "quantization",
+    "cpu-offload-gb", "kv-cache-memory-bytes",
 })
+# The one --quantization the twin models: vLLM quantizes a 16-bit checkpoint's linear layers to
+# fp8 as it loads it (no config file needed). Every other method reads its settings from the
+# checkpoint (quantize_config.json and the like), which the lab's model folders do not have.
+ONLINE_QUANTIZATION = "fp8"
 
 
 class EngineStartError(Exception):
@@ -72,6 +77,9 @@ class EngineConfig:
     # (config/vllm.py: async_scheduling None -> True); --no-async-scheduling plans each step after
     # the previous one ends.
     async_scheduling: bool = True
+    quantization: str | None = None       # "fp8": linear layers stored and multiplied in fp8
+    cpu_offload_bytes: int = 0            # weights kept in host memory, per GPU
+    kv_cache_memory_bytes: int | None = None  # the KV cache's size, per GPU, when given
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,6 +94,12 @@ def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfi
 
     def refuse(msg: str):
         raise EngineStartError("refused-flag", msg)
+
+    # vLLM checks these before anything else (EngineArgs._check_feature_supported): its V1 engine
+    # has no concurrent partial prefills.
+    if any(int(merged[k]) != 1 for k in ("max-num-partial-prefills", "max-long-partial-prefills")):
+        refuse("NotImplementedError: Concurrent Partial Prefill is not supported. We recommend to "
+               "remove Concurrent Partial Prefill from your config.")
 
     dtype = str(merged["dtype"] or "auto")
     dtype_name = model.torch_dtype if dtype == "auto" else dtype
@@ -138,8 +152,17 @@ def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfi
     if mnbt < seqs:
         refuse(f"max_num_batched_tokens ({mnbt}) must be greater than or equal to max_num_seqs "
                f"({seqs}).")
+    quantization = merged.get("quantization")
+    if quantization not in (None, ONLINE_QUANTIZATION):
+        refuse(f"ValueError: Cannot find the config file for {quantization}")
+    offload = float(merged.get("cpu-offload-gb") or 0)
+    if offload < 0:
+        refuse(f"cpu_offload_gb must be at least 0, got {offload}")
+    kv_memory = merged.get("kv-cache-memory-bytes")
     override = merged.get("num-gpu-blocks-override")
     return EngineConfig(
+        quantization=quantization, cpu_offload_bytes=int(offload * GiB),
+        kv_cache_memory_bytes=int(kv_memory) if kv_memory else None,
         max_num_seqs=seqs, max_num_batched_tokens=mnbt, gpu_memory_utilization=util,
         block_size=block_size, max_model_len=max_model_len,
         enforce_eager=bool(merged["enforce-eager"]), weight_bytes=weight_bytes, peak_key=peak_key,
@@ -156,7 +179,8 @@ def plan_memory(cfg: EngineConfig, profile: Profile, model) -> MemoryPlan:
     tp = cfg.tensor_parallel_size
     total = int(hw.memory_gib * GiB)
     requested = int(total * cfg.gpu_memory_utilization)
-    weights = model.num_params * cfg.weight_bytes // tp
+    # What stays on the GPU: the rest of the weights once --cpu-offload-gb is in host memory.
+    weights = max(0, model_weight_bytes(cfg, model) // tp - cfg.cpu_offload_bytes)
     # The profiling run's peak: one max-num-batched-tokens forward (MLP intermediates dominate)
     # plus the sampler's fp32 logits for max-num-seqs sequences.
     act = cfg.max_num_batched_tokens * (3 * model.intermediate_size + 4 * model.hidden_size)
@@ -171,6 +195,16 @@ def plan_memory(cfg: EngineConfig, profile: Profile, model) -> MemoryPlan:
             f"{total / GiB:.2f} GiB of which {max(total - non_torch - weights, 0) / 2**20:.2f} MiB "
             f"is free. Failed to load model - not enough GPU memory."))
     kv = requested - weights - act - graphs - non_torch
+    if cfg.kv_cache_memory_bytes:
+        # vLLM sizes the cache as told and leaves gpu-memory-utilization aside; a cache larger
+        # than what is left fails to allocate.
+        kv = cfg.kv_cache_memory_bytes
+        free = total - weights - act - graphs - non_torch
+        if kv > free:
+            raise EngineStartError("oom", (
+                f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {kv / GiB:.2f} GiB. "
+                f"GPU 0 has a total capacity of {total / GiB:.2f} GiB of which {max(free, 0) / GiB:.2f} "
+                f"GiB is free."))
     if kv <= 0:
         raise EngineStartError("oom", "No available memory for the cache blocks. Try increasing "
                                       "`gpu_memory_utilization` when initializing the engine.")
@@ -187,3 +221,11 @@ def plan_memory(cfg: EngineConfig, profile: Profile, model) -> MemoryPlan:
             f"model length is {est}. Try increasing `gpu_memory_utilization` or decreasing "
             f"`max_model_len` when initializing the engine."))
     return MemoryPlan(total, requested, weights, act, graphs, non_torch, kv, per_token, int(blocks))
+
+
+def model_weight_bytes(cfg: EngineConfig, model) -> int:
+    """The model's weights in bytes (before tensor parallelism): the linear layers in one byte under
+    --quantization fp8, the embeddings, the LM head and the norms in the model's dtype."""
+    linear = model.linear_params
+    per_linear = 1 if cfg.quantization == ONLINE_QUANTIZATION else cfg.weight_bytes
+    return linear * per_linear + (model.num_params - linear) * cfg.weight_bytes

@@ -19,6 +19,9 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 GPU_COUNT = 8
 INTERCONNECT_GBS = 450.0
 INTERCONNECT_LATENCY_US = 8.0
+# What a GPU reads host memory at when no preset says: PCIe 5.0 x16 carries 64 GB/s a direction,
+# about 50 in practice (not measured here).
+HOST_LINK_GBS = 50.0
 
 
 class _Strict(BaseModel):
@@ -120,7 +123,9 @@ def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
     """
     own = profile.hardware
     fp8 = hardware.tflops_fp8
-    if fp8 is None and own.tflops_fp8 is not None:
+    if hardware.fp8_compute is False:
+        fp8 = None  # no fp8 arithmetic to scale to
+    elif fp8 is None and own.tflops_fp8 is not None:
         fp8 = own.tflops_fp8 / own.tflops_bf16 * hardware.tflops_bf16
     # Powers measured on the profile's own GPU hold only for that GPU: a preset of another keeps
     # the model's shares of its board power (twin/power.py).

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_lab.twin.profile import Profile
+from vllm_lab.twin.profile import HOST_LINK_GBS, Profile
 
 DTYPE_PEAK_KEY = {4: "fp32", 2: "bf16", 1: "fp8"}
 
@@ -38,18 +38,24 @@ class StepTimeModel:
 
     def __init__(self, profile: Profile, model, weight_bytes: int, kv_bytes: int, tp: int = 1,
                  enforce_eager: bool = False, block_size: int = 16, cuda_graph_max_tokens: int = 512,
-                 dtype_name: str = "bf16"):
+                 dtype_name: str = "bf16", fp8_linear: bool = False, offload_bytes: int = 0):
         hw, co = profile.hardware, profile.coefficients
         self.co = co
         h, v, layers = model.hidden_size, model.vocab_size, model.num_layers
-        attn = h * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-        attn += model.num_heads * model.head_dim * h
-        linear_params = layers * (attn + 3 * h * model.intermediate_size)
+        linear_params = model.linear_params
         peak = hw.tflops(dtype_name) or hw.tflops(DTYPE_PEAK_KEY[weight_bytes]) or 100.0
+        # --quantization fp8: the linear layers' weights are one byte, multiplied at the fp8 peak
+        # where the tensor cores have one (else dequantized to 16-bit arithmetic); the LM head
+        # stays in the model's dtype. The efficiency is the 16-bit GEMMs' (not measured in fp8).
+        linear_peak = (hw.tflops("fp8") or peak) if fp8_linear else peak
+        linear_bytes = 1 if fp8_linear else weight_bytes
         bw = hw.bandwidth_gbs * 1e9 * co.bandwidth_efficiency
-        self.gemm_s_per_token = 2 * linear_params / tp / (peak * 1e12 * co.gemm_efficiency)
+        self.gemm_s_per_token = 2 * linear_params / tp / (linear_peak * 1e12 * co.gemm_efficiency)
         self.lm_head_s_per_sample = 2 * h * v / tp / (peak * 1e12 * co.gemm_efficiency)
-        self.weights_s = (linear_params + h * v) * weight_bytes / tp / bw
+        self.weights_s = (linear_params * linear_bytes + h * v * weight_bytes) / tp / bw
+        # --cpu-offload-gb: the kernels read the offloaded weights from host memory over the
+        # host link (zero-copy), every step whatever its batch.
+        self.offload_s = offload_bytes / ((hw.host_link_gbs or HOST_LINK_GBS) * 1e9)
         self.attn_s_per_pair = (4 * layers * model.num_heads * model.head_dim / tp
                                 / (peak * 1e12 * co.attention_efficiency))
         # An fp8 cache (one byte) is read in fp8_kv_read_share of a 16-bit cache's time, not half.
@@ -66,7 +72,7 @@ class StepTimeModel:
             self.comm_s = 2 * layers * hw.interconnect_latency_us * 1e-6
             self.comm_s_per_token = (2 * layers * h * 2 * 2 * (tp - 1) / tp
                                      / (hw.interconnect_gbs * 1e9))
-        self.fixed_s = co.step_overhead_s
+        self.fixed_s = co.step_overhead_s + self.offload_s
 
     def compute_share(self, num_tokens: int, duration_s: float) -> float:
         """The share of a step of ``num_tokens`` tokens lasting ``duration_s`` that is arithmetic
