@@ -51,6 +51,12 @@ class Coefficients(_Strict):
         "the time attention takes to read an fp8 KV cache, as a share of a 16-bit one's: 0.5 if "
         "halving the bytes halved the time; vLLM's fp8 kernels also quantize the query and "
         "scale what they read"))
+    fp8_layer_overhead_s: float = Field(default=2.2e-5, ge=0, description=(
+        "GPU time per layer per step that --quantization fp8 adds: the kernels that quantize each "
+        "linear layer's input to fp8 with its per-token scales (four a layer), whatever the batch. "
+        "Measured on an H100: realtime-chat's TPOT p50 with fp8 weights is 0.70-0.73 of the 16-bit "
+        "one at 10 and 25 req/s (reports/examples/h100, h100-chat-fp8 against h100-chat-defaults-c "
+        "and -d); halving the weights' bytes alone would make it 0.62"))
     frontend_latency_s: float = Field(ge=0, description="API server path of a request: HTTP, tokenize, detokenize")
     frontend_token_s: float = Field(default=0.0, ge=0, description=(
         "API server CPU per streamed token (detokenize, SSE); one process serves all streams"))

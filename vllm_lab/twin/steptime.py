@@ -72,7 +72,8 @@ class StepTimeModel:
             self.comm_s = 2 * layers * hw.interconnect_latency_us * 1e-6
             self.comm_s_per_token = (2 * layers * h * 2 * 2 * (tp - 1) / tp
                                      / (hw.interconnect_gbs * 1e9))
-        self.fixed_s = co.step_overhead_s + self.offload_s
+        self.quantize_s = co.fp8_layer_overhead_s * layers if fp8_linear else 0.0
+        self.fixed_s = co.step_overhead_s + self.offload_s + self.quantize_s
 
     def compute_share(self, num_tokens: int, duration_s: float) -> float:
         """The share of a step of ``num_tokens`` tokens lasting ``duration_s`` that is arithmetic
