@@ -301,3 +301,21 @@ def test_a_full_disk_during_a_run_ends_the_command():
     with pytest.raises(OSError, match="No space"):
         FailingLoad(OSError(errno.ENOSPC, "No space left on device")).measure_on(
             scenarios.resolve("default"), _instance(), Path("/nonexistent"))
+
+
+def test_predict_backend_serves_the_urgent_class_first_under_the_priority_policy():
+    """scenarios/mixed-priority: a fifth of the requests sent with priority -1, 64 users against a
+    batch of 32. vLLM's fcfs keeps both classes in one queue; --scheduling-policy priority lets
+    the urgent ones pass it, the others waiting longer for it, at the same throughput."""
+    def run(policy):
+        s = scenarios.resolve("mixed-priority", "h200", [f"serve.scheduling-policy={policy}",
+                                                         "load.stop.duration_s=10"])
+        m = PredictBackend().measure(s, None, Path("unused"))
+        assert set(m.samples["priority"]) == {-1, 0}
+        return m.summary
+
+    fcfs, priority = run("fcfs"), run("priority")
+    assert fcfs["ttft_p50_urgent"] == pytest.approx(fcfs["ttft_p50_others"], rel=0.25)
+    assert priority["ttft_p50_urgent"] < 0.2 * priority["ttft_p50_others"]
+    assert priority["ttft_p50_others"] > fcfs["ttft_p50_others"]
+    assert priority["output_throughput"] == pytest.approx(fcfs["output_throughput"], rel=0.05)

@@ -249,3 +249,18 @@ def test_parse_metrics_rows():
     assert df.set_index("name")["value"].to_dict() == {"vllm:num_requests_waiting": 3.0,
                                                        "DCGM_FI_DEV_GPU_UTIL": 87.0}
     assert json.loads(df["labels"].iloc[0]) == {"model_name": "m"}
+
+
+def test_priorities_are_drawn_per_request_and_sent_beside_the_same_lengths():
+    plain = WorkloadGenerator(Workload(source="sharegpt-like"), 7)
+    mixed = WorkloadGenerator(Workload(source="sharegpt-like", priorities={-1: 0.2, 0: 0.8}), 7)
+    specs = [mixed.request(i) for i in range(2000)]
+    urgent = [s for s in specs if s.priority == -1]
+    assert {s.priority for s in specs} == {-1, 0} and abs(len(urgent) / 2000 - 0.2) < 0.03
+    # A stream of its own: the lengths are those of the same workload without priorities.
+    assert [s.turns[0].max_tokens for s in specs[:50]] == [plain.request(i).turns[0].max_tokens
+                                                          for i in range(50)]
+    assert mixed.body(urgent[0], "m")[1]["priority"] == -1
+    assert "priority" not in mixed.body(next(s for s in specs if s.priority == 0), "m")[1]
+    with pytest.raises(ValidationError, match="summing to 1"):
+        Workload(source="sharegpt-like", priorities={-1: 0.5, 0: 0.6})

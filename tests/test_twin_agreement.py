@@ -36,6 +36,10 @@ RUNS = {
     # The chat traffic (a shared system prompt, its flags) at the 14 req/s open loop on which
     # the chat template's cost was found; a closed loop is the default scenario's case.
     "realtime-chat": [*SHORT, "load.mode=open", "load.shape.level=14", "load.stop.duration_s=10"],
+    # Its 64 users against 32 sequences, the urgent fifth served first (the priority policy), all
+    # through one pool of 4 requests each.
+    "mixed-priority": [*SHORT, "serve.scheduling-policy=priority", "load.stop.max_requests=256",
+                       "load.stop.duration_s=20"],
 }
 # Shipped scenarios no short run can compare, and why (README says the same beside the figures).
 SKIPPED = {

@@ -138,6 +138,7 @@ def test_n_and_prompt_lists(client, twin):
 @pytest.mark.parametrize("kwargs, param, words", [
     ({"temperature": -1}, "temperature", "temperature must be non-negative"),
     ({"top_p": 2}, "top_p", "top_p must be in (0, 1]"),
+    ({"extra_body": {"priority": "high"}}, "priority", "priority must be an integer"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "Stream options can only be defined when `stream=True`"),
 ])

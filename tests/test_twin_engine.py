@@ -92,7 +92,7 @@ def test_preempted_request_goes_to_front_of_queue():
     while eng.stats.num_preemptions_total == 0:
         now += eng.step(now).duration_s
     eng.add_request(c)
-    assert eng.waiting[0].id == "b"   # the victim (last admitted) is first in line
+    assert eng.waiting.peek().id == "b"   # the victim (last admitted) is first in line
 
 
 def test_prefix_cache_hits_on_shared_prefix():
@@ -213,3 +213,63 @@ def test_gpu_utilization_tracks_busy_time():
     assert eng.stats_at(now).gpu_utilization > 0.95
     assert eng.stats_at(now + 0.5).gpu_utilization == pytest.approx(0.5, abs=0.05)
     assert eng.stats_at(now + 5).gpu_utilization == 0.0
+
+
+def _first_scheduled_after(policy: str) -> list[str]:
+    """Requests admitted one at a time (max-num-seqs 1): a, then b and c that arrive while a runs,
+    c with priority -1 (vLLM's extension: smaller is served sooner). The order they first run in."""
+    eng = Engine.from_flags({"max-num-seqs": 1, "scheduling-policy": policy}, H200, MODEL)
+    reqs = [EngineRequest("a", list(range(100)), 20, ignore_eos=True, arrival_time=0.0),
+            EngineRequest("b", list(range(200, 300)), 20, ignore_eos=True, arrival_time=0.001),
+            EngineRequest("c", list(range(400, 500)), 20, ignore_eos=True, arrival_time=0.002,
+                          priority=-1)]
+    eng.add_request(reqs[0])
+    res = eng.step(0.0)
+    order, now = [o.request_id for o in res.outputs if o.scheduled_s is not None], res.duration_s
+    for r in reqs[1:]:
+        eng.add_request(r)
+    while eng.has_unfinished_requests():
+        res = eng.step(now)
+        order += [o.request_id for o in res.outputs if o.scheduled_s is not None]
+        now += res.duration_s
+    return order
+
+
+def test_priority_policy_serves_the_smaller_priority_first_and_fcfs_ignores_it():
+    assert _first_scheduled_after("fcfs") == ["a", "b", "c"]
+    assert _first_scheduled_after("priority") == ["a", "c", "b"]
+
+
+def test_priority_policy_preempts_the_largest_priority_even_if_already_scheduled():
+    # A cache too small for both: under fcfs the last admitted is preempted; under priority the
+    # one of largest (priority, arrival), here the first admitted, whose decode was scheduled
+    # this step already and goes back to the budget.
+    def victim(policy):
+        eng = Engine.from_flags({"num-gpu-blocks-override": 40, "max-model-len": 600,
+                                 "scheduling-policy": policy}, H200, MODEL)
+        eng.add_request(EngineRequest("low", list(range(300)), 200, ignore_eos=True,
+                                      arrival_time=0.0, priority=5))
+        eng.add_request(EngineRequest("high", list(range(1000, 1300)), 200, ignore_eos=True,
+                                      arrival_time=0.001, priority=0))
+        now = 0.0
+        while eng.stats.num_preemptions_total == 0:
+            now += eng.step(now).duration_s
+            _check_blocks(eng)
+        return eng.waiting.peek().id
+
+    assert victim("fcfs") == "high"
+    assert victim("priority") == "low"
+
+
+def test_no_request_lost_under_priority_preemption():
+    eng = Engine.from_flags({"num-gpu-blocks-override": 300, "max-model-len": 4096,
+                             "max-num-seqs": 64, "max-num-batched-tokens": 2048,
+                             "scheduling-policy": "priority"}, H200, MODEL)
+    reqs = _random_reqs(80, seed=1, plen=(50, 400), olen=(100, 500))
+    for i, r in enumerate(reqs):
+        r.priority = i % 3
+    outputs, finished, _ = _drive(eng, reqs)
+    assert eng.stats.num_preemptions_total > 20
+    assert sorted(finished) == sorted(r.request_id for r in reqs)
+    assert all(len(outputs[r.request_id]) == r.max_tokens for r in reqs)
+    assert eng.kv.num_used == 0

@@ -268,6 +268,8 @@ def test_the_scenario_hardware_reaches_the_twin_through_its_environment(env, mon
     (["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
     (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
     (["--gpu-memory-utilization", "1.5"], "Input should be less than or equal to 1"),
+    (["--max-num-partial-prefills", "2", "--twin-startup-seconds", "0"],
+     "Concurrent Partial Prefill is not supported"),
 ])
 def test_refused_flags_exit_nonzero_with_vllm_wording(env, flags, words):
     run = subprocess.run([*SERVE, str(env[0]), "--twin-profile", env[1], *flags],
@@ -337,3 +339,27 @@ def test_release_hands_first_tokens_out_first_and_keeps_token_order():
         assert woken == ["new", "old"]
 
     asyncio.run(main())
+
+
+def test_the_priority_policy_lets_urgent_requests_pass_the_queue(env, tmp_path):
+    """Locust sends a workload's priorities; --scheduling-policy priority admits the smaller one
+    first when the batch is full (8 users against 2 sequences), fcfs in arrival order."""
+    from vllm_lab.traffic.runner import run_load
+    from vllm_lab.traffic.spec import Lengths, Load, Workload
+
+    w = Workload(source="synthetic", input=Lengths(mean=20), output=Lengths(mean=40),
+                 priorities={-1: 0.3, 0: 0.7})
+    medians = {}
+    for policy in ("fcfs", "priority"):
+        server = start_twin(*env, "--scheduling-policy", policy, "--max-num-seqs", "2")
+        try:
+            r = run_load(server.url, server.model, w, Load(mode="closed", shape={"level": 8},
+                                                           stop={"duration_s": 4}),
+                         tmp_path / policy, scrape_metrics=False)
+        finally:
+            server.stop()
+        ok = r.samples[r.samples.status == "ok"]
+        assert set(ok.priority) == {-1, 0}
+        medians[policy] = {p: ok[ok.priority == p].ttft_s.median() for p in (-1, 0)}
+    assert medians["priority"][-1] < 0.5 * medians["priority"][0]
+    assert medians["fcfs"][-1] > 0.5 * medians["fcfs"][0]

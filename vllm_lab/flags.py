@@ -106,7 +106,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("cpu-offload-gb", "float", 0, "Weights offloaded to CPU per GPU, GiB.", min=0),
     _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True, twin_models=False),
     _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache"), twin_models=False),
-    _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True, twin_models=False),
+    _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True),
     # On by default since vLLM turned it on where compatible (None -> True); the twin plans each step
     # while the one before it runs, so a request taken in mid-flight joins a step later.
     _f("async-scheduling", "bool", True, "Overlap scheduling with the model step.", tuning=True),

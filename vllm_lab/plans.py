@@ -221,6 +221,7 @@ def default_values(param: str, scenario: Scenario) -> list[Any]:
         "tensor-parallel-size": lambda: [n for n in (1, 2, 4, 8) if n <= hw.gpu_count],
         "long-prefill-token-threshold": lambda: [0, 256, 1024, 4096],
         "async-scheduling": lambda: [False, True],
+        "scheduling-policy": lambda: ["fcfs", "priority"],
         "load.shape.level": lambda: [1, 4, 16, 64, 128, 256],
     }
     if param not in ladders:

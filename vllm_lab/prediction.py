@@ -6,13 +6,14 @@ arrivals in, per-request samples and the modelled energy out. ``backends.Predict
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from vllm_lab.scenarios import Scenario
-from vllm_lab.traffic.workloads import shared_prefix_length
+from vllm_lab.traffic.workloads import priority_of, shared_prefix_length
 from vllm_lab.twin.prompts import shared_prefix_prompts, template_tokens
 
 
@@ -65,6 +66,15 @@ def replayed_prompts(scenario: Scenario, lengths: list[int]) -> tuple[list, bool
 def predicted_requests(scenario: Scenario, count: int):
     """The scenario's workload as predictor requests: the live run's own lengths (request i's
     drawn from request i's stream, ``traffic.workloads.request_rng``) and prefix sharing, no text."""
+    requests = _unprioritized(scenario, count)
+    if not scenario.workload.priorities:
+        return requests
+    # Each request's priority, as the live load draws it (traffic.workloads.priority_of).
+    return [replace(r, priority=priority_of(scenario.workload.priorities, scenario.run.seed, i))
+            for i, r in enumerate(requests)]
+
+
+def _unprioritized(scenario: Scenario, count: int):
     if scenario.workload.source == "trace":
         return trace_predict_requests(scenario, count)
     lin, lout = scenario.workload.lengths()
@@ -168,4 +178,5 @@ def prediction_samples(df: pd.DataFrame) -> pd.DataFrame:
         "prompt_tokens": df["prompt_tokens"], "output_tokens": df["output_tokens"],
         "status": ["ok" if d else "error" for d in done],
         "error": ["" if d else "not finished" for d in done],
+        "priority": df.get("priority", 0),
     })

@@ -122,6 +122,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("server_start_s", "s", "server start before the run (the last one's stop included)", NEITHER),
     Metric("warmup_runs_s", "s", "discarded warm-up runs after the server's start", NEITHER),
     Metric("output_throughput_rel_ci", "share", "output tokens/s 95% half-width (batch means)", LOWER),
+    # A workload of several priorities (workload.priorities): TTFT of the requests of the smallest
+    # one, which --scheduling-policy priority serves first, and of the others.
+    *[Metric(f"ttft_p{p}_{part}", "s", f"TTFT p{p}, {words}", LOWER, False, f"TTFT p{p} {part} ms")
+      for part, words in (("urgent", "requests of the smallest priority"),
+                          ("others", "requests of the other priorities")) for p in (50, 99)],
     # A closed loop's client turnaround: each user's wait between a reply's end and its next send.
     *[Metric(f"turnaround_{s}", "s", f"client turnaround {s}", LOWER) for s in ("mean", "p50", "p90")],
     # The load generator: its own lag and CPU, its hosts, and a re-run with more processes.
@@ -574,8 +579,26 @@ def summarize(samples: pd.DataFrame, slo: Slo, duration_s: float | None = None,
             verdicts[metric] = at <= target.threshold_ms / 1000
     out["meets_slo"] = bool(verdicts) and all(verdicts.values()) and out["errors"] == 0
     out["slo_verdicts"] = verdicts
+    out.update(_by_priority(ok))
     out.update(client_turnaround(samples))
     out.update(_server_view(server_metrics))
+    return out
+
+
+def _by_priority(ok: pd.DataFrame) -> dict[str, float]:
+    """TTFT p50 and p99 of the requests sent with the smallest priority ("urgent") and of the
+    rest ("others"), where the run sent more than one priority; else nothing."""
+    if "priority" not in ok:
+        return {}
+    priority = pd.to_numeric(ok["priority"], errors="coerce").fillna(0)
+    if priority.nunique() < 2:
+        return {}
+    out = {}
+    for part, rows in (("urgent", ok[priority == priority.min()]),
+                       ("others", ok[priority != priority.min()])):
+        values = _metric_values(rows, "ttft")
+        for p in (50, 99):
+            out[f"ttft_p{p}_{part}"] = float(np.percentile(values, p)) if len(values) else None
     return out
 
 

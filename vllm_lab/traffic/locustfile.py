@@ -632,7 +632,7 @@ class LLMUser(FastHttpUser):
             "request_id": rid, "index": spec.index, "turn": turn,
             "worker": st.name, "user": id(self) % 1_000_000, "api": WORKLOAD.api,
             "target_prompt_tokens": spec.turns[turn].prompt_tokens,
-            "target_output_tokens": spec.turns[turn].max_tokens,
+            "target_output_tokens": spec.turns[turn].max_tokens, "priority": spec.priority,
             "http_status": 0, "error": "", "error_detail": "", "itl_s": [], "chunks": 0,
         }
         payload = json.dumps(body)

@@ -44,6 +44,7 @@ COLUMNS: dict[str, str] = {
     "output_tokens": "Int64",
     "target_prompt_tokens": "Int64",
     "target_output_tokens": "Int64",
+    "priority": "Int64",         # the priority it was sent with (0: none; workload.priorities)
     "chunks": "Int64",           # content chunks received
     "status": "string",          # ok | error
     "http_status": "Int64",

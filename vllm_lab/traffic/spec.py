@@ -91,6 +91,11 @@ class Workload(_Strict):
     shuffle: bool = Field(
         True, description="file sources: send the records in an order the seed draws; false: "
                           "in the file's order (as vllm bench serve --disable-shuffle)")
+    priorities: dict[int, float] | None = Field(
+        None, description=(
+            "the share of requests sent with each priority, e.g. {-1: 0.2, 0: 0.8}: vLLM's "
+            "request field, a smaller value served sooner under --scheduling-policy priority "
+            "(fcfs ignores it); each request's drawn from the seed; shares sum to 1"))
 
     @model_serializer(mode="wrap")
     def _without_new_defaults(self, handler):
@@ -100,6 +105,8 @@ class Workload(_Strict):
             data.pop("shuffle", None)
         if self.trace_format is None:
             data.pop("trace_format", None)
+        if self.priorities is None:
+            data.pop("priorities", None)
         return data
 
     @model_validator(mode="after")
@@ -114,6 +121,11 @@ class Workload(_Strict):
             raise ValueError("source 'synthetic' needs both input: and output: lengths")
         if self.turns > 1 and self.api != "chat":
             raise ValueError("turns > 1 needs api: chat (a conversation resends its history)")
+        if self.priorities is not None and (
+                not self.priorities or any(v < 0 for v in self.priorities.values())
+                or abs(sum(self.priorities.values()) - 1) > 1e-6):
+            raise ValueError("priorities needs a share (0 to 1) for each priority, summing to 1, "
+                             "e.g. {-1: 0.2, 0: 0.8}")
         return self
 
     def lengths(self) -> tuple[Lengths | None, Lengths | None]:

@@ -72,6 +72,7 @@ class RequestSpec:
     system: str | None = None
     ignore_eos: bool = True
     meta: dict = field(default_factory=dict)
+    priority: int = 0
 
 
 def sample_lengths(spec: Lengths, rng: np.random.Generator, n: int | None = None) -> np.ndarray:
@@ -96,6 +97,18 @@ def request_rng(seed: int, index: int, turn: int = 0) -> np.random.Generator:
     """The random stream of one request's turn: its lengths, then its text. The predictor draws
     request ``index``'s lengths from the same stream, so it serves the live run's own requests."""
     return np.random.default_rng([seed, 0, index, turn])
+
+
+def priority_of(priorities: dict[int, float] | None, seed: int, index: int) -> int:
+    """Request ``index``'s priority under a workload's ``priorities`` (0 without): drawn from a
+    stream of its own, so its lengths are those of the same workload without priorities, and the
+    predictor gives it the same one."""
+    if not priorities:
+        return 0
+    values = sorted(priorities)
+    u = np.random.default_rng([seed, 9, index]).random()
+    return int(values[min(int(np.searchsorted(np.cumsum([priorities[v] for v in values]), u,
+                                                 side="right")), len(values) - 1)])
 
 
 def shared_prefix_length(ratio: float, mean_input: float) -> int:
@@ -432,11 +445,14 @@ class WorkloadGenerator:
 
     def request(self, i: int) -> RequestSpec:
         """Return request (conversation) number i; the same (seed, i) always gives the same one."""
+        priority = priority_of(self.workload.priorities, self.seed, i)
         if self._trace:
-            return RequestSpec(index=i, turns=[self._trace_turn(i)], ignore_eos=self.ignore_eos)
+            return RequestSpec(index=i, turns=[self._trace_turn(i)], ignore_eos=self.ignore_eos,
+                               priority=priority)
         turns = [self._turn(i, t) for t in range(self.workload.turns)]
         system = self._prefixes[i % len(self._prefixes)] if self._prefixes else None
-        return RequestSpec(index=i, turns=turns, system=system, ignore_eos=self.ignore_eos)
+        return RequestSpec(index=i, turns=turns, system=system, ignore_eos=self.ignore_eos,
+                           priority=priority)
 
     def body(self, spec: RequestSpec, model: str, turn: int = 0, history: list | None = None):
         """Return (path, JSON body) of one streamed OpenAI request for a turn of a request."""
@@ -455,6 +471,8 @@ class WorkloadGenerator:
             # request that has min_tokens, a Python pass over them each step (one more
             # difference from the reference client's requests, for nothing).
             common["ignore_eos"] = True
+        if spec.priority:
+            common["priority"] = spec.priority  # vLLM's extension; 0 is its default
         if w.api == "completions":
             prompt = t.text if spec.system is None else spec.system + "\n" + t.text
             return "/v1/completions", {**common, "prompt": prompt}

@@ -42,6 +42,7 @@ from vllm_lab.twin.engine_io import (
 from vllm_lab.twin.kvcache import KVCache, block_hashes
 from vllm_lab.twin.power import PowerModel
 from vllm_lab.twin.profile import Profile
+from vllm_lab.twin.request_queue import request_queue
 from vllm_lab.twin.steptime import StepTimeModel, chunk_pairs
 
 # The engine's API is this module's: its configuration (engine_config) and its inputs and outputs
@@ -58,11 +59,12 @@ class _Req:
 
     __slots__ = ("anon", "arrival", "cached_tokens", "cepoch", "eligible", "fepoch",
                  "first_sched", "g0", "hashed", "hashes", "id", "in_group", "n_promoted",
-                 "num_computed", "num_prompt", "num_tokens", "preemptions", "queued", "reason",
-                 "seed", "state", "t0", "target")
+                 "num_computed", "num_prompt", "num_tokens", "preemptions", "priority", "queued",
+                 "reason", "seed", "state", "t0", "target")
 
-    def __init__(self, rid, hashes, num_prompt, target, reason, arrival, seed):
+    def __init__(self, rid, hashes, num_prompt, target, reason, arrival, seed, priority=0):
         self.id, self.hashes, self.num_prompt = rid, hashes, num_prompt
+        self.priority = priority
         self.target, self.reason, self.arrival, self.seed = target, reason, arrival, seed
         self.state = WAITING
         self.num_computed = 0
@@ -97,7 +99,7 @@ class Engine:
                                  cfg.peak_key, fp8_linear=cfg.quantization == ONLINE_QUANTIZATION,
                                  offload_bytes=cfg.cpu_offload_bytes)
         self.running: list[_Req] = []
-        self.waiting: deque[_Req] = deque()
+        self.waiting = request_queue(cfg.scheduling_policy)
         self.partials: list[_Req] = []          # running requests still prefilling, in order
         self.reqs: dict[str, _Req] = {}
         self.G = 0                               # decode steps the group has taken
@@ -162,7 +164,8 @@ class Engine:
         hashes = (block_hashes(ids, self.block_size)
                   if ids and self.cfg.enable_prefix_caching else None)
         self._n += 1
-        r = _Req(req.request_id, hashes, n, target, reason, req.arrival_time, self._n * 2654435761)
+        r = _Req(req.request_id, hashes, n, target, reason, req.arrival_time, self._n * 2654435761,
+                 int(req.priority))
         # The engine core takes requests in between steps: vLLM's queue time starts then, not when
         # the request reached its socket. Under async scheduling the next step was planned while
         # the last one ran, so a request taken in while work is in flight can join the step after.
@@ -172,7 +175,7 @@ class Engine:
         else:
             r.eligible = self.steps
         self.reqs[req.request_id] = r
-        self.waiting.append(r)
+        self.waiting.push(r)
         self.prompt_tokens_total += n
 
     def abort_request(self, request_id: str) -> None:
@@ -240,7 +243,7 @@ class Engine:
         r.num_computed = 0
         r.state = WAITING
         r.preemptions += 1
-        self.waiting.appendleft(r)
+        self.waiting.push_front(r)
         self.num_preemptions += 1
 
     # -- one step ----------------------------------------------------------------------------
@@ -306,7 +309,13 @@ class Engine:
                 need = -(-(r.num_computed + q) // bs) - len(r.hashed) - r.anon
             ok = True
             while not kv.take(need):
-                victim = running[-1]
+                victim = self._victim()
+                at = running.index(victim)
+                if at < i:
+                    # Under the priority policy the victim may have its tokens in this step
+                    # already: vLLM gives them back to the budget.
+                    budget += self._unschedule(victim, chunks)
+                    i -= 1
                 self._preempt(victim)
                 preempted += 1
                 if victim is r:
@@ -332,12 +341,28 @@ class Engine:
                 paused.append(r)
         return budget, preempted
 
+    def _victim(self) -> _Req:
+        """The running request vLLM preempts when blocks run out: the last scheduled (fcfs), or
+        the largest (priority, arrival) among all running (priority)."""
+        if self.cfg.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival))
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(r: _Req, chunks) -> int:
+        """Take ``r``'s work out of this step; the tokens it had (1 for a decode)."""
+        for k, (c, q, _computed) in enumerate(chunks):
+            if c is r:
+                del chunks[k]
+                return q
+        return 1
+
     def _admit(self, now: float, budget: int, chunks) -> None:
         """vLLM's WAITING loop: first come first served while budget, seats and blocks last."""
         bs, kv, cfg = self.block_size, self.kv, self.cfg
         waiting, running = self.waiting, self.running
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-            r = waiting[0]
+            r = waiting.peek()
             if r.eligible > self.steps and (running or chunks):
                 break   # async: this step was planned before the request came in
             hits = evictable = 0
@@ -364,7 +389,7 @@ class Engine:
                 r.first_sched = (max(start, r.queued) if cfg.async_scheduling and end >= now
                                  else now)
                 r.cached_tokens = computed
-            waiting.popleft()
+            waiting.pop()
             r.state = RUNNING
             running.append(r)
             self.partials.append(r)

@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm_lab.flags import engine_defaults
 from vllm_lab.twin.profile import Profile
+from vllm_lab.twin.request_queue import POLICIES
 
 GiB = 1024 ** 3
 _WEIGHT_DTYPES = {"float32": (4, "fp32"), "float": (4, "fp32"), "float16": (2, "fp16"),
@@ -24,7 +25,7 @@ ENGINE_FLAGS = frozenset({
     "max-model-len", "enforce-eager", "dtype", "kv-cache-dtype", "tensor-parallel-size",
     "enable-prefix-caching", "long-prefill-token-threshold", "num-gpu-blocks-override",
     "async-scheduling", "max-num-partial-prefills", "max-long-partial-prefills", "quantization",
-    "cpu-offload-gb", "kv-cache-memory-bytes",
+    "cpu-offload-gb", "kv-cache-memory-bytes", "scheduling-policy",
 })
 # The one --quantization the twin models: vLLM quantizes a 16-bit checkpoint's linear layers to
 # fp8 as it loads it (no config file needed). Every other method reads its settings from the
@@ -80,6 +81,7 @@ class EngineConfig:
     quantization: str | None = None       # "fp8": linear layers stored and multiplied in fp8
     cpu_offload_bytes: int = 0            # weights kept in host memory, per GPU
     kv_cache_memory_bytes: int | None = None  # the KV cache's size, per GPU, when given
+    scheduling_policy: str = "fcfs"       # the WAITING queue's order and the preemption victim
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -158,10 +160,14 @@ def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfi
     offload = float(merged.get("cpu-offload-gb") or 0)
     if offload < 0:
         refuse(f"cpu_offload_gb must be at least 0, got {offload}")
+    policy = str(merged.get("scheduling-policy") or "fcfs")
+    if policy not in POLICIES:
+        refuse(f"argument --scheduling-policy: invalid choice: '{policy}' (choose from "
+               f"{', '.join(repr(p) for p in POLICIES)})")
     kv_memory = merged.get("kv-cache-memory-bytes")
     override = merged.get("num-gpu-blocks-override")
     return EngineConfig(
-        quantization=quantization, cpu_offload_bytes=int(offload * GiB),
+        quantization=quantization, cpu_offload_bytes=int(offload * GiB), scheduling_policy=policy,
         kv_cache_memory_bytes=int(kv_memory) if kv_memory else None,
         max_num_seqs=seqs, max_num_batched_tokens=mnbt, gpu_memory_utilization=util,
         block_size=block_size, max_model_len=max_model_len,

@@ -21,6 +21,7 @@ class EngineRequest:
     eos_after: int | None = None   # output length at which the simulated model emits EOS
     arrival_time: float = 0.0
     num_prompt_tokens: int | None = None   # twin-only: a length without ids; never hits the cache
+    priority: int = 0                      # --scheduling-policy priority: smaller is served sooner
 
 
 @dataclass

@@ -34,6 +34,7 @@ class _Req:
     ignore_eos: bool
     eos_after: int | None
     engine_arrival: float = 0.0  # arrival + the profile's frontend latency (HTTP, tokenize)
+    priority: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
     pending: list[int] = field(default_factory=list)
     n_out: int = 0
@@ -102,7 +103,7 @@ class EngineLoop:
                 eng.add_request(EngineRequest(
                     request_id=r.rid, prompt_token_ids=r.prompt_ids, max_tokens=r.max_tokens,
                     min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, eos_after=r.eos_after,
-                    arrival_time=r.engine_arrival))
+                    arrival_time=r.engine_arrival, priority=r.priority))
             except ValueError:  # the engine refused it (a duplicate id): end it as vLLM would
                 r.finished = True
                 r.finish_reason = "error"

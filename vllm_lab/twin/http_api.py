@@ -252,7 +252,9 @@ class TwinServer:
 
     def _sampling(self, body: dict, prompt_ids: list[int], default_max: int | None,
                   choice: int = 0) -> dict:
-        """max_tokens, min_tokens, ignore_eos with vLLM's checks and its context-length message."""
+        """max_tokens, min_tokens, ignore_eos with vLLM's checks and its context-length message;
+        the request's priority (vLLM's extension: smaller is served sooner under
+        --scheduling-policy priority, ignored under fcfs)."""
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens", default_max)
         min_tokens = int(body.get("min_tokens") or 0)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
@@ -280,8 +282,11 @@ class TwinServer:
         # Each of n choices samples its own length; choice 0 keeps the single-choice draw.
         eos_after = None if ignore_eos else draw_eos_after(prompt_ids, self.seed + choice,
                                                            min_tokens, max_tokens)
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise BadRequest(f"priority must be an integer, got {priority!r}.", "priority")
         return {"max_tokens": max_tokens, "min_tokens": min_tokens, "ignore_eos": ignore_eos,
-                "eos_after": eos_after}
+                "eos_after": eos_after, "priority": priority}
 
     def _new_req(self, rid: str, prompt_ids: list[int], params: dict, arrival: float,
                  chat: bool = False) -> _Req:

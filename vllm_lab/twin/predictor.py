@@ -30,6 +30,7 @@ class PredictRequest:
     prompt_tokens: int | list[int]
     output_tokens: int
     chat: bool = False  # sent to /v1/chat/completions: the API server does more for it
+    priority: int = 0   # vLLM's request priority (--scheduling-policy priority: smaller first)
 
 
 # vllm bench serve's mean turnaround on the H200 host, from its per-request samples
@@ -271,7 +272,8 @@ class _Run:
         r = self.requests[i]
         ids = r.prompt_tokens if isinstance(r.prompt_tokens, list) else []
         self.eng.add_request(EngineRequest(i, ids, int(r.output_tokens), ignore_eos=True,
-                                           arrival_time=t, num_prompt_tokens=int(self.prompt_n[i])))
+                                           arrival_time=t, num_prompt_tokens=int(self.prompt_n[i]),
+                                           priority=r.priority))
 
     def _account(self, dur: float) -> None:
         usage = self.eng.kv_cache_usage
@@ -343,7 +345,8 @@ class _Run:
             "send_s": self.send, "scheduled_s": scheduled, "first_token_s": self.first,
             "finish_s": self.finish, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
             "preemptions": self.preempt, "queue_s": self.queued, "prefill_s": self.prefill,
-            "stream_lag_s": self.finish_lag - self.first_lag})
+            "stream_lag_s": self.finish_lag - self.first_lag,
+            "priority": [r.priority for r in self.requests]})
 
     def prediction(self) -> Prediction:
         eng, n = self.eng, self.n
