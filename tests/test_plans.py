@@ -53,8 +53,8 @@ def test_every_ladder_holds_vllms_default_on_the_gpu(base):
     assert plans.reference_point(base, ["max-num-seqs", "load.shape.level"]) is None
 
 
-@pytest.mark.parametrize("param, backend", [("kv-offloading-size", "predict"),
-                                            ("kv-offloading-size", "twin"),
+@pytest.mark.parametrize("param, backend", [("pipeline-parallel-size", "predict"),
+                                            ("pipeline-parallel-size", "twin"),
                                             ("stream-interval", "predict")])
 def test_a_flag_the_backend_does_not_model_is_refused(param, backend):
     with pytest.raises(ScenarioError, match=f"PARAM={param}: BACKEND={backend} does not model it"):

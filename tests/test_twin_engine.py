@@ -273,3 +273,35 @@ def test_no_request_lost_under_priority_preemption():
     assert sorted(finished) == sorted(r.request_id for r in reqs)
     assert all(len(outputs[r.request_id]) == r.max_tokens for r in reqs)
     assert eng.kv.num_used == 0
+
+
+def _cached_after_eviction(**flags) -> tuple[int, float]:
+    """A 2,000-token prompt, then three others that push its blocks out of a GPU cache of 200
+    blocks, then the first prompt again with a new ending: the tokens the last one found computed,
+    and the time until its first token."""
+    eng = Engine.from_flags({"num-gpu-blocks-override": 200, "max-model-len": 3000, **flags},
+                            H200, MODEL)
+    prefix = list(range(10_000, 12_000))
+    now = 0.0
+    for i, prompt in enumerate([prefix + [1] * 10, *[list(range(20_000 + 3000 * k, 22_000 + 3000 * k))
+                                                     for k in range(3)]]):
+        eng.add_request(EngineRequest(f"r{i}", prompt, 4, ignore_eos=True, arrival_time=now))
+        while eng.has_unfinished_requests():
+            now += eng.step(now).duration_s
+    eng.add_request(EngineRequest("again", prefix + [2] * 20, 1, ignore_eos=True, arrival_time=now))
+    start, cached = now, None
+    while eng.has_unfinished_requests():
+        res = eng.step(now)
+        now += res.duration_s
+        cached = next((o.num_cached_tokens for o in res.outputs if o.request_id == "again"), cached)
+    return cached, now - start
+
+
+def test_kv_offloading_keeps_evicted_prefixes_in_host_memory_and_loads_them_back():
+    gpu_only, slow = _cached_after_eviction()
+    offloaded, fast = _cached_after_eviction(**{"kv-offloading-size": 1})
+    assert gpu_only == 0 and offloaded == 2000 // 16 * 16
+    # Loading 125 blocks over the host link (16 MiB at 50 GB/s) beats computing 2,000 tokens.
+    assert fast < 0.5 * slow
+    with pytest.raises(EngineStartError, match="No module named 'lmcache'"):
+        Engine.from_flags({"kv-offloading-size": 1, "kv-offloading-backend": "lmcache"}, H200, MODEL)

@@ -104,8 +104,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     _f("num-gpu-blocks-override", "int", None, "Force the number of KV blocks.", min=1),
     _f("kv-cache-memory-bytes", "int", None, "KV cache size in bytes (overrides utilization).", min=1),
     _f("cpu-offload-gb", "float", 0, "Weights offloaded to CPU per GPU, GiB.", min=0),
-    _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True, twin_models=False),
-    _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache"), twin_models=False),
+    _f("kv-offloading-size", "float", None, "CPU memory for KV offload, GiB.", min=0, tuning=True),
+    _f("kv-offloading-backend", "str", "native", "KV offload backend.", choices=("native", "lmcache")),
     _f("scheduling-policy", "str", "fcfs", "Queue order.", choices=("fcfs", "priority"), tuning=True),
     # On by default since vLLM turned it on where compatible (None -> True); the twin plans each step
     # while the one before it runs, so a request taken in mid-flight joins a step later.

@@ -222,6 +222,7 @@ def default_values(param: str, scenario: Scenario) -> list[Any]:
         "long-prefill-token-threshold": lambda: [0, 256, 1024, 4096],
         "async-scheduling": lambda: [False, True],
         "scheduling-policy": lambda: ["fcfs", "priority"],
+        "kv-offloading-size": lambda: [4.0, 16.0, 64.0],
         "load.shape.level": lambda: [1, 4, 16, 64, 128, 256],
     }
     if param not in ladders:

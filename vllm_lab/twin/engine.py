@@ -39,9 +39,9 @@ from vllm_lab.twin.engine_io import (
     StepResult,
     StepSummary,
 )
-from vllm_lab.twin.kvcache import KVCache, block_hashes
+from vllm_lab.twin.kvcache import HostTier, KVCache, block_hashes
 from vllm_lab.twin.power import PowerModel
-from vllm_lab.twin.profile import Profile
+from vllm_lab.twin.profile import HOST_LINK_GBS, Profile
 from vllm_lab.twin.request_queue import request_queue
 from vllm_lab.twin.steptime import StepTimeModel, chunk_pairs
 
@@ -93,6 +93,13 @@ class Engine:
         self.cfg, self.profile, self.model, self.memory = cfg, profile, model, memory
         self.block_size = bs = cfg.block_size
         self.kv = KVCache(memory.num_gpu_blocks, bs, cfg.enable_prefix_caching)
+        # --kv-offloading-size: a host tier of blocks (all GPUs' shares together), and the time a
+        # block takes over the host link, each GPU loading its share at once.
+        host_link = (profile.hardware.host_link_gbs or HOST_LINK_GBS) * 1e9
+        block_bytes = model.kv_bytes_per_token(cfg.kv_bytes) * bs
+        self.host = HostTier(cfg.kv_offloading_bytes // block_bytes)
+        self.block_load_s = block_bytes / cfg.tensor_parallel_size / host_link
+        self._load_s = 0.0                       # this step's loads from the host tier
         graph_max = min(profile.coefficients.cuda_graph_max_tokens, 2 * cfg.max_num_seqs)
         self.stm = StepTimeModel(profile, model, cfg.weight_bytes, cfg.kv_bytes,
                                  cfg.tensor_parallel_size, cfg.enforce_eager, bs, graph_max,
@@ -365,10 +372,12 @@ class Engine:
             r = waiting.peek()
             if r.eligible > self.steps and (running or chunks):
                 break   # async: this step was planned before the request came in
-            hits = evictable = 0
+            hits = evictable = loaded = 0
             if r.hashes:
-                hits, evictable = kv.lookup(r.hashes, (r.num_tokens - 1) // bs)
-            computed = hits * bs
+                most = (r.num_tokens - 1) // bs
+                hits, evictable = kv.lookup(r.hashes, most)
+                loaded = self.host.lookup(r.hashes[hits:most]) if self.host.capacity else 0
+            computed = (hits + loaded) * bs
             r.num_computed = computed
             q = self._chunk(r, budget)
             need = -(-(computed + q) // bs) - hits
@@ -379,9 +388,12 @@ class Engine:
                 kv.acquire(r.hashes[:hits])
             kv.take(need)
             r.hashed, r.anon, r.n_promoted = list(r.hashes[:hits]) if hits else [], need, hits
+            # Blocks found in the host tier come over the host link instead of being computed
+            # (vLLM loads them before the request's first chunk; priced within this step).
+            self._load_s += loaded * self.block_load_s
             if cfg.enable_prefix_caching:
                 self.prefix_queries += r.num_tokens
-                self.prefix_hits += computed
+                self.prefix_hits += hits * bs
             if r.first_sched is None:
                 # Async scheduling plans a step while the one before it runs: the request was
                 # scheduled when that one started (or when it was taken in, if later).
@@ -407,6 +419,7 @@ class Engine:
                 full = min(r.num_computed // bs, len(r.hashes))
                 for j in range(r.n_promoted, full):
                     h = r.hashes[j]
+                    self.host.store(h)
                     if kv.promote(h):
                         r.hashed.append(h)
                         r.anon -= 1
@@ -457,6 +470,7 @@ class Engine:
                 self._join(r)
             return 0.0, 0, [], [], decoders, preempted, chunks
         dur, tokens, _sampled = self._price(B, S, chunks)
+        dur, self._load_s = dur + self._load_s, 0.0
         if B:
             self.G += 1
             self.S += B

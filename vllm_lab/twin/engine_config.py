@@ -25,7 +25,8 @@ ENGINE_FLAGS = frozenset({
     "max-model-len", "enforce-eager", "dtype", "kv-cache-dtype", "tensor-parallel-size",
     "enable-prefix-caching", "long-prefill-token-threshold", "num-gpu-blocks-override",
     "async-scheduling", "max-num-partial-prefills", "max-long-partial-prefills", "quantization",
-    "cpu-offload-gb", "kv-cache-memory-bytes", "scheduling-policy",
+    "cpu-offload-gb", "kv-cache-memory-bytes", "scheduling-policy", "kv-offloading-size",
+    "kv-offloading-backend",
 })
 # The one --quantization the twin models: vLLM quantizes a 16-bit checkpoint's linear layers to
 # fp8 as it loads it (no config file needed). Every other method reads its settings from the
@@ -82,6 +83,7 @@ class EngineConfig:
     cpu_offload_bytes: int = 0            # weights kept in host memory, per GPU
     kv_cache_memory_bytes: int | None = None  # the KV cache's size, per GPU, when given
     scheduling_policy: str = "fcfs"       # the WAITING queue's order and the preemption victim
+    kv_offloading_bytes: int = 0          # host memory for KV blocks, all GPUs together
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -164,10 +166,15 @@ def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfi
     if policy not in POLICIES:
         refuse(f"argument --scheduling-policy: invalid choice: '{policy}' (choose from "
                f"{', '.join(repr(p) for p in POLICIES)})")
+    offloading = float(merged.get("kv-offloading-size") or 0)
+    if offloading and merged.get("kv-offloading-backend") == "lmcache":
+        # LMCache is a package of its own, not part of vLLM (nor of the twin).
+        refuse("ModuleNotFoundError: No module named 'lmcache'")
     kv_memory = merged.get("kv-cache-memory-bytes")
     override = merged.get("num-gpu-blocks-override")
     return EngineConfig(
         quantization=quantization, cpu_offload_bytes=int(offload * GiB), scheduling_policy=policy,
+        kv_offloading_bytes=int(offloading * GiB),
         kv_cache_memory_bytes=int(kv_memory) if kv_memory else None,
         max_num_seqs=seqs, max_num_batched_tokens=mnbt, gpu_memory_utilization=util,
         block_size=block_size, max_model_len=max_model_len,

@@ -114,3 +114,33 @@ class KVCache:
         self.refs.clear()
         self.lru.clear()
         return True
+
+
+class HostTier:
+    """vLLM's KV offloading to host memory (--kv-offloading-size, the native connector): every
+    full prompt block a request computes is stored in host memory too, an LRU of ``capacity``
+    blocks; a prompt whose next blocks miss the GPU's cache but are held here loads them over the
+    host link instead of computing them."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, int(capacity))
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def store(self, h: int) -> None:
+        """Keep block ``h`` (the most recently used); the least recently used goes when full."""
+        if not self.capacity:
+            return
+        self.lru[h] = None
+        self.lru.move_to_end(h)
+        if len(self.lru) > self.capacity:
+            self.lru.popitem(last=False)
+
+    def lookup(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` held here, each made the most recently used."""
+        n = 0
+        for h in hashes:
+            if h not in self.lru:
+                break
+            self.lru.move_to_end(h)
+            n += 1
+        return n
