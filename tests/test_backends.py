@@ -319,3 +319,23 @@ def test_predict_backend_serves_the_urgent_class_first_under_the_priority_policy
     assert priority["ttft_p50_urgent"] < 0.2 * priority["ttft_p50_others"]
     assert priority["ttft_p50_others"] > fcfs["ttft_p50_others"]
     assert priority["output_throughput"] == pytest.approx(fcfs["output_throughput"], rel=0.05)
+
+
+def test_a_sweeps_detail_table_shows_each_priority_class(tmp_path):
+    """The sweep's second table has the urgent class's TTFT and the others' where the runs sent
+    several priorities, and no such columns where they sent one."""
+    from vllm_lab.analysis.points import point_table
+    from vllm_lab.reports.sweep import detail_table
+
+    def table(name, overrides):
+        s = scenarios.resolve(name, "h200", ["load.stop.duration_s=5", *overrides])
+        m = PredictBackend().measure(s, None, Path("unused"))
+        runs = pd.DataFrame([{"point": {"x": 1}, "status": "ok", "error": "", "backend": "predict",
+                              "summary": m.summary, **{k: m.summary.get(k) for k in
+                                                       ("ttft_p50", "output_throughput")}}])
+        return detail_table(point_table(runs, ["x"]), ["x"])
+
+    mixed = table("mixed-priority", ["serve.scheduling-policy=priority"])
+    assert {"TTFT p50 urgent ms", "TTFT p99 others ms"} <= set(mixed.columns)
+    assert mixed["TTFT p50 urgent ms"].iloc[0] < mixed["TTFT p50 others ms"].iloc[0]
+    assert not any("urgent" in c for c in table("default", ["load.shape.level=2"]).columns)

@@ -123,10 +123,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("warmup_runs_s", "s", "discarded warm-up runs after the server's start", NEITHER),
     Metric("output_throughput_rel_ci", "share", "output tokens/s 95% half-width (batch means)", LOWER),
     # A workload of several priorities (workload.priorities): TTFT of the requests of the smallest
-    # one, which --scheduling-policy priority serves first, and of the others.
-    *[Metric(f"ttft_p{p}_{part}", "s", f"TTFT p{p}, {words}", LOWER, False, f"TTFT p{p} {part} ms")
-      for part, words in (("urgent", "requests of the smallest priority"),
-                          ("others", "requests of the other priorities")) for p in (50, 99)],
+    # one ("urgent"), which --scheduling-policy priority serves first, and of the others.
+    *[Metric(f"ttft_p{p}_{part}", "s", f"TTFT p{p} {part}", LOWER, False, f"TTFT p{p} {part} ms")
+      for part in ("urgent", "others") for p in (50, 99)],
     # A closed loop's client turnaround: each user's wait between a reply's end and its next send.
     *[Metric(f"turnaround_{s}", "s", f"client turnaround {s}", LOWER) for s in ("mean", "p50", "p90")],
     # The load generator: its own lag and CPU, its hosts, and a re-run with more processes.

@@ -62,6 +62,9 @@ HOLD_SHARE, HOLD_MIN_S = 0.5, 0.1
 # The GPUs' energy over each ok run's window (energy.energy_view; the twin's power model on the
 # twin and the predictor): means over a point's ok repeats.
 ENERGY = select("power_mean_w", "joules_per_output_token", "output_tokens_per_joule")
+# A workload of several priorities (workload.priorities): TTFT of its urgent class and of the
+# others, means over a point's ok repeats (none where the runs sent one priority).
+PRIORITY_CLASSES = select("ttft_p50_urgent", "ttft_p99_urgent", "ttft_p50_others", "ttft_p99_others")
 # The figures the twin's recorded prediction is compared on.
 TWIN_METRICS = select("output_throughput", "ttft_p50", "tpot_p50")
 NO_PREDICTION = "no prediction recorded"
@@ -107,7 +110,7 @@ def point_table(runs: pd.DataFrame, params: list[str]) -> pd.DataFrame:
         for k in (*AUDIT, *TTFT_SPLIT):
             vals = [v for s in group.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
             row[k] = float(np.mean(vals)) if vals else np.nan
-        for k in ENERGY:
+        for k in (*ENERGY, *PRIORITY_CLASSES):
             vals = [v for s in ok.get("summary", []) if (v := RunSummary.of(s).figure(k)) is not None]
             row[k] = float(np.mean(vals)) if vals else np.nan
             if k in SPREAD:

@@ -17,6 +17,7 @@ from vllm_lab.analysis.points import (
     BEST_RULE,
     CV_WARN,
     DETERMINISTIC,
+    PRIORITY_CLASSES,
     RANKED,
     SPREAD,
     STATISTIC,
@@ -214,7 +215,7 @@ def detail_table(table: pd.DataFrame, params: list[str]) -> pd.DataFrame:
         scale = 100.0 if entry.unit == "share" else entry.scale
         unit = {"share": "%", "%": "%", "s": "ms"}.get(entry.unit, "")
         out[f"{entry.label} {unit}".strip()] = table[m] * scale
-    for m in AUDIT:
+    for m in (*PRIORITY_CLASSES, *AUDIT):
         if m in table and table[m].notna().any():
             entry = metric(m)
             label = f"{entry.label} ms" if entry.unit == "s" else entry.label
