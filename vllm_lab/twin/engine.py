@@ -3,9 +3,12 @@ preemption by recompute and prefix caching, priced step by step by ``steptime``.
 
 The scheduling follows ``vllm/v1/core/sched/scheduler.py``: each step first gives the RUNNING
 requests their tokens in order (one per decoding request, the next chunk to a prefilling one),
-preempting the last running request when blocks run out; then, if nothing was preempted, admits
-WAITING requests first-come-first-served while the token budget lasts and fewer than
-max-num-seqs run. A preempted request loses its KV and goes back to the front of the queue.
+preempting a running request when blocks run out (the last scheduled; under --scheduling-policy
+priority the largest (priority, arrival)); then, if nothing was preempted, admits WAITING requests
+in the queue's order (arrival, or (priority, arrival)) while the token budget lasts and fewer than
+max-num-seqs run. A preempted request loses its KV and goes back to the queue (at its front under
+fcfs). Prompt blocks pushed out of the GPU's prefix cache may come back from a host tier
+(--kv-offloading-size) over the host link.
 
 Per-step work is O(changes), not O(running): decoding requests form a group whose counters
 advance together from one global step count, and heaps say when each next needs a block or
@@ -302,7 +305,7 @@ class Engine:
         return chunks, paused, preempted
 
     def _schedule_running_exact(self, budget, chunks, paused):
-        """vLLM's RUNNING loop request by request, preempting the last request when blocks run out."""
+        """vLLM's RUNNING loop request by request, preempting the policy's victim when blocks run out."""
         bs, kv, running = self.block_size, self.kv, self.running
         preempted = 0
         i = 0
@@ -365,7 +368,7 @@ class Engine:
         return 1
 
     def _admit(self, now: float, budget: int, chunks) -> None:
-        """vLLM's WAITING loop: first come first served while budget, seats and blocks last."""
+        """vLLM's WAITING loop, in the queue's order, while budget, seats and blocks last."""
         bs, kv, cfg = self.block_size, self.kv, self.cfg
         waiting, running = self.waiting, self.running
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
