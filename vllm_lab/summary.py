@@ -592,9 +592,8 @@ def _by_priority(ok: pd.DataFrame) -> dict[str, float]:
     priority = pd.to_numeric(ok["priority"], errors="coerce").fillna(0)
     if priority.nunique() < 2:
         return {}
-    out = {}
-    for part, rows in (("urgent", ok[priority == priority.min()]),
-                       ("others", ok[priority != priority.min()])):
+    urgent, out = priority == priority.min(), {}
+    for part, rows in (("urgent", ok[urgent]), ("others", ok[~urgent])):
         values = _metric_values(rows, "ttft")
         for p in (50, 99):
             out[f"ttft_p{p}_{part}"] = float(np.percentile(values, p)) if len(values) else None

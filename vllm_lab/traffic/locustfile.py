@@ -182,6 +182,8 @@ class WorkerPool(Pool):
 
 # Made at import, which Locust does before it forks: its forked processes share this one.
 POOL: Pool = Pool(LOAD.stop.max_requests)
+
+
 def _share(runner) -> int:
     """This process's share of the schedule (``arrivals.dealt``): the lowest free one among the
     processes Locust forked on this host, from the first share the lab dealt the host

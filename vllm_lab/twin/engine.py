@@ -44,7 +44,7 @@ from vllm_lab.twin.engine_io import (
 )
 from vllm_lab.twin.kvcache import HostTier, KVCache, block_hashes
 from vllm_lab.twin.power import PowerModel
-from vllm_lab.twin.profile import HOST_LINK_GBS, Profile
+from vllm_lab.twin.profile import Profile
 from vllm_lab.twin.request_queue import request_queue
 from vllm_lab.twin.steptime import StepTimeModel, chunk_pairs
 
@@ -96,18 +96,17 @@ class Engine:
         self.cfg, self.profile, self.model, self.memory = cfg, profile, model, memory
         self.block_size = bs = cfg.block_size
         self.kv = KVCache(memory.num_gpu_blocks, bs, cfg.enable_prefix_caching)
-        # --kv-offloading-size: a host tier of blocks (all GPUs' shares together), and the time a
-        # block takes over the host link, each GPU loading its share at once.
-        host_link = (profile.hardware.host_link_gbs or HOST_LINK_GBS) * 1e9
-        block_bytes = model.kv_bytes_per_token(cfg.kv_bytes) * bs
-        self.host = HostTier(cfg.kv_offloading_bytes // block_bytes)
-        self.block_load_s = block_bytes / cfg.tensor_parallel_size / host_link
-        self._load_s = 0.0                       # this step's loads from the host tier
         graph_max = min(profile.coefficients.cuda_graph_max_tokens, 2 * cfg.max_num_seqs)
         self.stm = StepTimeModel(profile, model, cfg.weight_bytes, cfg.kv_bytes,
                                  cfg.tensor_parallel_size, cfg.enforce_eager, bs, graph_max,
                                  cfg.peak_key, fp8_linear=cfg.quantization == ONLINE_QUANTIZATION,
                                  offload_bytes=cfg.cpu_offload_bytes)
+        # --kv-offloading-size: a host tier of blocks (all GPUs' shares together), and the time a
+        # block takes over the host link, each GPU loading its share at once.
+        block_bytes = model.kv_bytes_per_token(cfg.kv_bytes) * bs
+        self.host = HostTier(cfg.kv_offloading_bytes // block_bytes)
+        self.block_load_s = block_bytes / cfg.tensor_parallel_size / self.stm.host_link
+        self._load_s = 0.0                       # this step's loads from the host tier
         self.running: list[_Req] = []
         self.waiting = request_queue(cfg.scheduling_policy)
         self.partials: list[_Req] = []          # running requests still prefilling, in order

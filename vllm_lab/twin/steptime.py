@@ -53,9 +53,10 @@ class StepTimeModel:
         self.gemm_s_per_token = 2 * linear_params / tp / (linear_peak * 1e12 * co.gemm_efficiency)
         self.lm_head_s_per_sample = 2 * h * v / tp / (peak * 1e12 * co.gemm_efficiency)
         self.weights_s = (linear_params * linear_bytes + h * v * weight_bytes) / tp / bw
-        # --cpu-offload-gb: the kernels read the offloaded weights from host memory over the
-        # host link (zero-copy), every step whatever its batch.
-        self.offload_s = offload_bytes / ((hw.host_link_gbs or HOST_LINK_GBS) * 1e9)
+        # Bytes a second one GPU reads host memory at. --cpu-offload-gb: the kernels read the
+        # offloaded weights over it (zero-copy), every step whatever its batch.
+        self.host_link = (hw.host_link_gbs or HOST_LINK_GBS) * 1e9
+        self.offload_s = offload_bytes / self.host_link
         self.attn_s_per_pair = (4 * layers * model.num_heads * model.head_dim / tp
                                 / (peak * 1e12 * co.attention_efficiency))
         # An fp8 cache (one byte) is read in fp8_kv_read_share of a 16-bit cache's time, not half.
