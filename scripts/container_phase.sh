@@ -8,8 +8,9 @@
 #
 # The claims and autotune phases discard one run of the load after each server start
 # (run.warmup_runs=1: the first run after a start reads slow on an H200).
-# PHASE: sweep (make sweep PARAM=max-num-seqs on the default scenario at USERS closed-loop users,
-#        default 64, with REPEATS=5 and PRECISION, default "default"; PRECISION=...,max=5 keeps
+# PHASE: sweep (make sweep PARAM, default max-num-seqs, on SCENARIO, default the default one, at USERS
+#        closed-loop users, default 64, VALUES as given or the flag's ladder, with REPEATS, default 5,
+#        and PRECISION, default "default"; PRECISION=...,max=5 keeps
 #        each point to its first five runs; WARMUP_RUNS=1 discards a run after each start, for a
 #        new experiment (the committed ones were taken without); one GPU; EXPERIMENT names it),
 #        claims (the guide's claims 1-6 and 8, REPEATS runs an arm, default 3; two configurations at
@@ -90,12 +91,14 @@ seed=  # the committed example's store a phase continues (below)
 case $phase in
   # The lab's defaults (15-s runs) at a fixed user count; five runs per point in one server start
   # give each point its interval and the host's run-to-run noise.
-  sweep) users=${USERS:-64}
-         args=(sweep PARAM=max-num-seqs HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml PRECISION="${PRECISION:-default}"
-               REPEATS=5 EXPERIMENT="${EXPERIMENT:-h200-sweep-max-num-seqs-$users-users}")
+  sweep) users=${USERS:-64} param=${PARAM:-max-num-seqs}
+         args=(sweep PARAM="$param" ${VALUES:+VALUES="$VALUES"} ${SCENARIO:+SCENARIO="$SCENARIO"} HARDWARE="${HARDWARE:-h200}"
+               INVENTORY=inventory/container.yml PRECISION="${PRECISION:-default}" REPEATS="${REPEATS:-5}"
+               EXPERIMENT="${EXPERIMENT:-h200-sweep-$param-$users-users}")
          common=("${common[@]/#DURATION=*/DURATION=${DURATION:-15}}")
          sets="$sets load.shape.level=$users run.start_timeout_s=300${WARMUP_RUNS:+ run.warmup_runs=$WARMUP_RUNS}"
-         seed=reports/examples/h200-llama8b ;;
+         # The committed max-num-seqs sweeps of the default scenario are resumed, not taken again.
+         [[ $param == max-num-seqs && -z ${SCENARIO:-} ]] && seed=reports/examples/h200-llama8b ;;
   # Claim 7 needs no run on vLLM 0.26 (swap-space is gone); claim 9 is the tp phase's sweep.
   # Two configurations at once where the host has two GPUs, one after the other where it has one.
   claims) seed=reports/examples/claims-h200

@@ -68,6 +68,13 @@ def test_target_version_decides_what_is_removed():
     assert "swap-space" not in flags.changes_for("0.17.1")
 
 
+def test_cpu_offload_is_a_warning_that_names_the_runner_that_offloads():
+    # vLLM 0.26 accepts the flag and offloads nothing on dense models (its V2 model runner).
+    found = findings("serve.cpu-offload-gb=4")
+    assert [(f.severity, f.key) for f in found] == [("warning", "cpu-offload-gb")]
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in found[0].message
+
+
 def test_tp_must_divide_heads():
     out = messages("serve.tensor-parallel-size=3", "hardware.gpu_count=4")
     assert "does not divide the model's 32 attention heads" in out

@@ -159,6 +159,13 @@ CHANGES: list[Change] = [
            "multi-step scheduling was a V0 feature; drop the key (async-scheduling overlaps steps in V1)"),
     Change("use-v2-block-manager", "0.7.0", "removed", "the V1 KV cache manager is the only one; drop the key"),
     Change("preemption-mode", "0.10.0", "removed", "V1 always preempts by recompute; drop the key"),
+    # Checked on 0.26.0 (its source, and an H100: the same KV cache and step times at 0 and 1 GiB);
+    # earlier releases that defaulted dense models to the V2 runner may share it.
+    Change("cpu-offload-gb", "0.26.0", "no-op",
+           "the V2 model runner, vLLM's default for dense models, never installs the weight "
+           "offloader, so every weight stays on the GPU (vllm-project/vllm#51396); "
+           "VLLM_USE_V2_MODEL_RUNNER=0 in the server's environment brings back the V1 runner, "
+           "which offloads; else drop the key"),
     *(Change(name, "0.11.0", "refused",
              "its V1 engine has no concurrent partial prefills (NotImplementedError: Concurrent "
              "Partial Prefill is not supported); long-prefill-token-threshold caps a long prompt's "

@@ -36,7 +36,8 @@ class Hardware(BaseModel):
         "runs an fp8-quantized model's layers on 16-bit arithmetic (weight-only Marlin kernels)."))
     host_link_gbs: float | None = Field(None, gt=0, description=(
         "CPU-to-GPU bandwidth one GPU reads host memory at, GB/s (None: the twin's PCIe 5.0 x16 "
-        "figure); --cpu-offload-gb streams the offloaded weights over it every step."))
+        "figure): --kv-offloading-size loads KV blocks over it, and --cpu-offload-gb (on vLLM's V1 "
+        "model runner) streams the offloaded weights over it every step."))
     interconnect_gbs: float = Field(0, ge=0, description="GPU-to-GPU bandwidth per direction, GB/s; 0: unknown.")
     interconnect_latency_us: float | None = Field(None, ge=0, description="Latency of one all-reduce.")
     twin_profile: str | None = Field(None, description="Twin profile (vllm_lab/twin/profiles/) for this GPU.")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -134,9 +135,11 @@ class Engine:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_flags(cls, flags: dict[str, Any], profile: Profile, model) -> Engine:
-        """Build an engine as ``vllm serve`` would with these flags, or raise EngineStartError."""
-        cfg = resolve_flags(flags, profile, model)
+    def from_flags(cls, flags: dict[str, Any], profile: Profile, model,
+                   environ: Mapping[str, str] | None = None) -> Engine:
+        """Build an engine as ``vllm serve`` would with these flags (and ``environ``, the
+        server's environment), or raise EngineStartError."""
+        cfg = resolve_flags(flags, profile, model, environ)
         return cls(cfg, profile, model, plan_memory(cfg, profile, model))
 
     @property

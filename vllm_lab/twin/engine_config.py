@@ -5,6 +5,7 @@ start, ``EngineStartError`` carries vLLM's words."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +81,7 @@ class EngineConfig:
     # the previous one ends.
     async_scheduling: bool = True
     quantization: str | None = None       # "fp8": linear layers stored and multiplied in fp8
-    cpu_offload_bytes: int = 0            # weights kept in host memory, per GPU
+    cpu_offload_bytes: int = 0            # weights kept in host memory, per GPU (V1 runner only)
     kv_cache_memory_bytes: int | None = None  # the KV cache's size, per GPU, when given
     scheduling_policy: str = "fcfs"       # the WAITING queue's order and the preemption victim
     kv_offloading_bytes: int = 0          # host memory for KV blocks, all GPUs together
@@ -91,8 +92,19 @@ def _norm_key(key: str) -> str:
     return key.lstrip("-").replace("_", "-")
 
 
-def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfig:
-    """Merge ``flags`` over vLLM's defaults for this GPU and check them as vLLM would."""
+def v1_model_runner(environ: Mapping[str, str]) -> bool:
+    """Whether vLLM 0.26 runs the lab's models (dense ones) on its V1 model runner: only where
+    the server's environment says VLLM_USE_V2_MODEL_RUNNER=0 (config/vllm.py: V2 is the default
+    for every dense model, as envs.py reads the variable, an integer)."""
+    value = environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    return value is not None and value.strip().isdigit() and int(value) == 0
+
+
+def resolve_flags(flags: dict[str, Any], profile: Profile, model,
+                  environ: Mapping[str, str] | None = None) -> EngineConfig:
+    """Merge ``flags`` over vLLM's defaults for this GPU and check them as vLLM would; ``environ``
+    is the server's environment, where vLLM reads which model runner to use (None: vLLM's
+    default runner)."""
     defaults = engine_defaults(profile.hardware.memory_gib, profile.hardware.name, ENGINE_FLAGS)
     merged = {**defaults, **{_norm_key(k): v for k, v in flags.items()}}
 
@@ -162,6 +174,11 @@ def resolve_flags(flags: dict[str, Any], profile: Profile, model) -> EngineConfi
     offload = float(merged.get("cpu-offload-gb") or 0)
     if offload < 0:
         refuse(f"cpu_offload_gb must be at least 0, got {offload}")
+    # Only vLLM 0.26's V1 model runner installs the weight offloader; its V2 runner, the default
+    # for dense models, accepts --cpu-offload-gb and keeps every weight on the GPU
+    # (vllm-project/vllm#51396; an H100 read the same KV cache and step times at 0 and 1 GiB).
+    if not v1_model_runner(environ or {}):
+        offload = 0.0
     policy = str(merged.get("scheduling-policy") or "fcfs")
     if policy not in POLICIES:
         refuse(f"argument --scheduling-policy: invalid choice: '{policy}' (choose from "

@@ -172,7 +172,7 @@ async def _start_engine(args: ServeArgs) -> tuple[Engine, Any, Any]:
         sys.exit(1)
     engine_flags = {k: v for k, v in args.flags.items() if k not in FRONTEND_FLAGS}
     try:
-        return Engine.from_flags(engine_flags, profile, shape), profile, shape
+        return Engine.from_flags(engine_flags, profile, shape, os.environ), profile, shape
     except EngineStartError as e:
         await asyncio.sleep(min(args.startup_s, 1.0))
         _engine_start_failure(e)
