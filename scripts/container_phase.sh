@@ -15,7 +15,9 @@
 #        new experiment (the committed ones were taken without); one GPU; EXPERIMENT names it),
 #        claims (the guide's claims 1-6 and 8, REPEATS runs an arm, default 3; two configurations at
 #        once on a host of two GPUs; EXPERIMENT names it, default claims-h200-regimes),
-#        tp (tensor-parallel-size 1,2 on the model), tp70b (the Llama-3-70B shape, which needs 2),
+#        tp (tensor-parallel-size 1,2 on the model at 256 users, two GPUs: REPEATS runs a point,
+#        default 5, of DURATION s, default 30, after a discarded one; EXPERIMENT names it, default
+#        tp-repeats-llama-3-8b), tp70b (the same on the Llama-3-70B shape, which needs 2),
 #        baseline (make baseline: vLLM's defaults on the default scenario, REPEATS runs, default 5, of
 #        DURATION s, default 30, after a discarded one: the run-to-run spread of one configuration;
 #        EXPERIMENT names it, default h200-baseline-repeats),
@@ -88,6 +90,9 @@ common=(LAB_PYTHON="${LAB_PYTHON:-python3}" BACKEND=vllm OUT="$store" DURATION="
         VLLM_VENV="${VLLM_VENV:-}" LAB_ROOT="${LAB_ROOT:-}" DEADLINE="$deadline")
 
 seed=  # the committed example's store a phase continues (below)
+# The TP phases' points: REPEATS runs each, judged at PRECISION, a discarded run after each start.
+tp_repeats=(REPEATS="${REPEATS:-5}" PRECISION="${PRECISION:-default}")
+tp_sets="run.start_timeout_s=300 run.warmup_runs=${WARMUP_RUNS:-1}"
 case $phase in
   # The lab's defaults (15-s runs) at a fixed user count; five runs per point in one server start
   # give each point its interval and the host's run-to-run noise.
@@ -106,10 +111,12 @@ case $phase in
           else hosts=(INVENTORY=inventory/container.yml); fi
           args=(claims CLAIMS=1-6,8 REPEATS="${REPEATS:-3}" "${hosts[@]}" EXPERIMENT="${EXPERIMENT:-claims-h200-regimes}")
           sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
+  # TP 1 and 2 at 256 users, REPEATS runs a point (default 5) of DURATION s (default 30) after a
+  # discarded run: the ratio with its interval (the committed tp-scaling-* are one 10-s run each).
   tp) args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
-            EXPERIMENT=tp-scaling-llama-3-8b)
-      sets="$sets hardware.gpu_count=2 load.shape.level=256"
-      seed=reports/examples/tp-scaling-h200 ;;
+            EXPERIMENT="${EXPERIMENT:-tp-repeats-llama-3-8b}" "${tp_repeats[@]}")
+      common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
+      sets="$sets hardware.gpu_count=2 load.shape.level=256 $tp_sets" ;;
   tp70b)
       # The 70B shape: MODEL's tokenizer with a Llama-3-70B config (dummy weights, 131 GiB in bf16).
       model=$store/llama-3-70b
@@ -122,10 +129,10 @@ cfg.update(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_
 json.dump(cfg, open(sys.argv[2], "w"), indent=1)
 PY
       args=(sweep PARAM=tensor-parallel-size VALUES=1,2 INVENTORY=inventory/container-tp.yml
-            EXPERIMENT=tp-scaling-llama-3-70b)
+            EXPERIMENT="${EXPERIMENT:-tp-repeats-llama-3-70b}" "${tp_repeats[@]}")
       # The base runs on 2 GPUs (one cannot hold it); TP 1 is then recorded as refused before launch.
-      sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2"
-      seed=reports/examples/tp-scaling-h200 ;;
+      common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
+      sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2 $tp_sets" ;;
   # One configuration repeated in one server start: its coefficient of variation is the host's noise.
   baseline) args=(baseline HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml REPEATS="${REPEATS:-5}"
                   EXPERIMENT="${EXPERIMENT:-h200-baseline-repeats}")
@@ -151,9 +158,9 @@ PY
   *) echo "container_phase.sh: unknown phase $phase (sweep, claims, baseline, calibrate, tp, tp70b, autotune or stress)" >&2; exit 2 ;;
 esac
 
-# The TP and sweep phases continue the committed example's store, so the runs it holds (TP 1 of
-# the 8B shape; the sweep's points so far) are resumed, not taken again. Its plan names the model
-# folder /models/llama-3-8b: give MODEL that path (a link to the folder will do).
+# The max-num-seqs sweep and the claims continue the committed example's store, so the points it
+# holds are resumed, not taken again. Its plan names the model folder /models/llama-3-8b: give
+# MODEL that path (a link to the folder will do).
 if [[ -n $seed && ! -e $store/lab.db ]]; then
   cp "$seed/lab.db" "$store/lab.db" && cp -r "$seed/lab.samples" "$store/"
 fi
