@@ -83,6 +83,20 @@ def test_values_are_typed_by_the_flag():
         plans.parse_values("max-num-seqs", "8,x")
 
 
+@pytest.mark.parametrize("param, text, sentence", [
+    ("max-num-seqs", "8,0", "VALUES: 0 is out of range: must be an int >= 1 (max-num-seqs)"),
+    ("block-size", "16,7", "VALUES: 7 is not allowed: must be one of 1, 8, 16, 32, 64, 128, 256"),
+    ("dtype", "bfloat16,float17", "VALUES: 'float17' is not allowed: must be one of auto,"),
+    ("gpu-memory-utilization", "0.9,1.5", "VALUES: 1.5 is out of range"),
+])
+def test_values_vllm_would_refuse_are_a_sentence_before_any_run(param, text, sentence):
+    # vLLM's parser refuses them: a sweep that ran the rest and recorded a failed start would
+    # spend a server start on the user's typo.
+    with pytest.raises(ScenarioError) as err:
+        plans.parse_values(param, text)
+    assert str(err.value).startswith(sentence)
+
+
 def test_sweep_points_change_only_the_swept_flag(base):
     points = plans.sweep_points(base, "max-num-seqs", [8, 16], repeats=2)
     assert [(p.values["max-num-seqs"], p.repeat) for p in points] == [(8, 0), (8, 1), (16, 0), (16, 1)]

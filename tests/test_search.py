@@ -45,6 +45,10 @@ def test_parse_grid_and_bad_input(scenario):
         search.parse_grid(None, "max-num-seqs", scenario)
     with pytest.raises(ScenarioError, match="GRID item"):
         search.parse_grid("max-num-seqs", None, scenario)
+    with pytest.raises(ScenarioError, match="^GRID max-num-seqs: 'x' is not a value of max-num-seqs"):
+        search.parse_grid("max-num-seqs=8,x max-num-batched-tokens=2048", None, scenario)
+    with pytest.raises(ScenarioError, match="^GRID block-size: 7 is not allowed"):
+        search.parse_grid("max-num-seqs=8 block-size=16,7", None, scenario)
 
 
 def test_space_file_is_strict(tmp_path, scenario):

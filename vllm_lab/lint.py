@@ -80,11 +80,11 @@ def _check_name_and_value(key, value, names, changes, version, where) -> list[Fi
     flag = FLAGS.get(key)
     if flag is None or value is None:
         return []
-    problem = _value_problem(flag, value)
+    problem = value_problem(flag, value)
     return [Finding("error", where(key), key, problem)] if problem else []
 
 
-def _value_problem(flag: Flag, value: Any) -> str | None:
+def value_problem(flag: Flag, value: Any) -> str | None:
     """Why ``value`` is not allowed for ``flag``, or None (a secret's value is never shown)."""
     if flag.kind == "bool":
         ok = isinstance(value, bool)

@@ -27,7 +27,7 @@ from vllm_lab import flags as flagcat
 from vllm_lab import outdir
 from vllm_lab.backends import START_STATUS, Backend, Measurement
 from vllm_lab.inputs import shown
-from vllm_lab.lint import hardware_refusal
+from vllm_lab.lint import hardware_refusal, value_problem
 from vllm_lab.models import DTYPE_BYTES, load_model_shape
 from vllm_lab.scenarios import Scenario, ScenarioError, deep_merge, parse_override
 from vllm_lab.store import RETRIED_ON_RESUME, RunRecord, RunStatus, Store, run_identity
@@ -136,6 +136,10 @@ def parse_values(param: str, text: str, variable: str = "VALUES") -> list[Any]:
             allowed = flag.describe_range() if flag else "a number"
             raise ScenarioError(f"{variable}: {shown(raw, param)} is not a value of {param} "
                                 f"({allowed})") from None
+        # A value vLLM's parser refuses is the user's to fix now, not a failed start to record.
+        problem = flag and value_problem(flag, out[-1])
+        if problem:
+            raise ScenarioError(f"{variable}: {problem} ({param})")
     if not out:
         raise ScenarioError(f"{variable} is empty; give comma-separated values, e.g. "
                             f"{variable}=8,16,32")

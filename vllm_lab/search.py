@@ -57,7 +57,7 @@ def parse_grid(grid_text: str | None, params_text: str | None, scenario: Scenari
         if not sep or not param or not values:
             raise ScenarioError(f"GRID item {item!r}: write flag=v1,v2,..., e.g. "
                                 f"GRID=\"max-num-seqs=8,16,32 max-num-batched-tokens=2048,8192\"")
-        grid[param] = plans.parse_values(param, values)
+        grid[param] = plans.parse_values(param, values, f"GRID {param}")
     for param in (p.strip() for p in (params_text or "").split(",") if p.strip()):
         if param not in grid:
             grid[param] = plans.default_values(param, scenario)
