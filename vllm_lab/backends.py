@@ -26,6 +26,7 @@ import pandas as pd
 from vllm_lab import audit, serving, shutdown
 from vllm_lab.failures import request_failures
 from vllm_lab.prediction import (
+    energy_series,
     modelled_energy,
     predicted_arrivals,
     predicted_requests,
@@ -567,7 +568,8 @@ class PredictBackend:
             return Measurement(status=START_STATUS.get(e.cause, "failed-start"), started=started,
                                ended=time.time(), host="predictor", error=f"{e.cause}: {e}")
         samples = prediction_samples(prediction.requests)
-        summary = summarize(samples, scenario.slo, load=scenario.load)
+        summary = summarize(samples, scenario.slo, load=scenario.load,
+                            server_metrics=energy_series(prediction))
         if self.band and prediction.api_server_cpu >= LIMIT_CPU:
             summary["ttft_p50_api_limit"] = self._at_api_limit(scenario, profile, model, requests,
                                                                arrivals)
@@ -578,7 +580,7 @@ class PredictBackend:
                        gpu_util_mean=prediction.gpu_utilization * 100,
                        kv_cache_tokens=prediction.kv_cache_tokens,
                        server_api_cpu=prediction.api_server_cpu)
-        summary.update(modelled_energy(prediction))
+        summary.update(modelled_energy(prediction, summary))
         unsteady = unsteady_reason(summary, scenario.load)
         return Measurement(status=RunStatus.UNSTEADY if unsteady else RunStatus.OK, started=started,
                            ended=time.time(), host="predictor", summary=summary, samples=samples,

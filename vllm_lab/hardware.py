@@ -43,7 +43,14 @@ class Hardware(BaseModel):
     twin_profile: str | None = Field(None, description="Twin profile (vllm_lab/twin/profiles/) for this GPU.")
     tdp_w: float | None = Field(None, gt=0, description="Board power limit, W: the twin's power model scales with it.")
     power_idle_w: float | None = Field(None, ge=0, description="Measured power serving with nothing to run, W.")
-    power_memory_w: float | None = Field(None, ge=0, description="Measured power busy with memory-bound steps, W.")
+    # The next three are fitted to measured energy (twin/power.py): a second of the twin's kernel
+    # time draws idle + these, read where vLLM's GPU ran them.
+    power_memory_w: float | None = Field(None, ge=0, description=(
+        "Power a second of the twin's kernel time draws when it waits on memory (decodes), W."))
+    power_compute_w: float | None = Field(None, ge=0, description=(
+        "Power a second of the twin's kernel time would draw all arithmetic, before the cap, W."))
+    power_cap_w: float | None = Field(None, ge=0, description=(
+        "The most a second of the twin's kernel time draws: the board's limit as that time reads it, W."))
 
     @model_validator(mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vllm_lab.energy import ENERGY_COUNTER
 from vllm_lab.scenarios import Scenario
 from vllm_lab.traffic.workloads import priority_of, shared_prefix_length
 from vllm_lab.twin.prompts import shared_prefix_prompts, template_tokens
@@ -30,13 +31,28 @@ def predicted_arrivals(scenario: Scenario):
                 max_in_flight=load.max_in_flight, times=times)
 
 
-def modelled_energy(p) -> dict[str, Any]:
-    """The predicted run's energy figures, from the twin's power model (named as a model)."""
+MODELLED = "the twin's power model"
+
+
+def energy_series(p) -> pd.DataFrame | None:
+    """The predicted run's modelled energy counter as the GPU series a measured run scrapes (NVML's,
+    in mJ), so that ``summarize`` reads its steady window's energy as it reads a measured run's."""
+    if p.energy_counter is None or len(p.energy_counter) < 2:
+        return None
+    ts, joules = p.energy_counter.T
+    return pd.DataFrame({"ts": ts, "name": ENERGY_COUNTER, "labels": "gpu=0", "value": joules * 1000.0})
+
+
+def modelled_energy(p, summary: dict[str, Any]) -> dict[str, Any]:
+    """The predicted run's energy figures, named as a model: the steady window's where ``summary``
+    (read with ``energy_series``) has them, else the whole run's."""
+    if "energy_j" in summary:
+        return {"energy_source": MODELLED}
     if not p.duration_s or p.energy_j <= 0:
         return {}
     out_tokens = float(p.requests["output_tokens"].sum())
     out: dict[str, Any] = {"energy_j": p.energy_j, "power_mean_w": p.energy_j / p.duration_s,
-                           "energy_source": "the twin's power model"}
+                           "energy_source": MODELLED}
     if out_tokens:
         out.update(joules_per_output_token=p.energy_j / out_tokens,
                    output_tokens_per_joule=out_tokens / p.energy_j)

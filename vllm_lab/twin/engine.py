@@ -121,16 +121,21 @@ class Engine:
         self.num_preemptions = 0
         self.prefix_queries = self.prefix_hits = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.busy_s = 0.0
-        # The simulated GPUs' energy (twin/power.py): each step's at its compute share, the time
-        # between steps at the idle power, counted from ``origin`` (the live server sets its start).
+        self.busy_s = 0.0                        # seconds the engine stepped
+        self.kernel_s = 0.0                      # of them, seconds the GPU ran kernels
+        # The simulated GPUs' energy (twin/power.py): each step's kernels at their compute share,
+        # the rest of a step and the time between steps at the idle power, counted from ``origin``
+        # (the live server sets its start).
         self.power = PowerModel.of(profile.hardware)
         self.busy_energy_j = 0.0
+        # (time, energy since origin) at each step's start and end, where asked for (the
+        # predictor): the energy counter a run reads its window from, as NVML's.
+        self.energy_log: list[tuple[float, float]] | None = None
         self.origin = 0.0
         self.clock = 0.0
         self.steps = 0                           # steps run so far: the next step's index
         self._last_step = (-math.inf, -math.inf)  # (start, end) of the last step run
-        self._recent: deque[tuple[float, float, float]] = deque()
+        self._recent: deque[tuple[float, float, float, float]] = deque()  # start, end, W, kernel share
         self._vocab = max(2, min(model.vocab_size, 32000))
 
     # -- construction ------------------------------------------------------------------------
@@ -455,7 +460,7 @@ class Engine:
                 finished.append(r)
                 self._finish(r)
 
-    def _price(self, B: int, S: int, chunks) -> tuple[float, int, int]:
+    def _price(self, B: int, S: int, chunks) -> tuple[float, float, int, int]:
         tokens, pairs, kv_tokens, sampled = B, float(S), S, B
         for r, q, c in chunks:
             tokens += q
@@ -463,7 +468,7 @@ class Engine:
             kv_tokens += c + q
             if c + q == r.num_tokens:
                 sampled += 1
-        return (self.stm.step_time(tokens, B + len(chunks), sampled, pairs, kv_tokens, len(chunks)),
+        return (*self.stm.step_parts(tokens, B + len(chunks), sampled, pairs, kv_tokens, len(chunks)),
                 tokens, sampled)
 
     def _run_step(self, now: float, collect: bool):
@@ -474,7 +479,7 @@ class Engine:
             for r in paused:
                 self._join(r)
             return 0.0, 0, [], [], decoders, preempted, chunks
-        dur, tokens, _sampled = self._price(B, S, chunks)
+        dur, kernels, tokens, _sampled = self._price(B, S, chunks)
         dur, self._load_s = dur + self._load_s, 0.0
         if B:
             self.G += 1
@@ -487,19 +492,26 @@ class Engine:
         for r in paused:
             if r.state == RUNNING:
                 self._join(r)
-        self._account(now, dur, self.stm.compute_share(tokens, dur))
+        self._account(now, dur, kernels, self.stm.compute_share(tokens, kernels))
         self.steps += 1
         self._last_step = (now, now + dur)
         return dur, tokens, first, finished, decoders, preempted, chunks
 
-    def _account(self, now: float, dur: float, compute_share: float) -> None:
+    def _account(self, now: float, dur: float, kernel_s: float, compute_share: float) -> None:
+        """A step (or a run of decode steps) of ``dur`` seconds, ``kernel_s`` of them the GPU's
+        kernels at ``compute_share``: the rest the GPU waits on the host, at its idle power."""
+        energy = self.power.step_j(dur, kernel_s, compute_share) * self.cfg.tensor_parallel_size
+        if self.energy_log is not None:
+            self.energy_log.append((now, self.energy_j(now)))
         self.busy_s += dur
-        watts = self.power.busy_w(compute_share) * self.cfg.tensor_parallel_size
-        self.busy_energy_j += dur * watts
+        self.kernel_s += kernel_s
+        self.busy_energy_j += energy
         end = now + dur
+        if self.energy_log is not None:
+            self.energy_log.append((end, self.energy_j(end)))
         self.clock = max(self.clock, end)
         rec = self._recent
-        rec.append((now, end, watts))
+        rec.append((now, end, energy / dur if dur > 0 else 0.0, kernel_s / dur if dur > 0 else 0.0))
         while rec and rec[0][1] < end - 1.0:
             rec.popleft()
 
@@ -567,11 +579,11 @@ class Engine:
                 (self.kv.num_free // B) * bs)
         if k < 2:
             return None
-        times = self.stm.decode_times(B, self.S, k)
+        times, kernels = self.stm.decode_parts(B, self.S, k)
         if horizon < math.inf:
             cum = np.cumsum(times)
             k = min(k, int(np.searchsorted(cum, horizon - now)) + 1)
-            times = times[:k]
+            times, kernels = times[:k], kernels[:k]
         last = self.G + k - 1
         cross, kv = self._cross, self.kv
         while cross and cross[0][0] <= last:
@@ -588,21 +600,22 @@ class Engine:
         finished: list[_Req] = []
         self._pop_finished(finished)
         total = float(times.sum())
-        self._account(now, total, self.stm.compute_share(B, total / k))
+        kernel_s = float(kernels.sum())
+        self._account(now, total, kernel_s, self.stm.compute_share(B, kernel_s / k))
         self.steps += k
         self._last_step = (now + total - float(times[-1]), now + total)
         return DecodeRun(times, B, [_finished(r) for r in finished])
 
     # -- stats -------------------------------------------------------------------------------
     def gpu_utilization(self, now: float | None = None, window_s: float = 1.0) -> float:
-        """Share of the last ``window_s`` seconds the GPU was busy, as nvidia-smi samples it."""
+        """Share of the last ``window_s`` seconds the GPU ran kernels, as nvidia-smi samples it."""
         end = self.clock if now is None else now
         start = end - window_s
         busy = 0.0
-        for a, b, _w in self._recent:
+        for a, b, _w, kernels in self._recent:
             lo, hi = max(a, start), min(b, end)
             if hi > lo:
-                busy += hi - lo
+                busy += (hi - lo) * kernels
         return min(1.0, busy / window_s)
 
     def gpu_power_w(self, now: float | None = None, window_s: float = 1.0) -> float:
@@ -610,7 +623,7 @@ class Engine:
         end = self.clock if now is None else now
         start = end - window_s
         busy = energy = 0.0
-        for a, b, w in self._recent:
+        for a, b, w, _kernels in self._recent:
             lo, hi = max(a, start), min(b, end)
             if hi > lo:
                 busy += hi - lo

@@ -1,23 +1,40 @@
 """The simulated GPU's power draw: a model, and named as one wherever its figures are shown.
 
-A GPU that serves and has nothing to run still draws power (clocks held up, memory refreshed); a
-busy one draws more the more of its time is arithmetic rather than waiting on memory. The twin
-prices each step's energy as its duration times the busy power at the step's compute share (the
-share of its linear layers' time spent on arithmetic: small decode batches read weights, big
-prefill chunks multiply), and the time between steps at the idle power. Measured on one H200
-(reference/h200-vllm0.26/traffic-2026-12-01/power.csv, NVML): 79 W with no server, 121 W serving
-with nothing to run, about 290 W decoding for one user (memory-bound steps back to back), the
-700 W board limit with prefills of thousands of tokens. A GPU without measurements gets those
-shares of its board power (``Hardware.tdp_w``).
+A GPU that serves and has no kernel to run still draws power (clocks held up, memory refreshed):
+``idle_w``, 121 W on an H200 with the server up (reference/h200-vllm0.26/traffic-2026-12-01,
+NVML). It draws the rest only while its kernels run, and not while it waits on the host: the
+engine's own work each step, and the kernel launches no CUDA graph covers, which under
+--enforce-eager are most of a decode step. So each step's energy is its whole time at the idle
+power plus its kernel time (the step time model's roofline terms) at what kernels add; between
+steps, the idle power.
+
+What a second of kernel time draws grows with the share of it that is arithmetic (``compute
+share``: a decode batch mostly reads the weights and the cache, a long prompt chunk multiplies)
+and stops at the board's limit, where the GPU lowers its clocks. vLLM's batched steps sit near
+that limit: one H200 drew 600-690 W over whole runs of batched traffic, an H100 550-670 W.
+
+The three figures a second of kernel time draws are fitted to measured energy (NVML's energy
+counter over each run's steady window, vllm_lab.energy), not read off a datasheet, and they are
+what the twin's kernel time needs, not what a kernel draws: the twin counts the roofline's time,
+and the GPU also runs sampling and copies in what it counts as the host's (utilization measured
+78% where the twin reads 69% on the H200's batched runs), so a second of the twin's kernel time
+carries more than a second of the board at its limit. Fitted on the H200's claims and sweeps
+(`reports/examples/claims-h200`, `h200-llama8b`) and read on its autotunes and repeats, held out
+(`autotune-h200`, `baseline-h200`): median 4.9%, worst 13.9% of the measured power; the H100's on
+its three calibration plans and read on its 109 other runs (`reports/examples/h100`): median 2.0%.
+A GPU without measurements gets the H200's figures as shares of its board power (``tdp_w``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Shares of the board power an H200 drew: serving with nothing to run, busy on memory-bound steps.
+# Shares of the H200's 700 W board power: serving with nothing to run (measured), and what a second
+# of the twin's kernel time draws memory-bound, all arithmetic before the cap, and at most (fitted).
 IDLE_SHARE = 121.0 / 700.0
-MEMORY_SHARE = 290.0 / 700.0
+MEMORY_SHARE = 614.0 / 700.0
+COMPUTE_SHARE = 1338.0 / 700.0
+CAP_SHARE = 876.0 / 700.0
 # Board power of the shipped presets' GPUs (a preset's ``gpu`` key), for one that sets no tdp_w.
 TDP_W = {"h200": 700.0, "h100": 700.0, "a100": 400.0, "rtx3090": 350.0, "cpu-demo": 150.0}
 DEFAULT_TDP_W = 700.0
@@ -25,11 +42,12 @@ DEFAULT_TDP_W = 700.0
 
 @dataclass(frozen=True)
 class PowerModel:
-    """Idle, memory-bound busy and compute-bound busy power of one GPU, in watts."""
+    """One GPU's idle power, and what a second of the twin's kernel time draws, in watts."""
 
     idle_w: float
     memory_w: float
-    max_w: float
+    compute_w: float
+    cap_w: float
 
     @classmethod
     def of(cls, hardware) -> PowerModel:
@@ -37,12 +55,19 @@ class PowerModel:
         key = str(getattr(hardware, "gpu", None) or "")
         by_key = next((w for k, w in TDP_W.items() if key.startswith(k)), DEFAULT_TDP_W)
         tdp = float(getattr(hardware, "tdp_w", None) or by_key)
-        idle = getattr(hardware, "power_idle_w", None)
-        memory = getattr(hardware, "power_memory_w", None)
-        return cls(float(idle if idle is not None else IDLE_SHARE * tdp),
-                   float(memory if memory is not None else MEMORY_SHARE * tdp), tdp)
 
-    def busy_w(self, compute_share: float) -> float:
-        """Power while a step runs whose linear layers are ``compute_share`` arithmetic-bound."""
+        def measured(name: str, share: float) -> float:
+            value = getattr(hardware, name, None)
+            return float(value if value is not None else share * tdp)
+
+        return cls(measured("power_idle_w", IDLE_SHARE), measured("power_memory_w", MEMORY_SHARE),
+                   measured("power_compute_w", COMPUTE_SHARE), measured("power_cap_w", CAP_SHARE))
+
+    def kernel_w(self, compute_share: float) -> float:
+        """Power while kernels run whose time is ``compute_share`` arithmetic-bound."""
         share = min(1.0, max(0.0, compute_share))
-        return self.memory_w + (self.max_w - self.memory_w) * share
+        return min(self.cap_w, self.memory_w + (self.compute_w - self.memory_w) * share)
+
+    def step_j(self, duration_s: float, kernel_s: float, compute_share: float) -> float:
+        """A step's energy: its whole time at the idle power, its kernel time at what kernels add."""
+        return duration_s * self.idle_w + kernel_s * (self.kernel_w(compute_share) - self.idle_w)

@@ -87,6 +87,9 @@ class Prediction:
     kv_cache_tokens: int
     requests: pd.DataFrame | None = None
     energy_j: float = 0.0       # the GPUs' modelled energy over the run (twin/power.py)
+    # Rows of (seconds, joules since the engine started): the modelled energy counter, which a
+    # run's steady window is read from as a measured run's is from NVML's.
+    energy_counter: np.ndarray | None = None
     api_server_cpu: float = 0.0  # cores an API-server process was busy, their mean (twin/frontend.py)
     # The engine's steps by the tokens each carried: rows of (tokens, steps), what vLLM counts in
     # its iteration-tokens histogram.
@@ -151,6 +154,7 @@ class _Run:
     def __init__(self, eng: Engine, profile: Profile, flags: dict[str, Any],
                  requests: Sequence[PredictRequest], arrivals: Closed | Open, seed: int):
         self.eng, self.requests, self.arrivals = eng, requests, arrivals
+        eng.energy_log = []  # the energy counter a run's window is read from
         self.frontend = Frontend.of(profile.coefficients, flags)
         self.lat = Frontend.delay(profile.coefficients)
         self.n = n = len(requests)
@@ -374,8 +378,10 @@ class _Run:
             itl=_stats(itl_v, itl_wt), e2e=_stats(df["e2e_s"].to_numpy()[ok]),
             num_preemptions=eng.num_preemptions, kv_usage_peak=self.usage_peak,
             kv_usage_mean=self.usage_area / eng.busy_s if eng.busy_s else 0.0,
-            gpu_utilization=per_s(eng.busy_s), kv_cache_tokens=eng.kv_cache_tokens, requests=df,
+            gpu_utilization=per_s(eng.kernel_s), kv_cache_tokens=eng.kv_cache_tokens, requests=df,
             energy_j=eng.energy_j(t0 + duration),  # the clock starts at the first send, t0 = 0
+            energy_counter=np.array([*eng.energy_log, (t0 + duration, eng.energy_j(t0 + duration))],
+                                    dtype=np.float64),
             api_server_cpu=per_s(self.frontend.busy_s / self.frontend.processes),
             step_tokens=np.array(self.step_sizes, dtype=np.int64).reshape(-1, 2))
 

@@ -114,6 +114,10 @@ class Profile(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=100)
 
 
+# A GPU's measured powers (twin/power.py): they hold for that GPU only.
+POWER_KEYS = ("power_idle_w", "power_memory_w", "power_compute_w", "power_cap_w")
+
+
 def measured_on(profile: Profile, hardware: Hardware) -> bool:
     """Whether the profile was fitted on the GPU of ``hardware`` (a lab preset): its key, h200 of
     h200 or h100 of h100-80g, is in the name of the profile's own GPU."""
@@ -139,10 +143,8 @@ def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
     hw = hardware.model_copy(update={
         "tflops_fp8": fp8,
         "tdp_w": hardware.tdp_w or (own.tdp_w if same else None),
-        "power_idle_w": hardware.power_idle_w if hardware.power_idle_w is not None else (
-            own.power_idle_w if same else None),
-        "power_memory_w": hardware.power_memory_w if hardware.power_memory_w is not None else (
-            own.power_memory_w if same else None),
+        **{key: getattr(hardware, key) if getattr(hardware, key) is not None else (
+            getattr(own, key) if same else None) for key in POWER_KEYS},
         "interconnect_gbs": hardware.interconnect_gbs or own.interconnect_gbs,
         "interconnect_latency_us": (own.interconnect_latency_us if hardware.interconnect_latency_us is None
                                     else hardware.interconnect_latency_us)})

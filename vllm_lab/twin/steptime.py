@@ -76,14 +76,14 @@ class StepTimeModel:
         self.quantize_s = co.fp8_layer_overhead_s * layers if fp8_linear else 0.0
         self.fixed_s = co.step_overhead_s + self.offload_s + self.quantize_s
 
-    def compute_share(self, num_tokens: int, duration_s: float) -> float:
-        """The share of a step of ``num_tokens`` tokens lasting ``duration_s`` that is arithmetic
-        (its linear layers' multiplications) rather than waiting on memory: ~0 for a small decode
-        batch, which reads the weights and the KV cache, about half for 512 decodes, ~1 for a
-        prefill chunk of thousands of tokens."""
-        if duration_s <= 0:
+    def compute_share(self, num_tokens: int, kernel_s: float) -> float:
+        """The share of a step's kernel time (``kernel_s``, for ``num_tokens`` tokens) that is
+        arithmetic (its linear layers' multiplications) rather than waiting on memory: ~0 for a
+        small decode batch, which reads the weights and the KV cache, about half for 512 decodes,
+        ~1 for a prefill chunk of thousands of tokens."""
+        if kernel_s <= 0:
             return 0.0
-        return min(1.0, num_tokens * self.gemm_s_per_token / duration_s)
+        return min(1.0, num_tokens * self.gemm_s_per_token / kernel_s)
 
     def step_time(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
                   kv_tokens: float, prefills: int = 0) -> float:
@@ -92,17 +92,26 @@ class StepTimeModel:
         ``attn_pairs``: query-key pairs attention computes; ``kv_tokens``: KV tokens read or written;
         ``prefills``: the prompt chunks among them (beside decodes, the step runs as a piecewise graph).
         """
+        return self.step_parts(num_tokens, num_seqs, num_sampled, attn_pairs, kv_tokens, prefills)[0]
+
+    def step_parts(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
+                   kv_tokens: float, prefills: int = 0) -> tuple[float, float]:
+        """A step's seconds (``step_time``) and, of them, the seconds its kernels keep the GPU
+        busy: the roofline terms. The rest (the engine's own work a step, a sequence and a token,
+        and the launches no CUDA graph covers) is the host's, while the GPU waits."""
         co = self.co
         gemm = num_tokens * self.gemm_s_per_token + num_sampled * self.lm_head_s_per_sample
         t = max(self.weights_s, gemm)
         attn = attn_pairs * self.attn_s_per_pair
         kv = kv_tokens * self.kv_s_per_token
         t += max(kv, attn)
+        kernels = t + self.offload_s + self.quantize_s + kv_tokens * self.block_s_per_token
         t += self.fixed_s + co.seq_overhead_s * num_seqs + co.token_overhead_s * num_tokens
         t += kv_tokens * self.block_s_per_token
         if self.comm_s:
             t += self.comm_s + num_tokens * self.comm_s_per_token
-        return self._launched(t, num_tokens, mixed=0 < prefills < num_seqs)
+            kernels += self.comm_s + num_tokens * self.comm_s_per_token
+        return self._launched(t, num_tokens, mixed=0 < prefills < num_seqs), kernels
 
     def _launched(self, t, num_tokens: int, mixed: bool = False):
         """Step time ``t`` (seconds, scalar or array) with the kernel launches a graph would save.
@@ -123,12 +132,19 @@ class StepTimeModel:
     def decode_times(self, batch: int, ctx_sum: int, steps: int) -> np.ndarray:
         """Times of ``steps`` pure-decode steps of ``batch`` sequences whose contexts sum to ``ctx_sum``
         at the first step and grow by ``batch`` each step."""
+        return self.decode_parts(batch, ctx_sum, steps)[0]
+
+    def decode_parts(self, batch: int, ctx_sum: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """``decode_times`` and, of each, the seconds its kernels keep the GPU busy (``step_parts``)."""
         co = self.co
         ctx = ctx_sum + batch * np.arange(steps, dtype=np.float64)
-        gemm = batch * (self.gemm_s_per_token + self.lm_head_s_per_sample)
-        fixed = max(gemm, self.weights_s) + self.fixed_s + co.seq_overhead_s * batch
+        linear = max(batch * (self.gemm_s_per_token + self.lm_head_s_per_sample), self.weights_s)
+        fixed = linear + self.fixed_s + co.seq_overhead_s * batch
         fixed += co.token_overhead_s * batch
+        linear += self.offload_s + self.quantize_s  # the kernels of ``fixed_s``
         if self.comm_s:
             fixed += self.comm_s + batch * self.comm_s_per_token
+            linear += self.comm_s + batch * self.comm_s_per_token
         t = np.maximum(ctx * self.attn_s_per_pair, ctx * self.kv_s_per_token)
-        return self._launched(t + ctx * self.block_s_per_token + fixed, batch)
+        t += ctx * self.block_s_per_token
+        return self._launched(t + fixed, batch), t + linear
