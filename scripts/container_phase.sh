@@ -18,7 +18,7 @@
 #        tp (tensor-parallel-size 1,2 on the model at 256 users, two GPUs: REPEATS runs a point,
 #        default 5, of DURATION s, default 30, after a discarded one; EXPERIMENT names it, default
 #        tp-repeats-llama-3-8b), tp70b (the same on the Llama-3-70B shape, which needs 2),
-#        baseline (make baseline: vLLM's defaults on the default scenario, REPEATS runs, default 5, of
+#        baseline (make baseline: vLLM's defaults on SCENARIO, default the default one, REPEATS runs, default 5, of
 #        DURATION s, default 30, after a discarded one: the run-to-run spread of one configuration;
 #        EXPERIMENT names it, default h200-baseline-repeats),
 #        calibrate (make calibrate's plan on vLLM's defaults in one server start and its eager run
@@ -134,7 +134,7 @@ PY
       common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
       sets="$sets hardware.gpu_count=2 load.shape.level=256 serve.tensor-parallel-size=2 $tp_sets" ;;
   # One configuration repeated in one server start: its coefficient of variation is the host's noise.
-  baseline) args=(baseline HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml REPEATS="${REPEATS:-5}"
+  baseline) args=(baseline ${SCENARIO:+SCENARIO="$SCENARIO"} HARDWARE="${HARDWARE:-h200}" INVENTORY=inventory/container.yml REPEATS="${REPEATS:-5}"
                   EXPERIMENT="${EXPERIMENT:-h200-baseline-repeats}")
             common=("${common[@]/#DURATION=*/DURATION=${DURATION:-30}}")
             sets="$sets run.start_timeout_s=300 run.warmup_runs=1" ;;
