@@ -11,18 +11,22 @@ changes; then one closed loop with ``--enforce-eager`` on a second (``EAGER``): 
 cost of an eager step, which no other run reads. The fit then moves the profile's coefficients
 until the twin's predictor reproduces those runs (``vllm_lab.twin.fit``), each run replayed
 request for request (``FIT_STATUSES``: an unsteady fixed-length loop too, read over all its
-requests as vllm bench serve reads a run).
+requests as vllm bench serve reads a run). Where the runs carry the GPU's energy counter, the
+power a second of its kernels draws is fitted last, on the fitted profile (``fit_power``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from vllm_lab.plans import Point, apply_value
-from vllm_lab.prediction import replayed_prompts
+from vllm_lab.prediction import prediction_samples, replayed_prompts
 from vllm_lab.scenarios import Scenario
 from vllm_lab.store import Store
-from vllm_lab.twin.fit import BenchPoint, compare, fit_host_scale, fit_profile, load_point
+from vllm_lab.summary import steady_window
+from vllm_lab.twin import power
+from vllm_lab.twin.fit import BenchPoint, compare, fit_host_scale, fit_profile, load_point, replay
 from vllm_lab.twin.profile import Profile
 
 # name, prompt tokens, output tokens, concurrent users, requests; the shapes of the reference set.
@@ -193,6 +197,52 @@ def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,
         raise ValueError(f"experiment {experiment_id} has {len(points)} ok calibration runs; "
                          f"the fit needs at least 3")
     profile = fit_host_scale(points, base, model)[1] if scope == "host" else fit_profile(points, base, model)
+    if scope == "all":
+        profile = fit_power(store_path, experiment_id, profile, model)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_yaml())
     return profile, compare(points, profile, model)
+
+
+# A run's power is fitted on when both its steady window and the replay's last this long: over a
+# second or two the energy counter and the GPU's clocks have not settled (the H100's shortest
+# calibration runs read 38-68% off the twin).
+POWER_MIN_WINDOW_S = 5.0
+POWER_MIN_RUNS = 3
+
+
+def power_runs(store: Store, experiment_id: str, profile: Profile, model) -> list[power.WindowSteps]:
+    """The experiment's runs that carry the GPU's energy counter, each replayed on ``profile`` and
+    read over the replay's own steady window, beside the power measured over the run's."""
+    runs = store.runs(experiment_id)
+    out = []
+    for _, run in runs[runs["status"].isin(FIT_STATUSES)].iterrows():
+        summary = json.loads(run["summary_json"])
+        # Real GPUs' counters only: the twin's server exports its own power model as one.
+        if (run["backend"] != "vllm" or summary.get("energy_source") != "energy counter"
+                or not run["duration_s"] or run["duration_s"] < POWER_MIN_WINDOW_S):
+            continue
+        point = replayed(store, experiment_id, run)
+        predicted = replay(point, profile, model)
+        window = steady_window(prediction_samples(predicted.requests))
+        if window is None or window.end - window.start < POWER_MIN_WINDOW_S:
+            continue
+        gpus = int(point.flags.get("tensor-parallel-size", 1))
+        out.append(power.WindowSteps.of(predicted.step_log, window.start, window.end,
+                                        float(summary["power_mean_w"]), gpus))
+    return out
+
+
+def fit_power(store_path: Path, experiment_id: str, profile: Profile, model) -> Profile:
+    """``profile`` with the power a second of its GPU's kernels draws fitted to the calibration's
+    energy counters (``twin.power.fit``), where at least ``POWER_MIN_RUNS`` runs on real vLLM carry
+    one; else unchanged."""
+    with Store(store_path) as store:
+        runs = power_runs(store, experiment_id, profile, model)
+    if len(runs) < POWER_MIN_RUNS:
+        return profile
+    fitted = power.fit(runs, power.PowerModel.of(profile.hardware))
+    hardware = profile.hardware.model_copy(update={
+        "power_memory_w": round(fitted.memory_w, 1), "power_compute_w": round(fitted.compute_w, 1),
+        "power_cap_w": round(fitted.cap_w, 1)})
+    return profile.model_copy(update={"hardware": hardware})

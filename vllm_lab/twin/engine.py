@@ -131,6 +131,9 @@ class Engine:
         # (time, energy since origin) at each step's start and end, where asked for (the
         # predictor): the energy counter a run reads its window from, as NVML's.
         self.energy_log: list[tuple[float, float]] | None = None
+        # Beside it, each step's (start, seconds, kernel seconds, compute share): what a power
+        # model's figures are fitted on (twin/power.py, ``fit``).
+        self.step_log: list[tuple[float, float, float, float]] = []
         self.origin = 0.0
         self.clock = 0.0
         self.steps = 0                           # steps run so far: the next step's index
@@ -503,6 +506,7 @@ class Engine:
         energy = self.power.step_j(dur, kernel_s, compute_share) * self.cfg.tensor_parallel_size
         if self.energy_log is not None:
             self.energy_log.append((now, self.energy_j(now)))
+            self.step_log.append((now, dur, kernel_s, compute_share))
         self.busy_s += dur
         self.kernel_s += kernel_s
         self.busy_energy_j += energy

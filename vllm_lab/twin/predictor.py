@@ -90,6 +90,7 @@ class Prediction:
     # Rows of (seconds, joules since the engine started): the modelled energy counter, which a
     # run's steady window is read from as a measured run's is from NVML's.
     energy_counter: np.ndarray | None = None
+    step_log: np.ndarray | None = None  # rows of (start s, seconds, kernel seconds, compute share)
     api_server_cpu: float = 0.0  # cores an API-server process was busy, their mean (twin/frontend.py)
     # The engine's steps by the tokens each carried: rows of (tokens, steps), what vLLM counts in
     # its iteration-tokens histogram.
@@ -382,6 +383,7 @@ class _Run:
             energy_j=eng.energy_j(t0 + duration),  # the clock starts at the first send, t0 = 0
             energy_counter=np.array([*eng.energy_log, (t0 + duration, eng.energy_j(t0 + duration))],
                                     dtype=np.float64),
+            step_log=np.array(eng.step_log, dtype=np.float64).reshape(-1, 4),
             api_server_cpu=per_s(self.frontend.busy_s / self.frontend.processes),
             step_tokens=np.array(self.step_sizes, dtype=np.int64).reshape(-1, 2))
 
