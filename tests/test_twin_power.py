@@ -106,8 +106,9 @@ def test_make_calibrate_fits_the_power_from_the_plans_energy_counters():
     profile = load_profile("h100-llama-3-8b")
     model = load_model_shape("llama-3-8b")
     with Store(EXAMPLES / "h100" / "lab.db") as store:
-        runs = [r for exp in ("h100-calibrate", "h100-calibrate-b", "h100-calibrate-c")
-                for r in calibrate.power_runs(store, exp, profile, model)]
+        plans = [calibrate.calibration_runs(store, exp)
+                 for exp in ("h100-calibrate", "h100-calibrate-b", "h100-calibrate-c")]
+    runs = [r for rows, points in plans for r in calibrate.power_runs(rows, points, profile, model)]
     assert len(runs) == 27
     bare = profile.hardware.model_copy(update=dict.fromkeys(("power_memory_w", "power_compute_w",
                                                              "power_cap_w")))

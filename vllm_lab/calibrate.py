@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
+
 from vllm_lab.plans import Point, apply_value
 from vllm_lab.prediction import prediction_samples, replayed_prompts
 from vllm_lab.scenarios import Scenario
@@ -133,11 +135,16 @@ def _fixed_points(base: Scenario, plan) -> list[Point]:
 FIT_STATUSES = ("ok", "unsteady")
 
 
+def calibration_runs(store: Store, experiment_id: str) -> tuple[pd.DataFrame, list[BenchPoint]]:
+    """The experiment's runs of ``FIT_STATUSES``, and each as the fit's point, replayed."""
+    runs = store.runs(experiment_id)
+    runs = runs[runs["status"].isin(FIT_STATUSES)]
+    return runs, [replayed(store, experiment_id, run) for _, run in runs.iterrows()]
+
+
 def bench_points(store: Store, experiment_id: str) -> list[BenchPoint]:
     """The experiment's runs of ``FIT_STATUSES`` as the fit's points, each replayed."""
-    runs = store.runs(experiment_id)
-    return [replayed(store, experiment_id, run)
-            for _, run in runs[runs["status"].isin(FIT_STATUSES)].iterrows()]
+    return calibration_runs(store, experiment_id)[1]
 
 
 def replayed(store: Store, experiment_id: str, run, name: str | None = None) -> BenchPoint:
@@ -191,14 +198,14 @@ def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,
     lab's runs: two instruments on one server keep the twin honest to both.
     """
     with Store(store_path) as store:
-        points = bench_points(store, experiment_id)
-    points += [load_point(Path(f)) for f in reference]
+        runs, measured = calibration_runs(store, experiment_id)
+    points = measured + [load_point(Path(f)) for f in reference]
     if len(points) < 3:
         raise ValueError(f"experiment {experiment_id} has {len(points)} ok calibration runs; "
                          f"the fit needs at least 3")
     profile = fit_host_scale(points, base, model)[1] if scope == "host" else fit_profile(points, base, model)
     if scope == "all":
-        profile = fit_power(store_path, experiment_id, profile, model)
+        profile = fit_power(runs, measured, profile, model)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_yaml())
     return profile, compare(points, profile, model)
@@ -211,18 +218,18 @@ POWER_MIN_WINDOW_S = 5.0
 POWER_MIN_RUNS = 3
 
 
-def power_runs(store: Store, experiment_id: str, profile: Profile, model) -> list[power.WindowSteps]:
-    """The experiment's runs that carry the GPU's energy counter, each replayed on ``profile`` and
-    read over the replay's own steady window, beside the power measured over the run's."""
-    runs = store.runs(experiment_id)
+def power_runs(runs: pd.DataFrame, points: list[BenchPoint], profile: Profile,
+               model) -> list[power.WindowSteps]:
+    """Of ``calibration_runs``, those that carry the GPU's energy counter, each point replayed on
+    ``profile`` and read over the replay's own steady window, beside the power measured over the
+    run's."""
     out = []
-    for _, run in runs[runs["status"].isin(FIT_STATUSES)].iterrows():
+    for (_, run), point in zip(runs.iterrows(), points, strict=True):
         summary = json.loads(run["summary_json"])
         # Real GPUs' counters only: the twin's server exports its own power model as one.
         if (run["backend"] != "vllm" or summary.get("energy_source") != "energy counter"
                 or not run["duration_s"] or run["duration_s"] < POWER_MIN_WINDOW_S):
             continue
-        point = replayed(store, experiment_id, run)
         predicted = replay(point, profile, model)
         window = steady_window(prediction_samples(predicted.requests))
         if window is None or window.end - window.start < POWER_MIN_WINDOW_S:
@@ -233,12 +240,11 @@ def power_runs(store: Store, experiment_id: str, profile: Profile, model) -> lis
     return out
 
 
-def fit_power(store_path: Path, experiment_id: str, profile: Profile, model) -> Profile:
+def fit_power(runs: pd.DataFrame, points: list[BenchPoint], profile: Profile, model) -> Profile:
     """``profile`` with the power a second of its GPU's kernels draws fitted to the calibration's
-    energy counters (``twin.power.fit``), where at least ``POWER_MIN_RUNS`` runs on real vLLM carry
-    one; else unchanged."""
-    with Store(store_path) as store:
-        runs = power_runs(store, experiment_id, profile, model)
+    energy counters (``twin.power.fit``; ``runs`` and ``points`` as ``calibration_runs`` gives
+    them), where at least ``POWER_MIN_RUNS`` runs on real vLLM carry one; else unchanged."""
+    runs = power_runs(runs, points, profile, model)
     if len(runs) < POWER_MIN_RUNS:
         return profile
     fitted = power.fit(runs, power.PowerModel.of(profile.hardware))

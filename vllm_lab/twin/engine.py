@@ -128,12 +128,10 @@ class Engine:
         # (the live server sets its start).
         self.power = PowerModel.of(profile.hardware)
         self.busy_energy_j = 0.0
-        # (time, energy since origin) at each step's start and end, where asked for (the
-        # predictor): the energy counter a run reads its window from, as NVML's.
-        self.energy_log: list[tuple[float, float]] | None = None
-        # Beside it, each step's (start, seconds, kernel seconds, compute share): what a power
-        # model's figures are fitted on (twin/power.py, ``fit``).
-        self.step_log: list[tuple[float, float, float, float]] = []
+        # Each step's (start, seconds, kernel seconds, compute share), where asked for (the
+        # predictor): its run's energy counter is read from it (``PowerModel.counter``), and a
+        # power model's figures are fitted on it (twin/power.py, ``fit``).
+        self.step_log: list[tuple[float, float, float, float]] | None = None
         self.origin = 0.0
         self.clock = 0.0
         self.steps = 0                           # steps run so far: the next step's index
@@ -503,16 +501,13 @@ class Engine:
     def _account(self, now: float, dur: float, kernel_s: float, compute_share: float) -> None:
         """A step (or a run of decode steps) of ``dur`` seconds, ``kernel_s`` of them the GPU's
         kernels at ``compute_share``: the rest the GPU waits on the host, at its idle power."""
-        energy = self.power.step_j(dur, kernel_s, compute_share) * self.cfg.tensor_parallel_size
-        if self.energy_log is not None:
-            self.energy_log.append((now, self.energy_j(now)))
+        energy = float(self.power.step_j(dur, kernel_s, compute_share)) * self.cfg.tensor_parallel_size
+        if self.step_log is not None:
             self.step_log.append((now, dur, kernel_s, compute_share))
         self.busy_s += dur
         self.kernel_s += kernel_s
         self.busy_energy_j += energy
         end = now + dur
-        if self.energy_log is not None:
-            self.energy_log.append((end, self.energy_j(end)))
         self.clock = max(self.clock, end)
         rec = self._recent
         rec.append((now, end, energy / dur if dur > 0 else 0.0, kernel_s / dur if dur > 0 else 0.0))

@@ -70,16 +70,30 @@ class PowerModel:
         return cls(measured("power_idle_w", IDLE_SHARE), measured("power_memory_w", MEMORY_SHARE),
                    measured("power_compute_w", COMPUTE_SHARE), measured("power_cap_w", CAP_SHARE), tdp)
 
-    def kernel_w(self, compute_share: float) -> float:
-        """Power while kernels run whose time is ``compute_share`` arithmetic-bound."""
-        share = min(1.0, max(0.0, compute_share))
-        return min(self.cap_w, self.memory_w + (self.compute_w - self.memory_w) * share)
+    def kernel_w(self, compute_share):
+        """Power while kernels run whose time is ``compute_share`` arithmetic-bound (a number, or
+        an array of them)."""
+        share = np.clip(compute_share, 0.0, 1.0)
+        return np.minimum(self.cap_w, self.memory_w + (self.compute_w - self.memory_w) * share)
 
-    def step_j(self, duration_s: float, kernel_s: float, compute_share: float) -> float:
-        """A step's energy: its whole time at the idle power, its kernel time at what kernels add,
-        never more than the board's limit over the step."""
+    def step_j(self, duration_s, kernel_s, compute_share):
+        """A step's energy (or each of an array of steps'): its whole time at the idle power, its
+        kernel time at what kernels add, never more than the board's limit over the step."""
         drawn = duration_s * self.idle_w + kernel_s * (self.kernel_w(compute_share) - self.idle_w)
-        return min(drawn, duration_s * self.board_w)
+        return np.minimum(drawn, duration_s * self.board_w)
+
+    def counter(self, step_log: np.ndarray, gpus: int, end: float) -> np.ndarray:
+        """The energy counter of a run whose engine stepped ``step_log`` (rows of start, seconds,
+        kernel seconds, compute share, from a start at 0): rows of (seconds, joules since then) at
+        each step's start and end and at ``end``, the time between steps at the idle power."""
+        start, dur, kernel, share = step_log.reshape(-1, 4).T
+        energy = self.step_j(dur, kernel, share) * gpus
+        stepped = np.cumsum(dur) - dur                       # the engine's seconds before each step
+        at_start = np.cumsum(energy) - energy + (start - stepped) * self.idle_w * gpus
+        rows = np.column_stack([np.column_stack([start, start + dur]).ravel(),
+                                np.column_stack([at_start, at_start + energy]).ravel()])
+        total = float(energy.sum()) + max(0.0, end - float(dur.sum())) * self.idle_w * gpus
+        return np.vstack([rows, [end, total]])
 
 
 @dataclass(frozen=True)
@@ -103,11 +117,8 @@ class WindowSteps:
         return cls(inside[keep], (kernel * part)[keep], share[keep], t1 - t0, measured_w, gpus)
 
     def power_w(self, model: PowerModel) -> float:
-        """The run's mean power over its window on ``model`` (``PowerModel.step_j``, vectorized)."""
-        kernel_w = np.minimum(model.cap_w, model.memory_w + (model.compute_w - model.memory_w)
-                              * np.clip(self.share, 0.0, 1.0))
-        drawn = self.seconds * model.idle_w + self.kernel_s * (kernel_w - model.idle_w)
-        steps = np.minimum(drawn, self.seconds * model.board_w).sum()
+        """The run's mean power over its window on ``model``."""
+        steps = model.step_j(self.seconds, self.kernel_s, self.share).sum()
         idle = max(0.0, self.window_s - float(self.seconds.sum())) * model.idle_w
         return (float(steps) + idle) * self.gpus / self.window_s
 

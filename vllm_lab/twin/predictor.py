@@ -155,7 +155,7 @@ class _Run:
     def __init__(self, eng: Engine, profile: Profile, flags: dict[str, Any],
                  requests: Sequence[PredictRequest], arrivals: Closed | Open, seed: int):
         self.eng, self.requests, self.arrivals = eng, requests, arrivals
-        eng.energy_log = []  # the energy counter a run's window is read from
+        eng.step_log = []  # the steps a run's energy counter is read from
         self.frontend = Frontend.of(profile.coefficients, flags)
         self.lat = Frontend.delay(profile.coefficients)
         self.n = n = len(requests)
@@ -371,6 +371,8 @@ class _Run:
         def per_s(x: float) -> float:
             return x / duration if duration else 0.0
 
+        steps = np.array(eng.step_log, dtype=np.float64).reshape(-1, 4)
+
         return Prediction(
             duration_s=duration, completed=int(ok.sum()),
             output_throughput=per_s(total_out), request_throughput=per_s(float(ok.sum())),
@@ -381,9 +383,8 @@ class _Run:
             kv_usage_mean=self.usage_area / eng.busy_s if eng.busy_s else 0.0,
             gpu_utilization=per_s(eng.kernel_s), kv_cache_tokens=eng.kv_cache_tokens, requests=df,
             energy_j=eng.energy_j(t0 + duration),  # the clock starts at the first send, t0 = 0
-            energy_counter=np.array([*eng.energy_log, (t0 + duration, eng.energy_j(t0 + duration))],
-                                    dtype=np.float64),
-            step_log=np.array(eng.step_log, dtype=np.float64).reshape(-1, 4),
+            energy_counter=eng.power.counter(steps, eng.cfg.tensor_parallel_size, t0 + duration),
+            step_log=steps,
             api_server_cpu=per_s(self.frontend.busy_s / self.frontend.processes),
             step_tokens=np.array(self.step_sizes, dtype=np.int64).reshape(-1, 2))
 

@@ -105,9 +105,10 @@ class StepTimeModel:
         attn = attn_pairs * self.attn_s_per_pair
         kv = kv_tokens * self.kv_s_per_token
         t += max(kv, attn)
-        kernels = t + self.offload_s + self.quantize_s + kv_tokens * self.block_s_per_token
+        blocks = kv_tokens * self.block_s_per_token
+        kernels = t + self.offload_s + self.quantize_s + blocks
         t += self.fixed_s + co.seq_overhead_s * num_seqs + co.token_overhead_s * num_tokens
-        t += kv_tokens * self.block_s_per_token
+        t += blocks
         if self.comm_s:
             t += self.comm_s + num_tokens * self.comm_s_per_token
             kernels += self.comm_s + num_tokens * self.comm_s_per_token
