@@ -317,16 +317,12 @@ def test_the_h100_reads_fp8_weights_with_the_quantize_cost_measured_there():
 def _h100_points(experiment: str):
     """reports/examples/h100's runs of ``experiment`` by point: the scenario as it ran (the model
     named by its shape, the host's folder being gone) and the measured runs."""
-    from pathlib import Path
+    from tests.support.examples import EXAMPLES, stored_scenario
 
-    store_path = Path(__file__).resolve().parents[1] / "reports/examples/h100/lab.db"
-    with Store(store_path) as store:
+    with Store(EXAMPLES / "h100" / "lab.db") as store:
         runs = store.runs(experiment)
     for point, group in runs.groupby("point_json", sort=False):
-        raw = json.loads(group["scenario_json"].iloc[0])
-        raw["serve"]["model"] = "meta-llama/Meta-Llama-3-8B-Instruct"
-        raw["workload"].pop("tokenizer", None)
-        yield json.loads(point), scenarios.Scenario.model_validate(raw), group
+        yield json.loads(point), stored_scenario(group["scenario_json"].iloc[0]), group
 
 
 def test_the_h100_passes_urgent_requests_under_priority_as_the_twin_does():

@@ -7,12 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_lab import scenarios
+from tests.support.examples import EXAMPLES, stored_scenario
 from vllm_lab.backends import PredictBackend
 from vllm_lab.hardware import Hardware
 from vllm_lab.store import Store
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "reports/examples"
 
 
 def _runs(example: str, experiment: str, arm: str = ""):
@@ -21,10 +19,7 @@ def _runs(example: str, experiment: str, arm: str = ""):
     with Store(EXAMPLES / example / "lab.db") as store:
         runs = store.runs(experiment)
     for _, run in runs[(runs["status"] == "ok") & runs["point_json"].str.contains(arm, regex=False)].iterrows():
-        raw = json.loads(run["scenario_json"])
-        raw["serve"]["model"] = "meta-llama/Meta-Llama-3-8B-Instruct"
-        raw["workload"].pop("tokenizer", None)
-        yield scenarios.Scenario.model_validate(raw), json.loads(run["summary_json"])
+        yield stored_scenario(run["scenario_json"]), json.loads(run["summary_json"])
 
 
 def _errors(runs, figure: str) -> np.ndarray:
