@@ -303,9 +303,10 @@ def test_autotune_learns_the_host_from_the_defaults_and_centres_the_picks_there(
     summary = autotune_command.run(scenario, space, OtherHost(),
                                    settings(tmp_path, trials=4, seed=3, top=1, step_s=10), said.append)
     assert summary["defaults_capacity"] > 1.1 * summary["predicted_defaults_capacity"]
-    # The slowest host that gives the defaults' capacity: between 0.6 and 0.8 the GPU, not the
-    # host, sets it (62.7, 62.7 and 60.1 req/s predicted at 0.6, 0.7 and 0.775, 42.5 at 1).
-    assert 0.55 <= summary["host_scale"] <= 0.85
+    # The slowest host that gives the defaults' capacity: below about 0.6 the GPU, not the host,
+    # sets it (67.6, 66.4, 66.4 and 65.4 req/s predicted at 0.45, 0.5, 0.55 and 0.6; 61.7 at 0.7,
+    # 42.5 at 1), so a staircase a level above the bisection reads a host as fast as 0.45.
+    assert 0.4 <= summary["host_scale"] <= 0.85
     pick = summary["candidates"][1]
     assert pick["centre"] == pick["host_predicted"] != pick["predicted"]
     assert abs(pick["host_predicted"] / (sum(pick["interval"]) / 2) - 1) <= 0.1

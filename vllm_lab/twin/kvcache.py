@@ -32,6 +32,10 @@ class KVCache:
         self.anon_used = 0
         self.refs: dict[int, int] = {}          # hash -> holders; every entry occupies a block
         self.lru: OrderedDict[int, None] = OrderedDict()   # cached blocks nobody holds
+        # Holds of a cached block beyond its first (a block three requests share counts two): the
+        # KV reads a step repeats of what another running request reads too (a shared system
+        # prompt), which the GPU's L2 cache serves (twin/steptime.py).
+        self.extra_holds = 0
 
     # -- accounting --------------------------------------------------------------------------
     @property
@@ -74,7 +78,9 @@ class KVCache:
         for h in reversed(hashed):
             left = self.refs[h] - 1
             self.refs[h] = left
-            if left == 0:
+            if left:
+                self.extra_holds -= 1
+            else:
                 self.lru[h] = None
 
     # -- prefix caching ----------------------------------------------------------------------
@@ -97,6 +103,8 @@ class KVCache:
             ref = self.refs[h]
             if ref == 0:
                 del self.lru[h]
+            else:
+                self.extra_holds += 1
             self.refs[h] = ref + 1
 
     def promote(self, h: int) -> bool:

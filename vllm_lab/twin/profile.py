@@ -51,6 +51,10 @@ class Coefficients(_Strict):
         "the time attention takes to read an fp8 KV cache, as a share of a 16-bit one's: 0.5 if "
         "halving the bytes halved the time; vLLM's fp8 kernels also quantize the query and "
         "scale what they read"))
+    shared_kv_hit_share: float = Field(default=0.8, ge=0, le=1, description=(
+        "share of a step's repeated KV reads that the GPU's L2 cache serves rather than its "
+        "memory: the blocks of a shared prompt prefix that several running requests hold, each "
+        "hold past the first, which one attention kernel reads at about the same time"))
     fp8_layer_overhead_s: float = Field(default=2.2e-5, ge=0, description=(
         "GPU time per layer per step that --quantization fp8 adds: the kernels that quantize each "
         "linear layer's input to fp8 with its per-token scales (four a layer), whatever the batch. "

@@ -62,6 +62,7 @@ class StepTimeModel:
         # An fp8 cache (one byte) is read in fp8_kv_read_share of a 16-bit cache's time, not half.
         kv_read_bytes = 2 * co.fp8_kv_read_share if kv_bytes == 1 else kv_bytes
         self.kv_s_per_token = 2 * layers * model.num_kv_heads * model.head_dim * kv_read_bytes / tp / bw
+        self.shared_hit = co.shared_kv_hit_share
         self.block_s_per_token = co.block_overhead_s * layers / block_size
         self.launch_s = co.eager_layer_overhead_s * layers
         self.compiled_launch_s = co.compiled_layer_launch_s * layers
@@ -86,16 +87,19 @@ class StepTimeModel:
         return min(1.0, num_tokens * self.gemm_s_per_token / kernel_s)
 
     def step_time(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
-                  kv_tokens: float, prefills: int = 0) -> float:
+                  kv_tokens: float, prefills: int = 0, shared_tokens: float = 0) -> float:
         """Seconds for a step of ``num_tokens`` tokens over ``num_seqs`` sequences.
 
         ``attn_pairs``: query-key pairs attention computes; ``kv_tokens``: KV tokens read or written;
-        ``prefills``: the prompt chunks among them (beside decodes, the step runs as a piecewise graph).
+        ``prefills``: the prompt chunks among them (beside decodes, the step runs as a piecewise graph);
+        ``shared_tokens``: of ``kv_tokens``, those read again by another sequence of the step (a
+        shared prompt prefix's blocks, each hold past the first), a share of which L2 serves.
         """
-        return self.step_parts(num_tokens, num_seqs, num_sampled, attn_pairs, kv_tokens, prefills)[0]
+        return self.step_parts(num_tokens, num_seqs, num_sampled, attn_pairs, kv_tokens, prefills,
+                               shared_tokens)[0]
 
     def step_parts(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
-                   kv_tokens: float, prefills: int = 0) -> tuple[float, float]:
+                   kv_tokens: float, prefills: int = 0, shared_tokens: float = 0) -> tuple[float, float]:
         """A step's seconds (``step_time``) and, of them, the seconds its kernels keep the GPU
         busy: the roofline terms. The rest (the engine's own work a step, a sequence and a token,
         and the launches no CUDA graph covers) is the host's, while the GPU waits."""
@@ -103,7 +107,7 @@ class StepTimeModel:
         gemm = num_tokens * self.gemm_s_per_token + num_sampled * self.lm_head_s_per_sample
         t = max(self.weights_s, gemm)
         attn = attn_pairs * self.attn_s_per_pair
-        kv = kv_tokens * self.kv_s_per_token
+        kv = self._kv_read(kv_tokens, shared_tokens) * self.kv_s_per_token
         t += max(kv, attn)
         blocks = kv_tokens * self.block_s_per_token
         kernels = t + self.offload_s + self.quantize_s + blocks
@@ -113,6 +117,11 @@ class StepTimeModel:
             t += self.comm_s + num_tokens * self.comm_s_per_token
             kernels += self.comm_s + num_tokens * self.comm_s_per_token
         return self._launched(t, num_tokens, mixed=0 < prefills < num_seqs), kernels
+
+    def _kv_read(self, kv_tokens, shared_tokens: float):
+        """KV tokens a step reads from memory: of the blocks several of its sequences hold (a shared
+        prompt prefix), the first read of each and the repeated reads L2 does not serve."""
+        return kv_tokens - self.shared_hit * shared_tokens
 
     def _launched(self, t, num_tokens: int, mixed: bool = False):
         """Step time ``t`` (seconds, scalar or array) with the kernel launches a graph would save.
@@ -130,12 +139,14 @@ class StepTimeModel:
             return t + self.mixed_launch_s
         return t
 
-    def decode_times(self, batch: int, ctx_sum: int, steps: int) -> np.ndarray:
+    def decode_times(self, batch: int, ctx_sum: int, steps: int, shared_tokens: float = 0) -> np.ndarray:
         """Times of ``steps`` pure-decode steps of ``batch`` sequences whose contexts sum to ``ctx_sum``
-        at the first step and grow by ``batch`` each step."""
-        return self.decode_parts(batch, ctx_sum, steps)[0]
+        at the first step and grow by ``batch`` each step, ``shared_tokens`` of them read again
+        (``step_parts``)."""
+        return self.decode_parts(batch, ctx_sum, steps, shared_tokens)[0]
 
-    def decode_parts(self, batch: int, ctx_sum: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    def decode_parts(self, batch: int, ctx_sum: int, steps: int,
+                     shared_tokens: float = 0) -> tuple[np.ndarray, np.ndarray]:
         """``decode_times`` and, of each, the seconds its kernels keep the GPU busy (``step_parts``)."""
         co = self.co
         ctx = ctx_sum + batch * np.arange(steps, dtype=np.float64)
@@ -146,6 +157,7 @@ class StepTimeModel:
         if self.comm_s:
             fixed += self.comm_s + batch * self.comm_s_per_token
             linear += self.comm_s + batch * self.comm_s_per_token
-        t = np.maximum(ctx * self.attn_s_per_pair, ctx * self.kv_s_per_token)
+        t = np.maximum(ctx * self.attn_s_per_pair,
+                       self._kv_read(ctx, shared_tokens) * self.kv_s_per_token)
         t += ctx * self.block_s_per_token
         return self._launched(t + fixed, batch), t + linear
