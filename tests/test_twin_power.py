@@ -1,33 +1,27 @@
 """The twin's power model against the GPUs' energy counters of the committed real-vLLM runs: the
 runs its figures were not fitted to (twin/power.py says which were), predicted again today."""
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from tests.support.examples import EXAMPLES, stored_scenario
-from vllm_lab.backends import PredictBackend
+from tests.support.examples import EXAMPLES, ok_runs, predicted
 from vllm_lab.hardware import Hardware
 from vllm_lab.store import Store
 
 
 def _runs(example: str, experiment: str, arm: str = ""):
-    """(scenario, measured summary) of each ok run of ``experiment`` in an example's store whose
-    point names ``arm``; the model named by its shape, the host's folder being gone."""
-    with Store(EXAMPLES / example / "lab.db") as store:
-        runs = store.runs(experiment)
-    for _, run in runs[(runs["status"] == "ok") & runs["point_json"].str.contains(arm, regex=False)].iterrows():
-        yield stored_scenario(run["scenario_json"]), json.loads(run["summary_json"])
+    """Each ok run of ``experiment`` in an example's store whose point names ``arm``."""
+    runs = ok_runs(example, experiment)
+    for _, run in runs[runs["point_json"].str.contains(arm, regex=False)].iterrows():
+        yield run
 
 
 def _errors(runs, figure: str) -> np.ndarray:
     out = []
-    for scenario, measured in runs:
-        predicted = PredictBackend().measure(scenario, None, Path(".")).summary
-        assert predicted["energy_source"] == "the twin's power model"
-        out.append(predicted[figure] / measured[figure] - 1)
+    for run in runs:
+        twin, measured = predicted(run), run["summary"]
+        assert twin["energy_source"] == "the twin's power model"
+        out.append(twin[figure] / measured[figure] - 1)
     return np.array(out)
 
 

@@ -114,24 +114,16 @@ def test_the_h100_decodes_behind_shared_prompts_as_measured():
     repeated reads); behind 64, with every prompt in the cache but none shared, 11.9 ms, read 11%
     high (the long contexts' own reads, not the sharing). And the request trace behind three
     system prompts (h100-trace-stairs), at 12 and 30 req/s: TPOT p50 within 5% (+10% and +56%)."""
-    from tests.support.examples import EXAMPLES, stored_scenario
-    from vllm_lab.backends import PredictBackend
-    from vllm_lab.store import Store
+    from tests.support.examples import ok_runs, predicted
 
-    with Store(EXAMPLES / "h100" / "lab.db") as store:
-        runs = pd.concat([store.runs("h100-prefix-long"), store.runs("h100-trace-stairs")])
-    errors = {}
-    for _, run in runs[runs["status"] == "ok"].iterrows():
-        p = PredictBackend().measure(stored_scenario(run["scenario_json"]), None, Path(".")).summary
-        point = (run["experiment_id"], json.loads(run["point_json"]))
-        errors.setdefault(str(point), []).append(p["tpot_p50"] / run["tpot_p50"] - 1)
-    shared = [e for k, v in errors.items() if "prefix_groups': 1}" in k or "prefix_groups': 3}" in k for e in v]
-    assert len(shared) == 4 and max(map(abs, shared)) <= 0.03, errors
-    unshared = errors[str(("h100-prefix-long", {"workload.prefix_groups": 64}))]
-    assert all(0.05 < e < 0.15 for e in unshared), errors
-    trace = errors[str(("h100-trace-stairs", {"load.shape.level": 12.0}))] + \
-        errors[str(("h100-trace-stairs", {"load.shape.level": 30.0}))]
-    assert max(map(abs, trace)) <= 0.05, errors
+    runs = ok_runs("h100", "h100-prefix-long", "h100-trace-stairs")
+    error = pd.Series([predicted(run)["tpot_p50"] / run["tpot_p50"] - 1 for _, run in runs.iterrows()],
+                      index=runs["point"].map(lambda point: next(iter(point.values()))))
+    shared = error[[1, 3]]
+    assert len(shared) == 4 and shared.abs().max() <= 0.03, error
+    assert error[[64]].between(0.05, 0.15).all(), error
+    trace = error[[12.0, 30.0]]
+    assert len(trace) == 2 and trace.abs().max() <= 0.05, error
 
 
 def test_fidelity_on_reference_files():

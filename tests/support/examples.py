@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
+
 from vllm_lab.scenarios import Scenario
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "reports/examples"
@@ -18,3 +20,19 @@ def stored_scenario(scenario_json: str) -> Scenario:
     raw["serve"]["model"] = "meta-llama/Meta-Llama-3-8B-Instruct"
     raw["workload"].pop("tokenizer", None)
     return Scenario.model_validate(raw)
+
+
+def ok_runs(example: str, *experiments: str) -> pd.DataFrame:
+    """The ok runs of ``experiments`` in an example's store."""
+    from vllm_lab.store import Store
+
+    with Store(EXAMPLES / example / "lab.db") as store:
+        runs = pd.concat([store.runs(e) for e in experiments], ignore_index=True)
+    return runs[runs["status"] == "ok"]
+
+
+def predicted(run) -> dict:
+    """The predictor's summary of a stored run's scenario, as it ran (``stored_scenario``)."""
+    from vllm_lab.backends import PredictBackend
+
+    return PredictBackend().measure(stored_scenario(run["scenario_json"]), None, Path(".")).summary

@@ -470,7 +470,7 @@ class Engine:
             if c + q == r.num_tokens:
                 sampled += 1
         return (*self.stm.step_parts(tokens, B + len(chunks), sampled, pairs, kv_tokens, len(chunks),
-                                     self.kv.extra_holds * self.block_size), tokens, sampled)
+                                     self.kv.shared_tokens), tokens, sampled)
 
     def _run_step(self, now: float, collect: bool):
         chunks, paused, preempted = self._schedule(now)
@@ -578,7 +578,7 @@ class Engine:
                 (self.kv.num_free // B) * bs)
         if k < 2:
             return None
-        times, kernels = self.stm.decode_parts(B, self.S, k, self.kv.extra_holds * bs)
+        times, kernels = self.stm.decode_parts(B, self.S, k, self.kv.shared_tokens)
         if horizon < math.inf:
             cum = np.cumsum(times)
             k = min(k, int(np.searchsorted(cum, horizon - now)) + 1)

@@ -49,6 +49,11 @@ class KVCache:
         return self.num_free_uncached + len(self.lru)
 
     @property
+    def shared_tokens(self) -> int:
+        """KV tokens a step reads again of blocks another running request holds too."""
+        return self.extra_holds * self.block_size
+
+    @property
     def num_used(self) -> int:
         """Blocks held by requests."""
         return self.anon_used + len(self.refs) - len(self.lru)

@@ -87,22 +87,21 @@ class StepTimeModel:
         return min(1.0, num_tokens * self.gemm_s_per_token / kernel_s)
 
     def step_time(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
-                  kv_tokens: float, prefills: int = 0, shared_tokens: float = 0) -> float:
+                  kv_tokens: float, prefills: int = 0) -> float:
         """Seconds for a step of ``num_tokens`` tokens over ``num_seqs`` sequences.
 
         ``attn_pairs``: query-key pairs attention computes; ``kv_tokens``: KV tokens read or written;
-        ``prefills``: the prompt chunks among them (beside decodes, the step runs as a piecewise graph);
-        ``shared_tokens``: of ``kv_tokens``, those read again by another sequence of the step (a
-        shared prompt prefix's blocks, each hold past the first), a share of which L2 serves.
+        ``prefills``: the prompt chunks among them (beside decodes, the step runs as a piecewise graph).
         """
-        return self.step_parts(num_tokens, num_seqs, num_sampled, attn_pairs, kv_tokens, prefills,
-                               shared_tokens)[0]
+        return self.step_parts(num_tokens, num_seqs, num_sampled, attn_pairs, kv_tokens, prefills)[0]
 
     def step_parts(self, num_tokens: int, num_seqs: int, num_sampled: int, attn_pairs: float,
                    kv_tokens: float, prefills: int = 0, shared_tokens: float = 0) -> tuple[float, float]:
         """A step's seconds (``step_time``) and, of them, the seconds its kernels keep the GPU
         busy: the roofline terms. The rest (the engine's own work a step, a sequence and a token,
-        and the launches no CUDA graph covers) is the host's, while the GPU waits."""
+        and the launches no CUDA graph covers) is the host's, while the GPU waits.
+        ``shared_tokens``: of ``kv_tokens``, those read again by another sequence of the step (a
+        shared prompt prefix's blocks, each hold past the first), a share of which L2 serves."""
         co = self.co
         gemm = num_tokens * self.gemm_s_per_token + num_sampled * self.lm_head_s_per_sample
         t = max(self.weights_s, gemm)
@@ -139,15 +138,15 @@ class StepTimeModel:
             return t + self.mixed_launch_s
         return t
 
-    def decode_times(self, batch: int, ctx_sum: int, steps: int, shared_tokens: float = 0) -> np.ndarray:
+    def decode_times(self, batch: int, ctx_sum: int, steps: int) -> np.ndarray:
         """Times of ``steps`` pure-decode steps of ``batch`` sequences whose contexts sum to ``ctx_sum``
-        at the first step and grow by ``batch`` each step, ``shared_tokens`` of them read again
-        (``step_parts``)."""
-        return self.decode_parts(batch, ctx_sum, steps, shared_tokens)[0]
+        at the first step and grow by ``batch`` each step."""
+        return self.decode_parts(batch, ctx_sum, steps)[0]
 
     def decode_parts(self, batch: int, ctx_sum: int, steps: int,
                      shared_tokens: float = 0) -> tuple[np.ndarray, np.ndarray]:
-        """``decode_times`` and, of each, the seconds its kernels keep the GPU busy (``step_parts``)."""
+        """``decode_times`` and, of each, the seconds its kernels keep the GPU busy, with
+        ``shared_tokens`` of the contexts read again (``step_parts``)."""
         co = self.co
         ctx = ctx_sum + batch * np.arange(steps, dtype=np.float64)
         linear = max(batch * (self.gemm_s_per_token + self.lm_head_s_per_sample), self.weights_s)
