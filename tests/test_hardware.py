@@ -1,5 +1,7 @@
 """The one hardware schema: a preset, a profile's GPU, and the bridge to a twin server."""
 
+import pytest
+
 from vllm_lab import scenarios
 from vllm_lab.hardware import ENV_VAR, Hardware
 from vllm_lab.twin.profile import Profile, load_profile, on_hardware
@@ -40,3 +42,21 @@ def test_on_hardware_takes_the_preset_and_keeps_what_it_leaves_out():
     assert hw.tflops("fp8") is None and hw.fp8_compute is False
     h100 = on_hardware(profile, scenarios.resolve("default", "h100-80g").hardware).hardware
     assert h100.tflops("fp8") == 1979.0 / 989.0 * h100.tflops_bf16
+
+
+def test_a_profile_with_the_retired_l2_share_still_loads_and_reads_l2_by_its_bandwidth():
+    """``shared_kv_hit_share`` (profiles of 2026-12-05 to -07) is now the GPU's L2 bandwidth: a
+    profile that names it loads, and a GPU whose L2 no preset gives takes 2.5x its HBM's."""
+    from vllm_lab.models import load_model_shape
+    from vllm_lab.twin.steptime import L2_OVER_HBM, StepTimeModel
+
+    data = load_profile("h100-llama-3-8b").model_dump(mode="json")
+    data["coefficients"]["shared_kv_hit_share"] = 0.8
+    profile = Profile.model_validate(data)
+    assert profile.hardware.l2_bandwidth_gbs == 8500.0
+    model = load_model_shape("llama-3-8b")
+    a100 = on_hardware(profile, scenarios.resolve("default", "a100-80g").hardware)
+    assert a100.hardware.l2_bandwidth_gbs is None
+    stm = StepTimeModel(a100, model, 2, 2)
+    assert stm.kv_l2_s_per_token == pytest.approx(stm.kv_s_per_token * a100.coefficients.bandwidth_efficiency
+                                                  / L2_OVER_HBM)

@@ -80,9 +80,9 @@ def test_shared_prefixes_hit_the_cache():
 
 def test_a_shared_prompts_repeated_reads_come_from_l2_not_memory():
     """Every running request holds the system prompt's blocks (the prefix cache's holds past the
-    first), and a decode step reads them once from memory and the rest of the time from L2
-    (``shared_kv_hit_share``): the same traffic decodes faster behind one system prompt than
-    behind one each, though both prompts are in the cache."""
+    first), and a decode step reads them once from memory and the rest of the time from L2, at
+    L2's bandwidth (``Hardware.l2_bandwidth_gbs``): the same traffic decodes faster behind one
+    system prompt than behind one each, though both prompts are in the cache."""
     from vllm_lab.twin.kvcache import KVCache
 
     kv = KVCache(num_blocks=100, block_size=16)
@@ -108,22 +108,27 @@ def test_a_shared_prompts_repeated_reads_come_from_l2_not_memory():
 
 
 def test_the_h100_decodes_behind_shared_prompts_as_measured():
-    """`reports/examples/h100`, h100-prefix-long: 64 users of 1,664-token prompts (1,597 of them a
-    system prompt) and 512-token replies on one H100. Behind one system prompt or three, vLLM
-    decoded at 9.6-9.7 ms a token, read within 3% (the twin read 13.2 ms before L2 served the
-    repeated reads); behind 64, with every prompt in the cache but none shared, 11.9 ms, read 11%
-    high (the long contexts' own reads, not the sharing). And the request trace behind three
-    system prompts (h100-trace-stairs), at 12 and 30 req/s: TPOT p50 within 5% (+10% and +56%)."""
+    """`reports/examples/h100`: 1,664-token prompts (1,597 of them a system prompt) and 512-token
+    replies on one H100, 64 users (h100-prefix-long) and 128 (h100-prefix-long-128b, whose runs
+    behind 128 prompts filled for 60% of their time: unsteady, read over their steady windows).
+    Behind one system prompt or three vLLM decoded at 9.6-9.7 ms a token at 64 users and 13.4 ms
+    at 128, read within 5% with the repeated reads at L2's bandwidth (taking 80% of their time
+    off read 128 users 8% fast). Behind one prompt each, every prompt in the cache but none
+    shared, 11.9 and 18.3 ms, read 9-13% slow: the long contexts' offset, left open. And the
+    request trace behind three system prompts (h100-trace-stairs), at 12 and 30 req/s: TPOT p50
+    within 6% (+10% and +56% before L2)."""
     from tests.support.examples import ok_runs, predicted
 
-    runs = ok_runs("h100", "h100-prefix-long", "h100-trace-stairs")
+    runs = ok_runs("h100", "h100-prefix-long", "h100-prefix-long-128b", "h100-trace-stairs",
+                   statuses=("ok", "unsteady"))
     error = pd.Series([predicted(run)["tpot_p50"] / run["tpot_p50"] - 1 for _, run in runs.iterrows()],
                       index=runs["point"].map(lambda point: next(iter(point.values()))))
     shared = error[[1, 3]]
-    assert len(shared) == 4 and shared.abs().max() <= 0.03, error
-    assert error[[64]].between(0.05, 0.15).all(), error
+    assert len(shared) == 6 and shared.abs().max() <= 0.05, error
+    private = error[[64, 128]]
+    assert len(private) == 4 and private.between(0.09, 0.13).all(), error
     trace = error[[12.0, 30.0]]
-    assert len(trace) == 2 and trace.abs().max() <= 0.05, error
+    assert len(trace) == 2 and trace.abs().max() <= 0.06, error
 
 
 def test_fidelity_on_reference_files():
@@ -401,8 +406,10 @@ POOLED_BOUNDS = {
     "open": {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.14, 0.70),
              "p50_tpot_ms": (0.10, 0.50), "p99_ttft_ms": (0.20, None)},
     # Chat's TTFT p50 read 22.9% (worst 120%) before L2 served a shared prompt's repeated reads:
-    # the faster engine moves the twin's API-server cliff on -02c (44-52 req/s) further off.
-    "chat": {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.24, 1.40),
+    # the faster engine moves the twin's API-server cliff on -02c (44-52 req/s) further off. With
+    # L2 serving them at its bandwidth (52% of their HBM time saved on an H200, not 80%) the
+    # median run (-02c's 48 req/s at four API servers) reads 25.6% (23.7%), TPOT p50 7.0% (7.3%).
+    "chat": {"output_throughput": (0.10, 0.25), "p50_ttft_ms": (0.26, 1.40),
              "p50_tpot_ms": (0.10, 0.42), "p99_ttft_ms": (0.16, None)},
 }
 

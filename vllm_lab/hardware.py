@@ -38,6 +38,10 @@ class Hardware(BaseModel):
         "CPU-to-GPU bandwidth one GPU reads host memory at, GB/s (None: the twin's PCIe 5.0 x16 "
         "figure): --kv-offloading-size loads KV blocks over it, and --cpu-offload-gb (on vLLM's V1 "
         "model runner) streams the offloaded weights over it every step."))
+    l2_bandwidth_gbs: float | None = Field(None, gt=0, description=(
+        "Bytes a second the GPU's L2 cache serves reads at, GB/s (None: the twin takes 2.5x the HBM "
+        "bandwidth, as an H100 read): a KV block several running requests share (a common prompt "
+        "prefix) is read from memory once a step and from L2 by the others."))
     interconnect_gbs: float = Field(0, ge=0, description="GPU-to-GPU bandwidth per direction, GB/s; 0: unknown.")
     interconnect_latency_us: float | None = Field(None, ge=0, description="Latency of one all-reduce.")
     twin_profile: str | None = Field(None, description="Twin profile (vllm_lab/twin/profiles/) for this GPU.")

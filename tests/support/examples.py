@@ -22,13 +22,13 @@ def stored_scenario(scenario_json: str) -> Scenario:
     return Scenario.model_validate(raw)
 
 
-def ok_runs(example: str, *experiments: str) -> pd.DataFrame:
-    """The ok runs of ``experiments`` in an example's store."""
+def ok_runs(example: str, *experiments: str, statuses: tuple[str, ...] = ("ok",)) -> pd.DataFrame:
+    """The ok runs of ``experiments`` in an example's store (or those of ``statuses``)."""
     from vllm_lab.store import Store
 
     with Store(EXAMPLES / example / "lab.db") as store:
         runs = pd.concat([store.runs(e) for e in experiments], ignore_index=True)
-    return runs[runs["status"] == "ok"]
+    return runs[runs["status"].isin(statuses)]
 
 
 def predicted(run) -> dict:

@@ -7,9 +7,10 @@ coefficients say how far the real engine falls short of the roofline and what it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vllm_lab.hardware import Hardware
 from vllm_lab.inputs import load_yaml, read_text
@@ -51,10 +52,6 @@ class Coefficients(_Strict):
         "the time attention takes to read an fp8 KV cache, as a share of a 16-bit one's: 0.5 if "
         "halving the bytes halved the time; vLLM's fp8 kernels also quantize the query and "
         "scale what they read"))
-    shared_kv_hit_share: float = Field(default=0.8, ge=0, le=1, description=(
-        "share of a step's repeated KV reads that the GPU's L2 cache serves rather than its "
-        "memory: the blocks of a shared prompt prefix that several running requests hold, each "
-        "hold past the first, which one attention kernel reads at about the same time"))
     fp8_layer_overhead_s: float = Field(default=2.2e-5, ge=0, description=(
         "GPU time per layer per step that --quantization fp8 adds: the kernels that quantize each "
         "linear layer's input to fp8 with its per-token scales (four a layer), whatever the batch. "
@@ -81,6 +78,15 @@ class Coefficients(_Strict):
     cuda_graph_memory_gib: float = Field(ge=0, description="memory CUDA graphs take (none with enforce-eager)")
     non_torch_memory_gib: float = Field(ge=0, description="NCCL, CUDA context and other memory outside torch")
     cuda_graph_max_tokens: int = Field(default=512, ge=0, description="largest batch (tokens) run as a CUDA graph")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        # shared_kv_hit_share (profiles of 2026-12-05 to -07) is now the GPU's L2 bandwidth
+        # (Hardware.l2_bandwidth_gbs): a profile that carries it still loads.
+        if isinstance(data, dict) and "shared_kv_hit_share" in data:
+            data = {k: v for k, v in data.items() if k != "shared_kv_hit_share"}
+        return data
 
 
 class Provenance(_Strict):
@@ -115,7 +121,7 @@ class Profile(_Strict):
 
     def to_yaml(self) -> str:
         """The profile as the YAML text ``load_profile`` reads."""
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=100)
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100)
 
 
 # A GPU's measured powers (twin/power.py): they hold for that GPU only.
@@ -150,6 +156,7 @@ def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
         **{key: getattr(hardware, key) if getattr(hardware, key) is not None else (
             getattr(own, key) if same else None) for key in POWER_KEYS},
         "interconnect_gbs": hardware.interconnect_gbs or own.interconnect_gbs,
+        "l2_bandwidth_gbs": hardware.l2_bandwidth_gbs or (own.l2_bandwidth_gbs if same else None),
         "interconnect_latency_us": (own.interconnect_latency_us if hardware.interconnect_latency_us is None
                                     else hardware.interconnect_latency_us)})
     return profile.model_copy(update={"hardware": hw})

@@ -25,6 +25,9 @@ import numpy as np
 from vllm_lab.twin.profile import HOST_LINK_GBS, Profile
 
 DTYPE_PEAK_KEY = {4: "fp32", 2: "bf16", 1: "fp8"}
+# L2's read bandwidth over HBM's where a GPU's is not known: 8,500 GB/s reads an H100's (3.35 TB/s)
+# shared-prompt runs at 64 and 128 users (reports/examples/h100, "A fourteenth host").
+L2_OVER_HBM = 2.5
 
 
 def chunk_pairs(tokens: int, cached: int) -> float:
@@ -61,8 +64,12 @@ class StepTimeModel:
                                 / (peak * 1e12 * co.attention_efficiency))
         # An fp8 cache (one byte) is read in fp8_kv_read_share of a 16-bit cache's time, not half.
         kv_read_bytes = 2 * co.fp8_kv_read_share if kv_bytes == 1 else kv_bytes
-        self.kv_s_per_token = 2 * layers * model.num_kv_heads * model.head_dim * kv_read_bytes / tp / bw
-        self.shared_hit = co.shared_kv_hit_share
+        kv_token_bytes = 2 * layers * model.num_kv_heads * model.head_dim * kv_read_bytes / tp
+        self.kv_s_per_token = kv_token_bytes / bw
+        # A shared prompt's blocks are read from memory by the first request of a step that holds
+        # them and, still in L2 (a layer's share of a long prompt is a few MB), by the others.
+        l2_bw = (hw.l2_bandwidth_gbs or L2_OVER_HBM * hw.bandwidth_gbs) * 1e9
+        self.kv_l2_s_per_token = min(self.kv_s_per_token, kv_token_bytes / l2_bw)
         self.block_s_per_token = co.block_overhead_s * layers / block_size
         self.launch_s = co.eager_layer_overhead_s * layers
         self.compiled_launch_s = co.compiled_layer_launch_s * layers
@@ -101,12 +108,12 @@ class StepTimeModel:
         busy: the roofline terms. The rest (the engine's own work a step, a sequence and a token,
         and the launches no CUDA graph covers) is the host's, while the GPU waits.
         ``shared_tokens``: of ``kv_tokens``, those read again by another sequence of the step (a
-        shared prompt prefix's blocks, each hold past the first), a share of which L2 serves."""
+        shared prompt prefix's blocks, each hold past the first), which L2 serves."""
         co = self.co
         gemm = num_tokens * self.gemm_s_per_token + num_sampled * self.lm_head_s_per_sample
         t = max(self.weights_s, gemm)
         attn = attn_pairs * self.attn_s_per_pair
-        kv = self._kv_read(kv_tokens, shared_tokens) * self.kv_s_per_token
+        kv = self._kv_read(kv_tokens, shared_tokens)
         t += max(kv, attn)
         blocks = kv_tokens * self.block_s_per_token
         kernels = t + self.offload_s + self.quantize_s + blocks
@@ -118,9 +125,10 @@ class StepTimeModel:
         return self._launched(t, num_tokens, mixed=0 < prefills < num_seqs), kernels
 
     def _kv_read(self, kv_tokens, shared_tokens: float):
-        """KV tokens a step reads from memory: of the blocks several of its sequences hold (a shared
-        prompt prefix), the first read of each and the repeated reads L2 does not serve."""
-        return kv_tokens - self.shared_hit * shared_tokens
+        """Seconds a step reads ``kv_tokens`` of KV cache in: from memory, but for the repeated
+        reads of the blocks several of its sequences hold (``shared_tokens``), which L2 serves."""
+        return ((kv_tokens - shared_tokens) * self.kv_s_per_token
+                + shared_tokens * self.kv_l2_s_per_token)
 
     def _launched(self, t, num_tokens: int, mixed: bool = False):
         """Step time ``t`` (seconds, scalar or array) with the kernel launches a graph would save.
@@ -157,6 +165,6 @@ class StepTimeModel:
             fixed += self.comm_s + batch * self.comm_s_per_token
             linear += self.comm_s + batch * self.comm_s_per_token
         t = np.maximum(ctx * self.attn_s_per_pair,
-                       self._kv_read(ctx, shared_tokens) * self.kv_s_per_token)
+                       self._kv_read(ctx, shared_tokens))
         t += ctx * self.block_s_per_token
         return self._launched(t + fixed, batch), t + linear
