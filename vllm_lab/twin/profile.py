@@ -121,7 +121,7 @@ class Profile(_Strict):
 
     def to_yaml(self) -> str:
         """The profile as the YAML text ``load_profile`` reads."""
-        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100)
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=100)
 
 
 # A GPU's measured powers (twin/power.py): they hold for that GPU only.
