@@ -69,6 +69,11 @@ def test_default_hardware_is_h200(folder):
     ("serve: {model: m}\nworkload: {}\nlod: {}", "unknown key lod (did you mean load?)"),
     ("serve: {}\nworkload: {}\nload: {}", "serve.model is required"),
     ("serve: {model: m}\nload: {}", "key workload is required"),
+    # A NUL byte names no file: the operating system refuses such a path before looking.
+    ('hardware_preset: "h\\0"\nserve: {model: m}\nworkload: {}\nload: {}',
+     "key hardware_preset must be a preset name"),
+    ('serve: {model: m}\nworkload: {source: sharegpt-file, path: "a\\0b"}\nload: {}',
+     "key workload.path: Value error, a file path cannot hold a NUL byte"),
 ])
 def test_bad_scenarios_get_one_sentence_naming_file_and_key(folder, text, expected):
     write(folder, "bad.yaml", text)

@@ -268,7 +268,8 @@ def load_layers(scenario: str | Path = "default", hardware: str | Path | None = 
     spath = scenario_path(scenario, folder)
     sdata = read_yaml(spath)
     preset = sdata.pop("hardware_preset", None)
-    if preset is not None and not isinstance(preset, str):
+    # A name with a NUL byte names no file: the operating system refuses the path itself.
+    if preset is not None and (not isinstance(preset, str) or "\x00" in preset):
         raise ScenarioError(f"{_display(spath)}: key hardware_preset must be a preset name, "
                             f"e.g. h200 (got {shown(preset)})")
     hw_name = hardware or preset or DEFAULT_HARDWARE

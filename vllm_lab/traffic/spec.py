@@ -9,7 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # Bounds past any real load: a typo (1e15 users, a run of 1e300 s) is refused, not attempted.
 MAX_LEVEL = 1_000_000
@@ -108,6 +115,14 @@ class Workload(_Strict):
         if self.priorities is None:
             data.pop("priorities", None)
         return data
+
+    @field_validator("path", "tokenizer", mode="before")
+    @classmethod
+    def _no_nul(cls, value):
+        # The operating system refuses such a path outright (a ValueError, not a missing file).
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("a file path cannot hold a NUL byte")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
