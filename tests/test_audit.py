@@ -53,6 +53,22 @@ def test_the_api_server_process_cpu_is_its_counter_over_the_span():
     assert plain.api_cpu is None and "server_api_cpu" not in plain.as_summary()
 
 
+def test_the_engines_step_is_the_span_over_its_steps():
+    """vLLM observes each step's tokens (iteration_tokens_total): 600 steps of 45,000 tokens over
+    9 s are a 15-ms step of 75 tokens. A server without the histogram gives no figure."""
+    labels = json.dumps({"engine": "0", "model_name": "m"})
+
+    def steps(ts: float, count: float, tokens: float) -> list:
+        return [(ts, audit.STEPS + "_count", labels, count), (ts, audit.STEPS + "_sum", labels, tokens)]
+
+    before = _scrape(0.0, 10, 1.0, 10.0, 5.0, {float("inf"): 10}) + steps(0.0, 100, 5000)
+    after = _scrape(9.0, 30, 5.0, 40.0, 25.0, {float("inf"): 30}) + steps(9.0, 700, 50_000)
+    summary = audit.server_view(frame(before + after)).as_summary()
+    assert summary["server_step_s"] == pytest.approx(0.015) and summary["server_step_tokens"] == 75
+    plain = audit.server_view(frame(before[:-2] + after[:-2])).as_summary()
+    assert "server_step_s" not in plain and "server_step_tokens" not in plain
+
+
 def test_histogram_quantile_interpolates_inside_the_bucket():
     upper, cum = np.array([1.0, 2.0, np.inf]), np.array([0.0, 10.0, 10.0])
     assert audit.histogram_quantile(0.5, upper, cum) == pytest.approx(1.5)
@@ -91,5 +107,6 @@ def test_the_lab_client_agrees_with_the_twin_server(tmp_path: Path):
     check = audit.audit(r.samples, view)
     assert view.requests == 24 and check.tokens_diff == 0
     assert view.api_cpu is not None  # the modelled API server's busy time, as vLLM exports its CPU
+    assert view.steps > 0 and view.step_tokens >= view.steps  # the twin's steps, as vLLM counts them
     assert not check.client_limited, check.reason
     assert abs(check.span_diff) < audit.SPAN_TOLERANCE

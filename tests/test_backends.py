@@ -185,6 +185,8 @@ def test_predict_backend_predicts_a_closed_loop_run():
     assert set(m.samples["status"]) == {"ok"} and (m.samples["ttft_s"] > 0).all()
     assert (m.samples["e2e_s"] >= m.samples["ttft_s"]).all()
     assert m.summary["output_throughput"] > 0 and 0 <= m.summary["kv_usage_max"] <= 1
+    # The engine's steps, read as vLLM's /metrics give a measured run's (audit.ServerView).
+    assert m.summary["server_step_s"] > 0 and m.summary["server_step_tokens"] >= 1
     assert m.ended >= m.started
     # The same scenario (and seed) predicts the same run.
     again = PredictBackend().measure(s, None, Path("unused"))

@@ -38,6 +38,10 @@ COUNTERS = {
     "generation_tokens": "vllm:generation_tokens_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
 }
+# The engine's steps: one observation a step, of the tokens it carried (its count the steps run,
+# its sum their tokens). Over the run's span they give the engine's pace beside the client's TPOT:
+# what a token waits past the engine's step is the API server's.
+STEPS = "vllm:iteration_tokens_total"
 # The CPU seconds of the process that serves /metrics, all its threads: with one API-server
 # process (vLLM's default) that is the API server, whose single event loop admits every request
 # and streams every token. Near one core it is the limit, and --api-server-count the flag for it.
@@ -65,6 +69,8 @@ class ServerView:
     percentiles: dict[str, float]  # "ttft_p50": seconds, bucket-interpolated (indicative)
     span_s: float                  # seconds between the two scrapes
     api_cpu: float | None = None   # cores the API-server process used between them (PROCESS_CPU)
+    steps: float = 0.0             # engine steps between them (STEPS), and the tokens they carried
+    step_tokens: float = 0.0
 
     @property
     def frontend_lag_s(self) -> float | None:
@@ -83,6 +89,9 @@ class ServerView:
             out["server_frontend_lag_mean"] = self.frontend_lag_s
         if self.api_cpu is not None:
             out["server_api_cpu"] = self.api_cpu
+        if self.steps > 0:  # the span's seconds a step: the mean step where the engine never idled
+            out["server_step_s"] = self.span_s / self.steps
+            out["server_step_tokens"] = self.step_tokens / self.steps
         out.update({f"server_{k}_mean": v for k, v in self.means.items()})
         out.update({f"server_{k}": v for k, v in self.percentiles.items()})
         return out
@@ -155,7 +164,8 @@ def server_view(metrics: pd.DataFrame | None) -> ServerView | None:
     return ServerView(requests=delta(COUNTERS["requests"]),
                       generation_tokens=delta(COUNTERS["generation_tokens"]),
                       prompt_tokens=delta(COUNTERS["prompt_tokens"]),
-                      means=means, percentiles=pct, span_s=t1 - t0, api_cpu=api_cpu)
+                      means=means, percentiles=pct, span_s=t1 - t0, api_cpu=api_cpu,
+                      steps=delta(STEPS + "_count"), step_tokens=delta(STEPS + "_sum"))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from vllm_lab import audit, serving, shutdown
 from vllm_lab.failures import request_failures
 from vllm_lab.prediction import (
     energy_series,
+    engine_steps,
     modelled_energy,
     predicted_arrivals,
     predicted_requests,
@@ -579,7 +580,7 @@ class PredictBackend:
                        preemptions=float(prediction.num_preemptions),
                        gpu_util_mean=prediction.gpu_utilization * 100,
                        kv_cache_tokens=prediction.kv_cache_tokens,
-                       server_api_cpu=prediction.api_server_cpu)
+                       server_api_cpu=prediction.api_server_cpu, **engine_steps(prediction))
         summary.update(modelled_energy(prediction, summary))
         unsteady = unsteady_reason(summary, scenario.load)
         return Measurement(status=RunStatus.UNSTEADY if unsteady else RunStatus.OK, started=started,

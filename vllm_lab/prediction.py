@@ -59,6 +59,17 @@ def modelled_energy(p, summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def engine_steps(p) -> dict[str, float]:
+    """The predicted engine's steps as a measured run's are read (``audit.ServerView``): the run's
+    span, first send to last reply, over the steps run, and the tokens a step carried."""
+    if p.step_tokens is None or not len(p.step_tokens) or p.requests is None or p.requests.empty:
+        return {}
+    tokens, steps = p.step_tokens[:, 0], p.step_tokens[:, 1]
+    span = float(p.requests["finish_s"].max() - p.requests["send_s"].min())
+    count = float(steps.sum())
+    return {"server_step_s": span / count, "server_step_tokens": float((tokens * steps).sum()) / count}
+
+
 def chat_template_tokens(scenario: Scenario) -> int:
     """The tokens the served model's chat template puts around one user message, and around the
     system message the live workload sends its shared prefix in (``twin.prompts.template_tokens``)."""

@@ -111,6 +111,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("server_tpot_mean", "s", "TPOT mean by vLLM's /metrics", LOWER),
     Metric("server_frontend_lag_mean", "s", "client minus server E2E (mean)", LOWER),
     Metric("server_api_cpu", "cores", "vLLM's API-server process CPU", NEITHER),
+    # vLLM's engine steps over the run's span (audit.STEPS): where the engine never idled, its
+    # mean step; a TPOT well past it is the API server's.
+    Metric("server_step_s", "s", "engine step by vLLM's /metrics (span / steps)", NEITHER),
+    Metric("server_step_tokens", "tokens", "tokens a step by vLLM's /metrics", NEITHER),
     Metric("audit_span_diff", "share", "client against server span", NEITHER),
     # The steady window and how sure its throughput is.
     Metric("warmup_s", "s", "start of the steady window after the first send", NEITHER),

@@ -51,8 +51,9 @@ METRICS = select("output_throughput", "request_throughput", "goodput", "slo_atta
 SPREAD = select("output_throughput", "goodput", "ttft_p50", "tpot_p50", "output_tokens_per_joule")
 # The client beside the server: what vLLM's own /metrics said of the same runs (vllm_lab.audit),
 # and how many Locust processes sent the load. Means over every run of a point, limited ones too.
-AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_frontend_lag_mean",
-               "audit_span_diff", "server_api_cpu", "ttft_p50_api_limit")
+AUDIT = select("loadgen_processes", "server_ttft_mean", "server_tpot_mean", "server_step_s",
+               "server_step_tokens", "server_frontend_lag_mean", "audit_span_diff", "server_api_cpu",
+               "ttft_p50_api_limit")
 # vLLM's account of where a request's TTFT went (means over every run, as AUDIT): waiting in the engine's
 # queue, and from its scheduling to its first token; the rest is the API server's
 # (``api_server_hold``).
