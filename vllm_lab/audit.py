@@ -89,12 +89,18 @@ class ServerView:
             out["server_frontend_lag_mean"] = self.frontend_lag_s
         if self.api_cpu is not None:
             out["server_api_cpu"] = self.api_cpu
-        if self.steps > 0:  # the span's seconds a step: the mean step where the engine never idled
-            out["server_step_s"] = self.span_s / self.steps
-            out["server_step_tokens"] = self.step_tokens / self.steps
+        out.update(step_figures(self.span_s, self.steps, self.step_tokens))
         out.update({f"server_{k}_mean": v for k, v in self.means.items()})
         out.update({f"server_{k}": v for k, v in self.percentiles.items()})
         return out
+
+
+def step_figures(span_s: float, steps: float, tokens: float) -> dict[str, float]:
+    """The engine's pace over a run's span: its seconds a step (the mean step where the engine
+    never idled) and the tokens a step carried; none without steps."""
+    if steps <= 0:
+        return {}
+    return {"server_step_s": span_s / steps, "server_step_tokens": tokens / steps}
 
 
 def _scrape_times(metrics: pd.DataFrame) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vllm_lab import audit
 from vllm_lab.energy import ENERGY_COUNTER
 from vllm_lab.scenarios import Scenario
 from vllm_lab.traffic.workloads import priority_of, shared_prefix_length
@@ -66,8 +67,7 @@ def engine_steps(p) -> dict[str, float]:
         return {}
     tokens, steps = p.step_tokens[:, 0], p.step_tokens[:, 1]
     span = float(p.requests["finish_s"].max() - p.requests["send_s"].min())
-    count = float(steps.sum())
-    return {"server_step_s": span / count, "server_step_tokens": float((tokens * steps).sum()) / count}
+    return audit.step_figures(span, float(steps.sum()), float((tokens * steps).sum()))
 
 
 def chat_template_tokens(scenario: Scenario) -> int:

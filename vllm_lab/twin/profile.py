@@ -124,8 +124,9 @@ class Profile(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=100)
 
 
-# A GPU's measured powers (twin/power.py): they hold for that GPU only.
-POWER_KEYS = ("power_idle_w", "power_memory_w", "power_compute_w", "power_cap_w")
+# What is measured on a GPU and holds for that GPU only: its powers (twin/power.py) and the
+# bandwidth its L2 serves a shared prompt's repeated reads at.
+MEASURED_KEYS = ("power_idle_w", "power_memory_w", "power_compute_w", "power_cap_w", "l2_bandwidth_gbs")
 
 
 def measured_on(profile: Profile, hardware: Hardware) -> bool:
@@ -147,16 +148,15 @@ def on_hardware(profile: Profile, hardware: Hardware) -> Profile:
         fp8 = None  # no fp8 arithmetic to scale to
     elif fp8 is None and own.tflops_fp8 is not None:
         fp8 = own.tflops_fp8 / own.tflops_bf16 * hardware.tflops_bf16
-    # Powers measured on the profile's own GPU hold only for that GPU: a preset of another keeps
-    # the model's shares of its board power (twin/power.py).
+    # What was measured on the profile's own GPU holds only for that GPU: a preset of another
+    # keeps the model's shares of its board power (twin/power.py) and the twin's L2 default.
     same = measured_on(profile, hardware)
     hw = hardware.model_copy(update={
         "tflops_fp8": fp8,
         "tdp_w": hardware.tdp_w or (own.tdp_w if same else None),
         **{key: getattr(hardware, key) if getattr(hardware, key) is not None else (
-            getattr(own, key) if same else None) for key in POWER_KEYS},
+            getattr(own, key) if same else None) for key in MEASURED_KEYS},
         "interconnect_gbs": hardware.interconnect_gbs or own.interconnect_gbs,
-        "l2_bandwidth_gbs": hardware.l2_bandwidth_gbs or (own.l2_bandwidth_gbs if same else None),
         "interconnect_latency_us": (own.interconnect_latency_us if hardware.interconnect_latency_us is None
                                     else hardware.interconnect_latency_us)})
     return profile.model_copy(update={"hardware": hw})
