@@ -58,5 +58,25 @@ def test_a_profile_with_the_retired_l2_share_still_loads_and_reads_l2_by_its_ban
     a100 = on_hardware(profile, scenarios.resolve("default", "a100-80g").hardware)
     assert a100.hardware.l2_bandwidth_gbs is None
     stm = StepTimeModel(a100, model, 2, 2)
-    assert stm.kv_l2_s_per_token == pytest.approx(stm.kv_s_per_token * a100.coefficients.bandwidth_efficiency
-                                                  / L2_OVER_HBM)
+    co = a100.coefficients
+    assert stm.kv_l2_s_per_token == pytest.approx(
+        stm.kv_s_per_token * (co.kv_bandwidth_efficiency or co.bandwidth_efficiency) / L2_OVER_HBM)
+
+
+def test_the_kv_cache_is_read_at_its_own_efficiency_and_the_weights_at_theirs():
+    """Attention streams the KV cache at ``kv_bandwidth_efficiency`` of the HBM's bandwidth (the
+    H100's probe: a fixed decode batch, the context swept), the linear layers read their weights
+    at ``bandwidth_efficiency``; a profile that leaves the first unset reads both at the second."""
+    from vllm_lab.models import load_model_shape
+    from vllm_lab.twin.steptime import StepTimeModel
+
+    model = load_model_shape("llama-3-8b")
+    h100 = load_profile("h100-llama-3-8b")
+    co = h100.coefficients
+    unset = h100.model_copy(update={"coefficients": co.model_copy(update={"kv_bandwidth_efficiency": None})})
+    own, same = StepTimeModel(h100, model, 2, 2), StepTimeModel(unset, model, 2, 2)
+    assert own.weights_s == same.weights_s
+    assert own.kv_s_per_token == pytest.approx(same.kv_s_per_token * co.bandwidth_efficiency
+                                               / co.kv_bandwidth_efficiency)
+    # Llama-3-8B's 128 KiB a token at the H100's 3.35 TB/s, block visits aside.
+    assert own.kv_s_per_token == pytest.approx(131072 / (3350e9 * co.kv_bandwidth_efficiency))

@@ -107,28 +107,33 @@ def test_a_shared_prompts_repeated_reads_come_from_l2_not_memory():
     assert 0.6 < one / each < 0.85
 
 
-def test_the_h100_decodes_behind_shared_prompts_as_measured():
-    """`reports/examples/h100`: 1,664-token prompts (1,597 of them a system prompt) and 512-token
-    replies on one H100, 64 users (h100-prefix-long) and 128 (h100-prefix-long-128b, whose runs
-    behind 128 prompts filled for 60% of their time: unsteady, read over their steady windows).
-    Behind one system prompt or three vLLM decoded at 9.6-9.7 ms a token at 64 users and 13.4 ms
-    at 128, read within 5% with the repeated reads at L2's bandwidth (taking 80% of their time
-    off read 128 users 8% fast). Behind one prompt each, every prompt in the cache but none
-    shared, 11.9 and 18.3 ms, read 9-13% slow: the long contexts' offset, left open. And the
-    request trace behind three system prompts (h100-trace-stairs), at 12 and 30 req/s: TPOT p50
-    within 6% (+10% and +56% before L2)."""
+def test_the_h100_decodes_long_contexts_as_measured():
+    """`reports/examples/h100`: 512-token replies after long prompts on one H100. Behind one system
+    prompt or three (1,597 of 1,664 tokens) vLLM decoded at 9.6-9.7 ms a token at 64 users
+    (h100-prefix-long) and 13.4 ms at 128 (h100-prefix-long-128b, unsteady: read over its steady
+    windows), the repeated reads at L2's bandwidth; behind one prompt each, every prompt cached and
+    none shared, at 8.9, 11.9 and 18.7 ms with 512-, 1,664- and 4,096-token prompts at 64 users
+    (h100-kv-context, -prefix-long) and 18.3 ms at 128. All within 5%, and the error the same at
+    every context: the KV cache is read at the HBM's bandwidth (``kv_bandwidth_efficiency``), where
+    at the linear layers' efficiency the private runs read 10-15% slow, more the longer the prompt.
+    And the request trace behind three system prompts (h100-trace-stairs) at 12 and 30 req/s: TPOT
+    p50 within 6%."""
     from tests.support.examples import ok_runs, predicted
 
-    runs = ok_runs("h100", "h100-prefix-long", "h100-prefix-long-128b", "h100-trace-stairs",
-                   statuses=("ok", "unsteady"))
-    error = pd.Series([predicted(run)["tpot_p50"] / run["tpot_p50"] - 1 for _, run in runs.iterrows()],
-                      index=runs["point"].map(lambda point: next(iter(point.values()))))
-    shared = error[[1, 3]]
-    assert len(shared) == 6 and shared.abs().max() <= 0.05, error
-    private = error[[64, 128]]
-    assert len(private) == 4 and private.between(0.09, 0.13).all(), error
-    trace = error[[12.0, 30.0]]
-    assert len(trace) == 2 and trace.abs().max() <= 0.06, error
+    runs = ok_runs("h100", "h100-prefix-long", "h100-prefix-long-128b", "h100-kv-context",
+                   "h100-trace-stairs", statuses=("ok", "unsteady"))
+    points = runs["point"].map(lambda point: next(iter(point.items())))
+    error = pd.DataFrame({"param": [k for k, _ in points], "value": [v for _, v in points],
+                          "error": [predicted(run)["tpot_p50"] / run["tpot_p50"] - 1
+                                    for _, run in runs.iterrows()]})
+    trace = error[error["param"] == "load.shape.level"]
+    long_prompts = error.drop(trace.index)
+    assert len(long_prompts) == 14 and long_prompts["error"].abs().max() <= 0.05, error
+    private = long_prompts[(long_prompts["param"] == "workload.input.mean")
+                           | (long_prompts["value"] == 64)]
+    assert len(private) == 6 and private["error"].max() - private["error"].min() <= 0.02, error
+    steady = trace[trace["value"] < 48]  # at 48 req/s the API server sets the pace (TPOT 17.4 ms, steps 14.3)
+    assert len(steady) == 2 and steady["error"].abs().max() <= 0.06, error
 
 
 def test_fidelity_on_reference_files():

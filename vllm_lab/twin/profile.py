@@ -34,7 +34,13 @@ class Coefficients(_Strict):
 
     gemm_efficiency: float = Field(gt=0, le=1, description="share of peak FLOP/s the linear layers reach")
     attention_efficiency: float = Field(gt=0, le=1, description="share of peak FLOP/s prefill attention reaches")
-    bandwidth_efficiency: float = Field(gt=0, le=1, description="share of HBM bandwidth reached")
+    bandwidth_efficiency: float = Field(gt=0, le=1, description=(
+        "share of HBM bandwidth the linear layers reach reading their weights (many short kernels "
+        "a layer, each with its ramp and tail)"))
+    kv_bandwidth_efficiency: float | None = Field(default=None, gt=0, le=1, description=(
+        "share of HBM bandwidth attention reaches reading the KV cache (one long kernel a layer "
+        "streams every sequence's blocks); unset, bandwidth_efficiency. Read where the context "
+        "alone changes: a fixed decode batch, each sequence its own cached prompt, its length swept"))
     step_overhead_s: float = Field(ge=0, description="fixed cost of one engine step (schedule, launch, sample)")
     seq_overhead_s: float = Field(ge=0, description="cost per scheduled sequence (inputs, sampling, output)")
     token_overhead_s: float = Field(default=0.0, ge=0, description="cost per scheduled token")

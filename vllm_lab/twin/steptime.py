@@ -65,7 +65,10 @@ class StepTimeModel:
         # An fp8 cache (one byte) is read in fp8_kv_read_share of a 16-bit cache's time, not half.
         kv_read_bytes = 2 * co.fp8_kv_read_share if kv_bytes == 1 else kv_bytes
         kv_token_bytes = 2 * layers * model.num_kv_heads * model.head_dim * kv_read_bytes / tp
-        self.kv_s_per_token = kv_token_bytes / bw
+        # Attention streams the cache in one kernel a layer, nearer the HBM's bandwidth than the
+        # linear layers' short kernels reach.
+        kv_bw = hw.bandwidth_gbs * 1e9 * (co.kv_bandwidth_efficiency or co.bandwidth_efficiency)
+        self.kv_s_per_token = kv_token_bytes / kv_bw
         # A shared prompt's blocks are read from memory by the first request of a step that holds
         # them and, still in L2 (a layer's share of a long prompt is a few MB), by the others.
         l2_bw = (hw.l2_bandwidth_gbs or L2_OVER_HBM * hw.bandwidth_gbs) * 1e9
