@@ -23,6 +23,11 @@ def test_the_plan_covers_realistic_traffic_and_the_fit_replays_it(tmp_path):
     assert short[0].mean == 64 and short[1].mean == kinds["v256"].workload.lengths()[1].mean
     assert kinds["o50"].load.mode == "open" and kinds["v64"].workload.source == "sharegpt-like"
     assert kinds["chat64"].workload.api == "chat" and kinds["chat64"].workload.shared_prefix_ratio > 0
+    # The KV cache's read at two contexts, the batch the same: every user its own cached prompt.
+    short, long = kinds["kv512"], kinds["kv4096"]
+    assert short.workload.prefix_groups == short.load.shape.level == long.load.shape.level == 64
+    assert (short.workload.lengths()[0].mean, long.workload.lengths()[0].mean) == (512, 4096)
+    assert short.workload.lengths()[1].mean == long.workload.lengths()[1].mean == 512
     # The eager launch cost on a server start of its own, after the rest.
     assert points[-1].values["point"] == "eager32" and kinds["eager32"].serve["enforce-eager"] is True
     assert [len(g) for g in group_by_server(points)] == [len(points) - 1, 1]
@@ -362,3 +367,36 @@ def test_cpu_offload_changed_nothing_on_the_h100_and_changes_nothing_in_the_twin
     assert measured[0] == pytest.approx(measured[1], rel=0.01)
     assert predicted[0] == predicted[1]
     assert all(abs(p / m - 1) < 0.05 for m, p in zip(measured, predicted))
+
+
+def test_the_kv_caches_read_is_read_off_the_context_pair_as_the_runs_made_it():
+    """The plan's context pair (64 users, each its own cached prompt of 512 and of 4,096 tokens)
+    differs by the KV cache's read alone: run on the twin with the cache at 70% of the HBM's
+    bandwidth, the reading finds 0.7 again from the shipped profile (1.0); the H100's own pair
+    (h100-kv-context) reads 1.0, and a plan without the pair keeps the base's."""
+    from dataclasses import replace
+
+    from tests.support.examples import EXAMPLES
+    from vllm_lab.twin.fit import BenchPoint, predicted_metrics, replay
+    from vllm_lab.twin.prompts import shared_prefix_prompts
+
+    model = load_model_shape("llama-3-8b")
+    shipped = load_profile("h100-llama-3-8b")
+    slow = shipped.model_copy(update={"coefficients": shipped.coefficients.model_copy(
+        update={"kv_bandwidth_efficiency": 0.7})})
+    pair = []
+    for name, workload, _, users, requests in calibrate.CONTEXTS:
+        n = workload["input"]["mean"]
+        prompts = shared_prefix_prompts([n] * requests, int(0.96 * n), users)
+        pt = BenchPoint(name, requests, n, 512, users, float("inf"), 1.0, {}, prompt_lens=prompts,
+                        output_lens=[512] * requests)
+        pair.append(replace(pt, measured=predicted_metrics(replay(pt, slow, model))))
+    read = calibrate.with_kv_read(shipped, model, pair).coefficients.kv_bandwidth_efficiency
+    assert read == pytest.approx(0.7, abs=0.03)
+    with Store(EXAMPLES / "h100" / "lab.db") as store:
+        probe = calibrate.replayed_runs(store, "h100-kv-context", "kv")
+    measured = [replace(probe[0], name="kv512"), replace(probe[2], name="kv4096")]
+    unset = shipped.model_copy(update={"coefficients": shipped.coefficients.model_copy(
+        update={"kv_bandwidth_efficiency": None})})
+    assert calibrate.with_kv_read(unset, model, measured).coefficients.kv_bandwidth_efficiency == 1.0
+    assert calibrate.with_kv_read(unset, model, measured[:1]) is unset

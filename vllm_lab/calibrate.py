@@ -6,7 +6,8 @@ batches and their memory traffic) and a saturating one (the API server's streami
 traffic users tune for (`REALISTIC`): variable lengths at 64 and 256 users (and at 256 behind
 short fixed prompts), Poisson arrivals at
 half and four fifths of the predicted capacity (where prefill chunks and decodes share steps all
-the time), and chat with a shared system prompt. All of it on one server start, since only the load
+the time), and chat with a shared system prompt; and the KV cache's read at two contexts
+(`CONTEXTS`). All of it on one server start, since only the load
 changes; then one closed loop with ``--enforce-eager`` on a second (``EAGER``): the CPU's launch
 cost of an eager step, which no other run reads. The fit then moves the profile's coefficients
 until the twin's predictor reproduces those runs (``vllm_lab.twin.fit``), each run replayed
@@ -56,6 +57,19 @@ REALISTIC = [
 ]
 
 
+# The KV cache's read, apart from the weights': 64 users, each its own cached prompt of 512 or
+# 4,096 tokens (all but the user's last 4% a prompt of its own, computed once and kept), 512-token
+# replies. The batch and its decodes are the same in both; only the context each sequence attends
+# over differs, and vLLM's step with it (on an H100 42.5 ns a KV token: reports/examples/h100, "A
+# fifteenth host"). On the first server start, after REALISTIC.
+CONTEXTS = [
+    (f"kv{n}", {"source": "synthetic", "input": {"dist": "fixed", "mean": n},
+                "output": {"dist": "fixed", "mean": 512}, "shared_prefix_ratio": 0.96,
+                "prefix_groups": 64}, "closed", 64, 192)
+    for n in (512, 4096)
+]
+
+
 # Short prompts and long replies from 32 users with --enforce-eager, on a second server start:
 # nearly every step a batch of decodes the CPU launches op by op, so the run's TPOT is the host's
 # eager launch cost (the twin's eager_layer_overhead_s). On the H200's host and an H100's it was
@@ -65,8 +79,9 @@ EAGER = ("eager32", 64, 256, 32, 96)
 
 # The runs of the plan that ``FIT=host`` measures: loads where the host's CPU sets the latencies
 # (single requests, small closed loops, variable lengths at 64 users, Poisson at half the capacity,
-# chat), none at an API server's limit, where a run's state is chance. Seven of the fifteen; not the
-# eager run, whose server start the host's CPU scale does not need.
+# chat), none at an API server's limit, where a run's state is chance. Seven of the seventeen; not
+# the long contexts, which read the GPU, nor the eager run, whose server start the host's CPU scale
+# does not need.
 HOST_PLAN = ("p2048", "c1", "c8", "c32", "v64", "o50", "chat64")
 
 
@@ -75,11 +90,12 @@ def host_points(points: list[Point]) -> list[Point]:
     return [p for p in points if p.values["point"] in HOST_PLAN]
 
 
-def calibration_points(base: Scenario, plan=PLAN, realistic=REALISTIC, eager=EAGER) -> list[Point]:
+def calibration_points(base: Scenario, plan=PLAN, realistic=REALISTIC, eager=EAGER,
+                       contexts=CONTEXTS) -> list[Point]:
     """The calibration runs on ``base``'s serve flags: fixed lengths and closed loops, then the
-    realistic traffic (variable lengths, Poisson arrivals, chat), every run counted; then
-    ``eager`` (None: none) with --enforce-eager, a server start of its own."""
-    points = _fixed_points(base, plan) + _realistic_points(base, realistic)
+    realistic traffic (variable lengths, Poisson arrivals, chat) and the long contexts, every run
+    counted; then ``eager`` (None: none) with --enforce-eager, a server start of its own."""
+    points = _fixed_points(base, plan) + _realistic_points(base, [*realistic, *contexts])
     if eager:
         points += _fixed_points(base.with_serve(**{"enforce-eager": True}), [eager])
     return points
@@ -203,12 +219,38 @@ def fit(store_path: Path, experiment_id: str, base: Profile, model, out: Path,
     if len(points) < 3:
         raise ValueError(f"experiment {experiment_id} has {len(points)} ok calibration runs; "
                          f"the fit needs at least 3")
+    if scope == "all":
+        base = with_kv_read(base, model, measured)
     profile = fit_host_scale(points, base, model)[1] if scope == "host" else fit_profile(points, base, model)
     if scope == "all":
         profile = fit_power(runs, measured, profile, model)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_yaml())
     return profile, compare(points, profile, model)
+
+
+def with_kv_read(profile: Profile, model, points: list[BenchPoint]) -> Profile:
+    """``profile`` with the KV cache's read efficiency that the plan's context pair (``CONTEXTS``)
+    measured, read before the fit rather than fitted: the same batch and decodes at two contexts,
+    so their TPOT differs by the cache read alone, ``users x (4,096 - 512)`` KV tokens a step,
+    each at its bytes over the bandwidth plus the block term. The base's where the pair is missing.
+    (A least-squares fit over the plan left it where it started: the pair's two runs are outweighed
+    by fifteen that barely read the cache.)"""
+    from vllm_lab.twin.engine import Engine
+
+    pair = {pt.name: pt for pt in points if pt.name in {name for name, *_ in CONTEXTS}}
+    if len(pair) < 2:
+        return profile
+    (short, long_) = sorted(pair.values(), key=lambda pt: pt.input_len)
+    tokens = short.max_concurrency * (long_.input_len - short.input_len)
+    per_token = (long_.measured["p50_tpot_ms"] - short.measured["p50_tpot_ms"]) / 1e3 / tokens
+    co = profile.coefficients
+    full = profile.model_copy(update={"coefficients": co.model_copy(update={"kv_bandwidth_efficiency": 1.0})})
+    stm = Engine.from_flags(short.flags, full, model).stm
+    read = per_token - stm.block_s_per_token
+    efficiency = min(1.0, max(0.1, stm.kv_s_per_token / read)) if read > 0 else 1.0
+    return profile.model_copy(update={"coefficients": co.model_copy(
+        update={"kv_bandwidth_efficiency": round(efficiency, 3)})})
 
 
 # A run's power is fitted on when both its steady window and the replay's last this long: over a
