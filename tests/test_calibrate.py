@@ -377,6 +377,7 @@ def test_the_kv_caches_read_is_read_off_the_context_pair_as_the_runs_made_it():
     from dataclasses import replace
 
     from tests.support.examples import EXAMPLES
+    from vllm_lab.traffic.workloads import shared_prefix_length
     from vllm_lab.twin.fit import BenchPoint, predicted_metrics, replay
     from vllm_lab.twin.prompts import shared_prefix_prompts
 
@@ -386,10 +387,12 @@ def test_the_kv_caches_read_is_read_off_the_context_pair_as_the_runs_made_it():
         update={"kv_bandwidth_efficiency": 0.7})})
     pair = []
     for name, workload, _, users, requests in calibrate.CONTEXTS:
-        n = workload["input"]["mean"]
-        prompts = shared_prefix_prompts([n] * requests, int(0.96 * n), users)
-        pt = BenchPoint(name, requests, n, 512, users, float("inf"), 1.0, {}, prompt_lens=prompts,
-                        output_lens=[512] * requests)
+        n, out = workload["input"]["mean"], workload["output"]["mean"]
+        # The prompts as the live load builds them: each user's own system prompt, cached.
+        shared = shared_prefix_length(workload["shared_prefix_ratio"], n)
+        prompts = shared_prefix_prompts([n] * requests, shared, workload["prefix_groups"])
+        pt = BenchPoint(name, requests, n, out, users, float("inf"), 1.0, {}, prompt_lens=prompts,
+                        output_lens=[out] * requests)
         pair.append(replace(pt, measured=predicted_metrics(replay(pt, slow, model))))
     read = calibrate.with_kv_read(shipped, model, pair).coefficients.kv_bandwidth_efficiency
     assert read == pytest.approx(0.7, abs=0.03)
